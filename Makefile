@@ -1,0 +1,34 @@
+# Two commands do all set-up (see README):
+#   make demo   -> creates .venv if missing, installs zeroshard, runs the main job
+#   make test   -> same set-up, then ruff + the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint slow clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned: its CPU build is on disk here; an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/zeroshard bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
