@@ -1,0 +1,19 @@
+"""zeroshard: sharded data parallelism (ZeRO stages 0-3) with measured accounting."""
+
+from __future__ import annotations
+
+from .api import engine_of, full_state_dict, shard
+from .comm import CommLedger, CommRecord
+from .config import ShardConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "shard",
+    "full_state_dict",
+    "engine_of",
+    "ShardConfig",
+    "CommLedger",
+    "CommRecord",
+]

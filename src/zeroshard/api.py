@@ -1,0 +1,169 @@
+"""The public entry points: :func:`shard` and :func:`full_state_dict`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, CommLedger
+from .config import ShardConfig, suggest_option
+from .engine.engine import Engine
+from .engine.optimizer import ShardedOptimizer, check_elementwise
+
+__all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of"]
+
+OptimizerFactory = type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]
+
+
+class ShardedModule:
+    """Mixed into the user's model class by :func:`shard` (FSDP2 does the same)."""
+
+    _zeroshard_engine: Engine
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients of the backwards inside without communication.
+
+        Stages 0-1 accumulate into the whole gradient buffer they keep anyway; stage 2
+        keeps each parameter's whole gradient until the next synchronised backward
+        (memory: the whole 16-bit gradient, 2 bytes per parameter). Outside ``no_sync``
+        every backward reduces, and reduced gradients accumulate in the shard.
+        """
+        with self._zeroshard_engine.no_sync():
+            yield
+
+
+def engine_of(model: nn.Module) -> Engine:
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is None:
+        raise ValueError(
+            f"{type(model).__name__} was not sharded by zeroshard; call "
+            "zeroshard.shard(model, ...) first"
+        )
+    return engine
+
+
+def _swap_class(model: nn.Module) -> None:
+    cls = type(model)
+    if issubclass(cls, ShardedModule):
+        return
+    model.__class__ = type(f"ZeroShard{cls.__name__}", (ShardedModule, cls), {})
+
+
+def _split_options(
+    optimizer: OptimizerFactory, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate zeroshard's options from the optimizer's, catching misspellings."""
+    ours = {k: v for k, v in options.items() if k in ShardConfig.option_names()}
+    theirs = {k: v for k, v in options.items() if k not in ours}
+    try:
+        sig = inspect.signature(optimizer)
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        accepted = set(sig.parameters)
+    except (TypeError, ValueError):
+        accepts_any, accepted = True, set()
+    for k in theirs:
+        if accepts_any or k in accepted:
+            continue
+        guess = suggest_option(k, ["process_group"])
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise TypeError(
+            f"unknown option {k!r}: it is neither a zeroshard option "
+            f"({', '.join(ShardConfig.option_names())}, process_group) nor accepted by "
+            f"{getattr(optimizer, '__name__', optimizer)}{hint}"
+        )
+    return ours, theirs
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() needs an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_zeroshard_engine", None) is not None:
+        raise ValueError("this model is already sharded; call shard() once per model")
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (none with "
+            "requires_grad=True); nothing to shard or optimize"
+        )
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {sorted(map(str, devices))}; move the model "
+            "to one device (model.to(device)) before shard()"
+        )
+    if torch.device("meta") in devices:
+        raise ValueError(
+            "parameters are on the meta device; stages 0-2 need real weights: materialise "
+            "the model first (zeroshard.models.materialize) or use stage=3"
+        )
+
+
+def shard(
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    *,
+    stage: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> tuple[nn.Module, ShardedOptimizer]:
+    """Shard ``model`` for data-parallel training; return it with its optimizer.
+
+    ``optimizer`` is an optimizer class or a callable ``params -> optimizer``; keywords that
+    are not zeroshard options (see :class:`ShardConfig`) go to it, e.g.
+    ``shard(model, torch.optim.AdamW, stage=2, lr=1e-3, weight_decay=0.1)``.
+    The model is changed in place (its parameters become views of flat buffers) and
+    returned; the returned optimizer steps this rank's shard.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first, or launch with "
+            "torchrun"
+        )
+    ours, optim_kwargs = _split_options(optimizer, options)
+    config = ShardConfig(stage=stage, **ours)
+    _check_model(model)
+    check_elementwise(optimizer)
+    comm = Comm(process_group, CommLedger(), label="world" if process_group is None else "dp")
+    engine = Engine(model, config, comm)
+    inner = optimizer(engine.master_params(), **optim_kwargs)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
+        )
+    check_elementwise(inner)
+    comm.ledger.mark_step()  # the initial broadcast is not part of any step
+    model._zeroshard_engine = engine
+    _swap_class(model)
+    return model, ShardedOptimizer(engine, inner)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: full fp32 CPU tensor}`` with the keys of the original ``state_dict()``.
+
+    Collective: every rank must call it. Weights come from the fp32 master copies, so
+    under mixed precision they are the exact values being trained, not 16-bit casts.
+    """
+    engine = engine_of(model)
+    values: dict[int, torch.Tensor] = {}
+    for b in engine.buckets:
+        full = engine.full_master(b)
+        for s in b.slots:
+            values[id(s.param)] = full[s.offset : s.offset + s.numel].view(s.shape)
+    params = {id(p) for p in model.parameters()}
+    out: dict[str, torch.Tensor] = {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        p = named.get(key)
+        src = values.get(id(p), tensor) if p is not None and id(p) in params else tensor
+        src = src.detach()
+        out[key] = (src.float() if src.is_floating_point() else src).cpu().clone()
+    return out

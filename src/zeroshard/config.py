@@ -1,0 +1,109 @@
+"""Typed, frozen, validated configuration of a sharded model.
+
+Every field is validated on construction; an error names the field, the value seen and
+the fix. :func:`zeroshard.shard` builds a :class:`ShardConfig` from its keywords.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["ShardConfig", "MIXED_PRECISION", "suggest_option"]
+
+#: Supported mixed-precision recipes: the compute (and communication) dtype of weights
+#: and gradients. Master weights and optimizer state are always fp32.
+MIXED_PRECISION: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def _as_dtype(field: str, value: object) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise ValueError(
+        f"{field}={value!r} is not a dtype; use one of {sorted(set(_DTYPES))} or a torch.dtype"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """How a model is sharded. See docs/stages.md for what each stage keeps per rank."""
+
+    #: ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters.
+    stage: int = 0
+    #: None (fp32 everywhere), "bf16" or "fp16" compute weights and gradients.
+    mixed_precision: str | None = None
+    #: dtype gradients are reduced (and, at stage >= 1, kept) in. Default: the compute
+    #: dtype (ZeRO's 2-byte gradients); "fp32" trades 2x gradient traffic for exact sums.
+    reduce_dtype: torch.dtype | str | None = None
+    #: Stages 0-2: bytes of gradient per reduction bucket (at the compute dtype).
+    bucket_bytes: int = 25 * 2**20
+    #: Reduce gradients asynchronously while backward continues (stages 0-3).
+    overlap: bool = True
+    #: Stage 3: free gathered weights after forward (3 Psi traffic) or keep them (2 Psi).
+    reshard_after_forward: bool = True
+    #: Stage 3: how many units ahead to gather (0 disables prefetch).
+    prefetch: int = 1
+    #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int):
+            raise TypeError(f"stage={self.stage!r} must be an int 0, 1, 2 or 3")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"stage={self.stage} is not a ZeRO stage; use 0 (plain data parallel), "
+                "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)"
+            )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision={self.mixed_precision!r} is not supported; use None, "
+                "'bf16' or 'fp16'"
+            )
+        object.__setattr__(self, "reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype))
+        for name in ("bucket_bytes", "growth_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or (
+            self.prefetch < 0
+        ):
+            raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (0 disables it)")
+        if not self.init_scale > 0:
+            raise ValueError(f"init_scale={self.init_scale!r} must be > 0")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor={self.growth_factor!r} must be > 1")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1)")
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The 16-bit compute dtype, or None to keep each parameter's own dtype."""
+        return MIXED_PRECISION[self.mixed_precision]
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def suggest_option(name: str, extra: list[str] | None = None) -> str | None:
+    """The zeroshard option ``name`` was probably meant to be, if any."""
+    candidates = ShardConfig.option_names() + (extra or [])
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    return match[0] if match else None

@@ -1,0 +1,150 @@
+"""Flat, padded buffers: the unit of communication.
+
+[Note: flat buckets]
+A :class:`FlatBucket` is a contiguous run of parameters of one dtype laid end to end in a
+single 1-D buffer, padded with zeros so its length divides evenly by the data-parallel
+degree N. Rank r owns elements ``[r*S, (r+1)*S)`` of every bucket, S = padded/N. One
+collective serves the whole bucket, so there are no per-parameter copies around the
+collective (FSDP paper §3.2). Each parameter keeps its identity (the same
+``nn.Parameter`` object, so tied weights and user references survive); only its
+``.data`` is pointed at a view of the buffer.
+
+Stages 0-2 cut buckets by size in reverse registration order (the order backward
+produces gradients, as DDP does), so reducing a bucket can start while backward still
+runs. Stage 3 cuts one bucket per unit (a transformer block, or the root). Sharding per
+bucket rather than per model (Megatron's distributed optimizer does the same) means a
+rank's optimizer shard is the union of its slices of each bucket, and every bucket can be
+reduced the moment it is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSlot", "FlatBucket", "cut_buckets"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its bucket (names: every name it is known by)."""
+
+    names: tuple[str, ...]
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class FlatBucket:
+    """One flat padded buffer's layout plus the tensors that hold it on this rank.
+
+    Buffer lifetimes (who allocates, who frees) are documented on the engine that drives
+    the bucket; this class only knows the layout and the slicing arithmetic.
+    """
+
+    def __init__(
+        self, index: int, name: str, slots: list[ParamSlot], world: int, rank: int,
+        requires_grad: bool = True,
+    ) -> None:
+        if not slots:
+            raise ValueError(f"bucket {name!r} has no parameters")
+        dtypes = {s.param.dtype for s in slots}
+        if len(dtypes) != 1:
+            raise ValueError(f"bucket {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+        self.index = index
+        self.name = name
+        self.slots = slots
+        self.dtype: torch.dtype = dtypes.pop()
+        self.device = slots[0].param.device
+        self.world = world
+        self.rank = rank
+        self.requires_grad = requires_grad
+        self.numel = sum(s.numel for s in slots)
+        self.padded_numel = -(-self.numel // world) * world
+        self.shard_numel = self.padded_numel // world
+        # Filled in by the engine.
+        self.full: torch.Tensor | None = None  # compute-dtype flat parameters
+        self.grad: torch.Tensor | None = None  # compute-dtype flat gradients (full)
+        self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
+        self.master: nn.Parameter | None = None  # what the optimizer steps
+        self.pending = None  # an in-flight reduction (comm.Pending)
+        self.ready = 0  # parameters whose gradient arrived this backward
+        self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        lo = self.rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.shard_range
+        return full[lo:hi]
+
+    def flatten(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new padded flat copy of the parameters' current values."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
+        for s in self.slots:
+            flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> Iterable[tuple[ParamSlot, torch.Tensor]]:
+        for s in self.slots:
+            yield s, flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into ``flat`` (keeps each Parameter's identity)."""
+        for s, view in self.views(flat):
+            s.param.data = view
+
+    def grad_views(self, flat: torch.Tensor) -> None:
+        for s, view in self.views(flat):
+            s.param.grad = view
+
+    def slots_in_shard(self) -> Iterable[tuple[ParamSlot, int, int]]:
+        """(slot, lo, hi) for each parameter overlapping this rank's slice, in shard coords."""
+        lo, hi = self.shard_range
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                yield s, a - lo, b - lo
+
+
+def cut_buckets(
+    params: list[tuple[tuple[str, ...], nn.Parameter]], bucket_bytes: int, world: int,
+    rank: int, start_index: int = 0, name_prefix: str = "bucket",
+) -> list[FlatBucket]:
+    """Cut ``params`` (in the order given) into size-bounded, single-dtype buckets.
+
+    A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    buckets: list[FlatBucket] = []
+    slots: list[ParamSlot] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal slots, size
+        if slots:
+            i = start_index + len(buckets)
+            buckets.append(FlatBucket(i, f"{name_prefix}{i}", slots, world, rank))
+        slots, size = [], 0
+
+    for names, p in params:
+        nbytes = p.numel() * p.element_size()
+        if slots and (size + nbytes > bucket_bytes or p.dtype != slots[0].param.dtype):
+            close()
+        offset = sum(s.numel for s in slots)
+        slots.append(ParamSlot(names, p, p.shape, offset))
+        size += nbytes
+    close()
+    return buckets

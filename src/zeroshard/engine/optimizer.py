@@ -1,0 +1,121 @@
+"""The optimizer the user holds: a torch optimizer over this rank's flat master slices.
+
+The wrapped optimizer sees one 1-D fp32 tensor per bucket (the rank's slice, or the
+whole bucket at stage 0), so any optimizer whose update is elementwise — AdamW, Adam,
+SGD with momentum, Adagrad, RMSprop, Lion-style — works unchanged and matches the
+unsharded update. Optimizers whose update mixes elements of a parameter (a per-tensor
+norm, a factored or matrix preconditioner) would see flat slices instead of tensors and
+silently compute something else, so the ones we can detect are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .engine import Engine
+
+__all__ = ["ShardedOptimizer", "check_elementwise"]
+
+# Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners).
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Shampoo", "Muon", "Lamb", "LARS",
+                    "Lars", "SOAP", "Sophia", "Kron")
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for bad in _NOT_ELEMENTWISE:
+        if bad.lower() in cls.__name__.lower():
+            raise ValueError(
+                f"optimizer {cls.__name__} is not elementwise: its update depends on whole "
+                "tensors, which a flat shard does not have. zeroshard supports elementwise "
+                "optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, Lion-style); use one of "
+                "them or an unsharded run for this optimizer"
+            )
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps ``inner`` (built over the engine's master slices).
+
+    ``param_groups`` and ``state`` are the inner optimizer's own objects, so learning-rate
+    schedulers and manual lr changes work as usual.
+    """
+
+    def __init__(self, engine: Engine, inner: torch.optim.Optimizer) -> None:
+        self.engine = engine
+        self.optim = inner
+        # Optimizer.__init__ sets up hook dicts the LR schedulers and profilers expect.
+        super().__init__(engine.master_params(), dict(inner.defaults))
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    # -- what the user calls -------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError(
+                "closure is not supported: zeroshard steps once per backward; call "
+                "loss.backward() then optimizer.step() without a closure"
+            )
+        engine = self.engine
+        if engine.prepare_grads():  # fp16 overflow somewhere: skip, back off the scale
+            engine.scaler.update(overflow=True)
+            engine.skip_step()
+            return None
+        engine.scaler.update(overflow=False)
+        unused = engine.unused_slots()
+        saved = [self._save_range(b.master, lo, hi) for b, lo, hi in unused]
+        self.optim.step()
+        for (b, lo, hi), old in zip(unused, saved):
+            self._restore_range(b.master, lo, hi, old)
+        engine.after_step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all shards; return that norm (as torch's does)."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm={max_norm!r} must be > 0")
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, float("inf")) and norm_type <= 0:
+            raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
+        total = self.engine.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.engine.scale_grads(coef)
+        return total
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when not scaling)."""
+        return self.engine.scaler.scale
+
+    # -- parameters no rank used this step: leave them and their state untouched --------
+    def _save_range(self, master: nn.Parameter, lo: int, hi: int) -> list[torch.Tensor]:
+        tensors = [master.detach()] + self._state_tensors(master)
+        return [t[lo:hi].clone() for t in tensors]
+
+    def _restore_range(self, master: nn.Parameter, lo: int, hi: int,
+                       old: list[torch.Tensor]) -> None:
+        tensors = [master.detach()] + self._state_tensors(master)
+        for t, o in zip(tensors, old):
+            t[lo:hi].copy_(o)
+
+    def _state_tensors(self, master: nn.Parameter) -> list[torch.Tensor]:
+        state = self.optim.state.get(master, {})
+        return [v for v in state.values()
+                if isinstance(v, torch.Tensor) and v.shape == master.shape]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optim": self.optim.state_dict(), "scaler": self.engine.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict["optim"])
+        self.engine.scaler.load_state_dict(state_dict["scaler"])
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state

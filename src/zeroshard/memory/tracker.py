@@ -1,0 +1,426 @@
+"""Memory by category: one tracker for CPU, CUDA and fake tensors.
+
+[Note: what is counted]
+Memory is held by *storages*, not tensors: views share one storage and cost it once.
+The tracker keeps one small record per live storage, keyed by the storage's identity
+(PyTorch preserves one Python storage object per storage for as long as any tensor uses
+it). A weak reference with a callback drops the record when the storage is freed, so the
+tracker never keeps memory alive. Size is ``untyped_storage().nbytes()``, which is exact
+for fake tensors too (their storage is a ``meta`` storage of the real size). Records come
+from: storages held by registered sources at ``__enter__``; every tensor output of an op
+dispatched while active (as a ``TorchDispatchMode``, including in-place/``out=`` results
+and storages grown by ``resize_``); tensors saved for backward; ``label()``.
+Storages that existed before ``__enter__`` and belong to no source are not counted unless
+they are saved for backward or labelled. After ``__exit__`` frees are still seen,
+allocations are not.
+
+[Note: categories are resolved late]
+A storage's category can change after it is allocated: a gradient is an op output first
+and becomes ``p.grad`` only when autograd accumulates it; optimizer state is created by
+plain ops inside ``step()``. So each record caches a category, and a *re-classification*
+recomputes all of them, by priority:
+``label()`` > registered sources (module params/grads/buffers, optimizer state,
+``add_source``) > saved for backward (activations) > other.
+Re-classification costs O(live storages + source tensors) and runs when a new total peak
+is reached, on ``current()``/``snapshot()``/``report()``/``reset_peak()`` and after each
+tracked optimizer step. While memory grows (forward) nearly every op is a new peak, so a
+step costs O(ops x (live storages + source tensors)) Python work: fine for planning and
+tests, measurable overhead in timed runs (keep the tracker out of throughput numbers). Between re-classifications a new storage gets its category from
+its label, the last source scan, or the saved flag; grads of tracked modules are
+re-filed as soon as they accumulate (post-accumulate-grad hook).
+
+So ``peak()`` (the breakdown at the moment the *total* was highest) is exact, while
+``max_per_category()`` is the maximum of the cached running totals: a storage that becomes
+optimizer state during ``step()`` counts as ``other`` until the next re-classification.
+
+Fake tensors: enter the tracker inside ``with FakeTensorMode():`` (tested) or outside it;
+both orders see every op. A storage that was once saved for backward stays
+``activations`` until it is freed (e.g. an input batch the caller still holds).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_flatten
+
+from zeroshard.memory.saved import _as_tensors, _ObserveSaved, storage_of
+
+__all__ = ["Category", "MemoryTracker", "Source"]
+
+
+class Category(str, Enum):
+    """What a block of memory is for. Declaration order is the tie-break between sources."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIM = "optim"
+    ACTIVATIONS = "activations"
+    COMM = "comm"
+    OTHER = "other"
+
+
+_RANK = {c: i for i, c in enumerate(Category)}
+
+Source = Callable[[], dict[Category, Iterable[torch.Tensor]]]
+
+
+@dataclass(eq=False)
+class _Record:
+    """One live storage: its size and what we know about it."""
+
+    ref: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    category: Category = Category.OTHER  # cached; see [Note: categories are resolved late]
+    label: Category | None = None
+    saved: bool = False
+
+
+def _zero() -> dict[Category, int]:
+    return dict.fromkeys(Category, 0)
+
+
+def _as_category(value: Category | str) -> Category:
+    try:
+        return Category(value)
+    except ValueError:
+        choices = ", ".join(c.value for c in Category)
+        raise ValueError(f"unknown memory category {value!r}; use one of: {choices}") from None
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track live tensor storage bytes by :class:`Category` (see module notes).
+
+    Args:
+        device: count only storages on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
+            None counts all. Fake tensors report the device they pretend to be on.
+
+    Example::
+
+        tracker = MemoryTracker()
+        tracker.track_module(model)
+        tracker.track_optimizer(opt)
+        with tracker:
+            model(x).sum().backward()
+            tracker.snapshot("after_backward")
+            opt.step()
+        tracker.peak()  # {Category.PARAMS: ..., Category.GRADS: ..., ...}
+    """
+
+    def __init__(self, *, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self._device = torch.device(device) if device is not None else None
+        self._live: dict[int, _Record] = {}  # id(storage) -> record
+        self._total = 0
+        self._current, self._peak, self._max = _zero(), _zero(), _zero()
+        self._peak_total = 0
+        self._snapshots: dict[str, dict[Category, int]] = {}
+        self._sources: list[Source] = []
+        self._source_ids: dict[int, Category] = {}  # last source scan, by id(storage)
+        self._modules: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list[Any] = []  # hook handles, removed in __exit__
+        self._observe: _ObserveSaved | None = None
+        self._orig_resize: Callable[..., Any] | None = None
+        self._active = False
+        self._busy = False  # re-classifying: ops run by sources are not new memory
+
+    # -- registration ------------------------------------------------------------------
+    def track_module(self, module: nn.Module) -> MemoryTracker:
+        """Parameters -> params, their ``.grad`` -> grads, buffers -> other."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"track_module expects an nn.Module, got {type(module).__name__}")
+        self._modules.append(module)
+        if self._active:
+            self._hook_module(module)
+        return self.add_source(
+            lambda: {
+                Category.PARAMS: module.parameters(),
+                Category.GRADS: [p.grad for p in module.parameters() if p.grad is not None],
+                Category.OTHER: module.buffers(),
+            }
+        )
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> MemoryTracker:
+        """Every tensor in ``optimizer.state`` (moments, ``step`` counters) -> optim."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"track_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self._optimizers.append(optimizer)
+        if self._active:
+            self._hook_optimizer(optimizer)
+        return self.add_source(
+            lambda: {
+                Category.OPTIM: [
+                    v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+                ]
+            }
+        )
+
+    def add_source(self, fn: Source) -> MemoryTracker:
+        """Register ``fn() -> {Category: tensors}``, evaluated at every re-classification.
+
+        ``fn`` must be cheap and must not allocate: it runs at every new total peak.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_source expects a callable returning a dict, got {fn!r}")
+        self._sources.append(fn)
+        return self
+
+    def label(
+        self, tensors: torch.Tensor | Iterable[torch.Tensor], category: Category | str
+    ) -> None:
+        """File the storages of ``tensors`` under ``category`` (highest priority).
+
+        A label on any view applies to the whole storage, and lasts until it is freed.
+        Works inside or outside the ``with`` block; unseen storages start being counted.
+        """
+        cat = _as_category(category)
+        for t in _as_tensors(tensors):
+            if (rec := self._track(t)) is not None:
+                rec.label = cat
+                self._file(rec, None)
+        self._after_change()
+
+    # -- measurement -------------------------------------------------------------------
+    def current(self) -> dict[Category, int]:
+        """Bytes per category now (re-classifies first)."""
+        self._after_change(reclassify=True)
+        return dict(self._current)
+
+    def current_total(self) -> int:
+        return self._total
+
+    def peak(self) -> dict[Category, int]:
+        """Breakdown at the moment the total was highest since the last ``reset_peak``."""
+        return dict(self._peak)
+
+    def peak_total(self) -> int:
+        return self._peak_total
+
+    def max_per_category(self) -> dict[Category, int]:
+        """Each category's own maximum (may occur at different moments; see notes)."""
+        return dict(self._max)
+
+    def reset_peak(self) -> None:
+        """Restart peak and per-category maxima from the current state."""
+        self._reclassify()
+        self._peak, self._max, self._peak_total = dict(self._current), _zero(), self._total
+        self._after_change()
+
+    def snapshot(self, label: str) -> dict[Category, int]:
+        """Record (and return) the current breakdown under ``label``, e.g. "after_backward"."""
+        self._snapshots[label] = self.current()
+        return dict(self._snapshots[label])
+
+    @property
+    def snapshots(self) -> dict[str, dict[Category, int]]:
+        return {k: dict(v) for k, v in self._snapshots.items()}
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready summary: bytes by category (current, peak, max) and process stats."""
+
+        def plain(d: dict[Category, int]) -> dict[str, int]:
+            return {c.value: v for c, v in d.items()}
+
+        return {
+            "current": plain(self.current()),
+            "current_total": self._total,
+            "peak": plain(self._peak),
+            "peak_total": self._peak_total,
+            "max_per_category": plain(self._max),
+            "snapshots": {k: plain(v) for k, v in self._snapshots.items()},
+            **_process_memory(),
+        }
+
+    # -- context -----------------------------------------------------------------------
+    def __enter__(self) -> MemoryTracker:
+        if self._active:
+            raise RuntimeError("this MemoryTracker is already active; use a second tracker to nest")
+        self._active = True
+        self._after_change(reclassify=True)  # count what the sources hold already
+        for module in self._modules:
+            self._hook_module(module)
+        for opt in self._optimizers:
+            self._hook_optimizer(opt)
+        self._patch_resize()
+        self._observe = _ObserveSaved(self)
+        self._observe.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        assert self._observe is not None
+        self._observe.__exit__(*exc)
+        self._observe = None
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Let wrapper subclasses (DTensor...) desugar first; we then see their local ops.
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if not self._busy:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track(t)
+            self._after_change()
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+    def _track(self, t: torch.Tensor) -> _Record | None:
+        """Return the record of ``t``'s storage, creating it if new (no peak update)."""
+        if self._device is not None and not _same_device(t.device, self._device):
+            return None
+        if (st := storage_of(t)) is None:
+            return None
+        key = id(st)
+        if (rec := self._live.get(key)) is not None:
+            self._resize(rec, st.nbytes())  # in-place resize_/set_ may have grown it
+            return rec
+        rec = _Record(ref=weakref.ref(st, self._on_free_callback(key)), nbytes=st.nbytes())
+        self._live[key] = rec
+        self._total += rec.nbytes
+        self._current[rec.category] += rec.nbytes
+        self._file(rec, self._source_ids.get(key))
+        return rec
+
+    def _on_free_callback(self, key: int) -> Callable[[weakref.ref[Any]], None]:
+        def on_free(ref: weakref.ref[Any]) -> None:
+            rec = self._live.get(key)
+            if rec is not None and rec.ref is ref:  # not a newer storage at a reused id
+                del self._live[key]
+                self._source_ids.pop(key, None)
+                self._total -= rec.nbytes
+                self._current[rec.category] -= rec.nbytes
+
+        return on_free
+
+    def _resize(self, rec: _Record, nbytes: int) -> None:
+        delta = nbytes - rec.nbytes
+        rec.nbytes = nbytes
+        self._total += delta
+        self._current[rec.category] += delta
+
+    def _file(self, rec: _Record, source: Category | None) -> None:
+        """Set a record's category: label > source category > saved for backward > other."""
+        if rec.label is not None:
+            category = rec.label
+        elif source is not None:
+            category = source
+        else:
+            category = Category.ACTIVATIONS if rec.saved else Category.OTHER
+        if category is not rec.category:
+            self._current[rec.category] -= rec.nbytes
+            self._current[category] += rec.nbytes
+            rec.category = category
+
+    def _reclassify(self) -> None:
+        """Re-scan sources and re-file every live storage: O(live + source tensors)."""
+        if self._busy:
+            return
+        ids: dict[int, Category] = {}
+        self._busy = True
+        try:
+            for fn in self._sources:
+                for cat, tensors in fn().items():
+                    cat = _as_category(cat)
+                    for t in tensors:
+                        # _track also registers storages created outside dispatch.
+                        if (rec := self._track(t)) is None:
+                            continue
+                        key = id(rec.ref())
+                        if key not in ids or _RANK[cat] < _RANK[ids[key]]:
+                            ids[key] = cat
+        finally:
+            self._busy = False
+        self._source_ids = ids
+        for key, rec in list(self._live.items()):
+            self._file(rec, ids.get(key))
+
+    def _after_change(self, *, reclassify: bool = False) -> None:
+        """Called after every allocation/label/resize: peak and per-category maxima."""
+        if reclassify or self._total > self._peak_total:
+            self._reclassify()
+        if self._total > self._peak_total:
+            self._peak_total, self._peak = self._total, dict(self._current)
+        for cat, v in self._current.items():
+            if v > self._max[cat]:
+                self._max[cat] = v
+
+    def _hook_module(self, module: nn.Module) -> None:
+        for p in module.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        hook = optimizer.register_step_post_hook(lambda *_: self._after_change(reclassify=True))
+        self._handles.append(hook)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: file the new ``.grad`` as grads at once."""
+        if param.grad is not None and (rec := self._track(param.grad)) is not None:
+            self._source_ids[id(rec.ref())] = Category.GRADS
+            self._file(rec, Category.GRADS)
+            self._after_change()
+
+    def _on_saved(self, t: torch.Tensor) -> None:
+        """Saved-tensors hook callback (see zeroshard.memory.saved)."""
+        if (rec := self._track(t)) is not None:
+            rec.saved = True
+            self._file(rec, self._source_ids.get(id(rec.ref())))
+            self._after_change()
+
+    def _patch_resize(self) -> None:
+        # ``UntypedStorage.resize_`` (how FSDP-style engines free/regrow flat buffers)
+        # bypasses the dispatcher, so wrap it while active; restored in __exit__.
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            rec = self._live.get(id(st))
+            if rec is not None and rec.ref() is st:
+                self._resize(rec, st.nbytes())
+                self._after_change()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
+def _same_device(a: torch.device, want: torch.device) -> bool:
+    return a.type == want.type and (want.index is None or a.index == want.index)
+
+
+def _process_memory() -> dict[str, int]:
+    """Resident set size now and at peak; CUDA allocator peak when CUDA is available."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource  # not on Windows
+
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["peak_rss_bytes"] = maxrss if sys.platform == "darwin" else maxrss * 1024  # Linux: KiB
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return out
