@@ -181,6 +181,36 @@ def test_activations_during_forward_and_saved_counter_agree() -> None:
     del loss
 
 
+def test_add_source_priority_over_saved() -> None:
+    # An engine's source wins over "saved for backward"; a label wins over the source.
+    w = torch.randn(16, 16, requires_grad=True)  # a "flat parameter" the engine owns
+    flat = torch.empty(64)
+    tracker = MemoryTracker().add_source(lambda: {Category.PARAMS: [w, flat]})
+    with tracker:
+        tracker.label(flat, Category.COMM)
+        x = torch.randn(4, 16, requires_grad=True)
+        loss = (x @ w).sum()  # saves both x and w
+        now = tracker.current()
+    assert now[Category.PARAMS] == w.numel() * F32
+    assert now[Category.COMM] == flat.numel() * F32
+    assert now[Category.ACTIVATIONS] == x.numel() * F32
+    del loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_matches_formula() -> None:
+    model = mlp().cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    tracker = MemoryTracker(device="cuda").track_module(model).track_optimizer(opt)
+    with tracker:
+        model(torch.randn(8, 32, device="cuda")).sum().backward()  # backward: worker thread
+        assert tracker.current()[Category.GRADS] == param_bytes(model)
+        opt.step()
+    # capturable=False keeps AdamW's `step` scalars on the CPU, outside device="cuda".
+    assert tracker.current()[Category.OPTIM] == 2 * param_bytes(model)
+    assert tracker.report()["cuda_max_memory_allocated"] > 0
+
+
 # -- fake tensors ----------------------------------------------------------------------
 def test_fake_large_model_tracker_inside_fake_mode() -> None:
     d, n = 8192, 4

@@ -154,7 +154,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     engine = engine_of(model)
     values: dict[int, torch.Tensor] = {}
-    for b in engine.buckets:
+    for b in engine.all_buckets:
         full = engine.full_master(b)
         for s in b.slots:
             values[id(s.param)] = full[s.offset : s.offset + s.numel].view(s.shape)

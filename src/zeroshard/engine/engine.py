@@ -35,11 +35,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..comm import Comm, Pending
+from ..comm import Comm
 from ..config import ShardConfig
 from .flat import FlatBucket, cut_buckets
 from .policy import StagePolicy
 from .precision import LossScaler
+from .units import Unit, UnitSpec, UnitState, build_units, iter_buckets
+
+ParamInit = Callable[[nn.Module, list[str]], None]
 
 __all__ = ["Engine"]
 
@@ -63,7 +66,11 @@ def _named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]
 class Engine:
     """Drives buckets through forward, backward and step according to a StagePolicy."""
 
-    def __init__(self, model: nn.Module, config: ShardConfig, comm: Comm) -> None:
+    def __init__(
+        self, model: nn.Module, config: ShardConfig, comm: Comm, *,
+        units: UnitSpec = None, param_init: ParamInit | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.comm = comm
@@ -75,12 +82,21 @@ class Engine:
             config.growth_interval, enabled=config.mixed_precision == "fp16",
         )
         named = _named_params(model)
-        self.frozen = [p for _, p in named if not p.requires_grad]
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        # Reverse registration order approximates the order backward produces gradients.
-        self.buckets: list[FlatBucket] = cut_buckets(
-            list(reversed(trainable)), config.bucket_bytes, comm.size, comm.rank
-        )
+        self._known_params = {id(p) for _, p in named}
+        self.units: list[Unit] = []
+        if self.policy.units_by_module:
+            self.units = build_units(model, units, comm.size, comm.rank)
+            self.all_buckets = list(iter_buckets(self.units))
+            self.frozen: list[nn.Parameter] = []
+        else:
+            self.frozen = [p for _, p in named if not p.requires_grad]
+            trainable = [(n, p) for n, p in named if p.requires_grad]
+            # Reverse registration order approximates the order backward produces grads.
+            self.all_buckets = cut_buckets(
+                list(reversed(trainable)), config.bucket_bytes, comm.size, comm.rank
+            )
+        self.buckets = [b for b in self.all_buckets if b.requires_grad]
+        self._unit_of = {id(b): u for u in self.units for b in u.buckets}
         self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
         for b in self.buckets:
             for i, s in enumerate(b.slots):
@@ -89,34 +105,67 @@ class Engine:
         self._backward_queued = False
         self._grads_prepared = False
         self._overflow = False
-        for b in self.buckets:
-            self._materialize(b)
+        # Stage 3 schedule (see [Note: prefetch] in units.py) and its accounting.
+        self._order: list[Unit] = []
+        self._recording = True
+        self._fwd_cursor = 0
+        self._bwd_cursor = 0
+        self.unsharded_bytes = 0
+        self.peak_unsharded_bytes = 0
+        self.device = device or next(model.parameters()).device
+        meta = next(model.parameters()).is_meta
+        if meta:
+            _materialize_buffers(model, self.device)
+        for b in self.all_buckets:
+            self._materialize(b, param_init if meta else None)
         self._handles = [
             s.param.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets for s in b.slots
         ]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._post_forward))
+        for u in self.units:
+            if not u.is_root:
+                self._handles.append(u.module.register_forward_pre_hook(
+                    lambda m, a, u=u: self._unit_pre_forward(u, a)))
+                self._handles.append(u.module.register_forward_hook(
+                    lambda m, a, o, u=u: self._unit_post_forward(u, o)))
 
     # -- set-up -----------------------------------------------------------------------------
     def reduce_dtype_of(self, b: FlatBucket) -> torch.dtype:
         return self.config.reduce_dtype or self.compute_dtype or b.dtype
 
-    def _materialize(self, b: FlatBucket) -> None:
-        """Allocate a bucket's buffers; every rank starts from rank 0's weights (as DDP)."""
-        flat = b.flatten()
-        self.comm.broadcast(flat, 0, phase="init", unit=b.name)
+    def _materialize(self, b: FlatBucket, param_init: ParamInit | None) -> None:
+        """Allocate a bucket's buffers (see [Note: buffer lifetimes]).
+
+        Every rank starts from rank 0's weights, as DDP does, except for a model built on
+        the meta device: its bucket is initialised here by ``param_init`` — a function of
+        (seed, name), identical on every rank — and only the slice is kept, so no rank
+        ever holds more than one whole unit.
+        """
+        if param_init is not None:
+            flat = torch.zeros(b.padded_numel, dtype=b.dtype, device=self.device)
+            b.device = flat.device
+            b.point_params_at(flat)
+            with torch.no_grad():
+                param_init(self.model, [s.names[0] for s in b.slots])
+        else:
+            flat = b.flatten()
+            self.comm.broadcast(flat, 0, phase="init", unit=b.name)
         compute = self.compute_dtype or b.dtype
         full = flat if compute == flat.dtype else flat.to(compute)
         b.full = full
         b.point_params_at(full)
+        b.used = torch.zeros(len(b.slots), dtype=torch.float32, device=b.device)
+        if self.policy.shard_params:
+            self._materialize_sharded(b, flat)
+            return
         master_src = flat if self.compute_dtype is None else flat.float()
         if self.policy.shard_optimizer:
             master_src = b.shard_of(master_src)
             if self.compute_dtype is not None:
                 master_src = master_src.clone()  # keep only the slice alive
         b.master = nn.Parameter(master_src)
-        b.used = torch.zeros(len(b.slots), dtype=torch.float32, device=b.device)
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
@@ -125,8 +174,30 @@ class Engine:
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
 
+    def _materialize_sharded(self, b: FlatBucket, flat: torch.Tensor) -> None:
+        """Stage 3: keep the slices; free the whole buffer's storage."""
+        if b.requires_grad:
+            src = b.shard_of(flat)
+            b.master = nn.Parameter(src.float().clone() if self.compute_dtype else src.clone())
+            b.grad_shard = torch.zeros(
+                b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
+            )
+        if b.master is not None and b.master.dtype == b.full.dtype:
+            b.shard16 = b.master.detach()  # fp32 without mixed precision: one copy only
+        else:
+            b.shard16 = b.shard_of(b.full).clone()
+        b.full.untyped_storage().resize_(0)
+        b.point_params_at_nothing()
+
     # -- forward hooks ------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._check_params()
+        if self.units:
+            root = self.units[-1]
+            self._fwd_cursor = 0
+            self._unshard(root, "forward")
+            root.wait()
+            self._prefetch(self._order, 0)
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -138,6 +209,10 @@ class Engine:
         return x
 
     def _post_forward(self, module: nn.Module, args, output):
+        if self.units:
+            self._recording = False
+            if not torch.is_grad_enabled():
+                self._reshard(self.units[-1])
         if self.scaler.enabled and torch.is_grad_enabled():
             # Scaling the gradient that enters the model equals scaling the loss (backward
             # is linear) and keeps the plain ``loss.backward()`` API. If the model returns a
@@ -153,11 +228,87 @@ class Engine:
     def _scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scaler.scale
 
+    def _check_params(self) -> None:
+        for name, p in self.model.named_parameters():
+            if id(p) not in self._known_params:
+                raise RuntimeError(
+                    f"parameter {name!r} was replaced after zeroshard.shard(); sharded "
+                    "buffers no longer back it. Change the model before sharding it, or "
+                    "build a new model and shard that"
+                )
+
+    # -- stage 3: gather / free around each unit (see [Note: unit lifecycle]) -----------
+    def _unshard(self, u: Unit, phase: str) -> None:
+        if u.state is UnitState.SHARDED:
+            u.unshard(self.comm, phase, async_op=self.config.overlap)
+            self.unsharded_bytes += u.unsharded_bytes
+            self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
+
+    def _reshard(self, u: Unit) -> None:
+        if u.state is not UnitState.SHARDED:
+            u.reshard()
+            self.unsharded_bytes -= u.unsharded_bytes
+
+    def _prefetch(self, order: list[Unit], start: int) -> None:
+        for u in order[start : start + self.config.prefetch]:
+            self._unshard(u, "backward" if u.in_backward else "forward")
+
+    def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
+        if u.in_backward:  # recomputation inside backward: weights are already there
+            self._unshard(u, "backward")
+            u.wait()
+            return
+        if self._recording:
+            self._order.append(u)
+        self._fwd_cursor += 1
+        self._unshard(u, "forward")
+        self._prefetch(self._order, self._fwd_cursor)
+        u.inputs_hooked = False
+        if torch.is_grad_enabled():
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, u=u: self._unit_post_backward(u, g))
+                    u.inputs_hooked = True
+        u.wait()
+
+    def _unit_post_forward(self, u: Unit, output):
+        if u.in_backward:
+            return output
+        grad = torch.is_grad_enabled()
+        if self.config.reshard_after_forward or not grad:
+            self._reshard(u)
+        if grad:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, u=u: self._unit_pre_backward(u, g))
+        return output
+
+    def _unit_pre_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
+        if not u.backward_started:
+            u.backward_started = True
+            u.in_backward = True
+            self._queue_finish()
+            self._unshard(u, "backward")
+            self._bwd_cursor += 1
+            backward_order = self._order[::-1]
+            for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
+                v.in_backward = True
+                self._unshard(v, "backward")
+            u.wait()
+        return grad
+
+    def _unit_post_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
+        self._reshard(u)
+        return grad
+
     # -- backward ---------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _queue_finish(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._queue_finish()
         b, i = self._slot_of[id(p)]
         b.used[i] = 1.0
         self._grads_prepared = False
@@ -177,8 +328,12 @@ class Engine:
         if not self.sync:
             return
         b.ready += 1
-        if b.ready == len(b.slots) and self.config.overlap:
+        if b.ready == len(b.slots) and (self.config.overlap or self.units):
             self._launch(b)
+            u = self._unit_of.get(id(b))
+            if (u is not None and not u.inputs_hooked and len(u.trainable) == len(u.buckets)
+                    and all(c.launched for c in u.trainable)):
+                self._reshard(u)  # see [Note: unit lifecycle]
 
     def _launch(self, b: FlatBucket) -> None:
         """Start reducing a bucket's gradient (average over ranks)."""
@@ -194,6 +349,7 @@ class Engine:
             pending = self.comm.reduce_scatter(buf, phase="backward", unit=b.name,
                                                async_op=self.config.overlap)
         b.pending = (pending, buf)
+        b.launched = True
         self._pending.append(b)
         if not self.policy.keep_full_grads and len(self._pending) > _MAX_PENDING:
             self._complete(self._pending.popleft())
@@ -215,12 +371,17 @@ class Engine:
     def _finish_backward(self) -> None:
         """See [Note: end of backward]."""
         self._backward_queued = False
+        self._bwd_cursor = 0
+        for u in self.units:
+            u.in_backward = u.backward_started = False
+            self._reshard(u)
         if not self.sync:
             for b in self.buckets:
                 b.ready = 0
+                b.launched = False
             return
         for b in self.buckets:
-            if b.pending is None and b.ready < len(b.slots):
+            if not b.launched:
                 if b.grad is None:  # stage 2, no gradient at all for this bucket
                     b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
                                          device=b.device)
@@ -228,6 +389,8 @@ class Engine:
             b.ready = 0
         while self._pending:
             self._complete(self._pending.popleft())
+        for b in self.buckets:
+            b.launched = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -310,12 +473,15 @@ class Engine:
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
         for b in self.buckets:
+            if self.policy.shard_params:
+                if b.shard16.data_ptr() != b.master.data_ptr():
+                    b.shard16.copy_(b.master.detach())
+                continue
             target = b.shard_of(b.full) if self.policy.shard_optimizer else b.full
             if target.data_ptr() != b.master.data_ptr():
                 target.copy_(b.master.detach())
             if self.policy.gather_after_step:
                 self.comm.all_gather(b.full, phase="step", unit=b.name).wait()
-            # the gloo path reuses ``full`` as the all-reduce buffer: restore views
         self.comm.ledger.mark_step()
 
     def zero_grad(self) -> None:
@@ -341,10 +507,13 @@ class Engine:
         """The whole fp32 (master-precision) flat weights of a bucket, on every rank."""
         if not self.policy.shard_optimizer:
             return b.master.detach()
-        if b.master.data_ptr() == b.shard_of(b.full).data_ptr():
+        if not self.policy.shard_params and (
+            b.master.data_ptr() == b.shard_of(b.full).data_ptr()
+        ):
             return b.full  # fp32 without mixed precision: already whole and current
-        full = torch.empty(b.padded_numel, dtype=b.master.dtype, device=b.device)
-        self.comm.all_gather_into(full, b.master.detach(), phase="state", unit=b.name)
+        src = (b.master if b.master is not None else b.shard16).detach()
+        full = torch.empty(b.padded_numel, dtype=torch.float32, device=b.device)
+        self.comm.all_gather_into(full, src.float(), phase="state", unit=b.name)
         return full
 
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
@@ -352,11 +521,13 @@ class Engine:
 
         def sources() -> dict[str, list[torch.Tensor]]:
             params, grads, optim = [], [], []
-            for b in self.buckets:
-                params.append(b.full)
+            for b in self.all_buckets:
+                params += [t for t in (b.full, b.shard16) if t is not None]
                 grads += [t for t in (b.grad, b.grad_shard) if t is not None]
-                if b.master.data_ptr() != b.full.data_ptr() and (
-                    b.master.data_ptr() != b.shard_of(b.full).data_ptr()
+                if b.master is None:
+                    continue
+                if not self._shares(b.master, b.full) and not (
+                    b.shard16 is not None and self._shares(b.master, b.shard16)
                 ):
                     optim.append(b.master)
                 if b.master.grad is not None:
@@ -365,3 +536,24 @@ class Engine:
             return {"params": params, "grads": grads, "optim": optim}
 
         return sources
+
+    @staticmethod
+    def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-built model real buffers, recomputed by its ``reset_buffers()``."""
+    metas = [(m, n) for m in model.modules() for n, t in m._buffers.items()
+             if t is not None and t.is_meta]
+    if not metas:
+        return
+    reset = getattr(model, "reset_buffers", None)
+    if not callable(reset):
+        raise TypeError(
+            f"{type(model).__name__} has buffers on the meta device but no reset_buffers() "
+            "method to recompute them; add one, or build the model on a real device"
+        )
+    for m, n in metas:
+        m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
+    reset()

@@ -74,8 +74,10 @@ class FlatBucket:
         self.grad: torch.Tensor | None = None  # compute-dtype flat gradients (full)
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps
+        self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
+        self.launched = False  # its reduction was started this backward
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
 
     @property
@@ -106,6 +108,13 @@ class FlatBucket:
         """Make every parameter a view into ``flat`` (keeps each Parameter's identity)."""
         for s, view in self.views(flat):
             s.param.data = view
+
+    def point_params_at_nothing(self) -> None:
+        """Stage 3, while sharded: parameters are empty, so a stray read sees no weights
+        rather than freed memory (FSDP1 does the same)."""
+        empty = torch.empty(0, dtype=self.full.dtype, device=self.device)
+        for s in self.slots:
+            s.param.data = empty
 
     def grad_views(self, flat: torch.Tensor) -> None:
         for s, view in self.views(flat):

@@ -110,9 +110,10 @@ class SavedTensorCounter:
     Args:
         exclude_params: skip parameters (see module docstring). Default True.
         params: extra tensors to treat as parameters, matched by storage: a module
-            (its ``parameters()``), an iterable of tensors, or a zero-argument callable
-            returning tensors (re-evaluated at each save, for engines that swap
-            parameter storages, e.g. stage-3 gathered flat buffers).
+            (its ``parameters()``) or a zero-argument callable returning tensors, both
+            re-read at each save (O(params) per save; for engines that swap parameter
+            storages, e.g. stage-3 gathered flat buffers), or an iterable of tensors,
+            read once at ``__enter__``.
 
     Attributes:
         bytes: unique storage bytes saved. count: number of unique storages.

@@ -33,8 +33,8 @@ So ``peak()`` (the breakdown at the moment the *total* was highest) is exact, wh
 ``max_per_category()`` is the maximum of the cached running totals: a storage that becomes
 optimizer state during ``step()`` counts as ``other`` until the next re-classification.
 
-Fake tensors: enter the tracker inside ``with FakeTensorMode():`` (tested) or outside it;
-both orders see every op. A storage that was once saved for backward stays
+Fake tensors: enter the tracker inside ``with FakeTensorMode():`` or outside it; both
+orders see every op (both are tested). A storage that was once saved for backward stays
 ``activations`` until it is freed (e.g. an input batch the caller still holds).
 """
 

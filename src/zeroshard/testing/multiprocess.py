@@ -185,21 +185,25 @@ def _outcome(rundir: str, rank: int, exitcode: int | None) -> dict[str, Any]:
     except FileNotFoundError:
         pass
     except Exception as e:
-        return {"status": "error", "summary": f"could not unpickle its result: {e!r}",
-                "detail": "", "when": time.time()}
+        return _failure("error", f"could not unpickle its result: {e!r}", "", time.time())
     if exitcode is None:
         return {"status": "running"}
-    how = (f"was killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
-           if exitcode < 0 else f"exited with exit code {exitcode}")
+    how = (
+        f"was killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        if exitcode < 0
+        else f"exited with exit code {exitcode}"
+    )
     # Date a death by the log's last write (a segfault trace, the last print), not by when we
     # noticed it: peers' "Connection reset by peer" errors are stamped when they happen.
-    try:
-        when = os.path.getmtime(os.path.join(rundir, f"rank{rank}.log"))
-    except OSError:
-        when = time.time()
-    return {"status": "died", "when": min(when, time.time()),
-            "summary": f"{how} without raising a Python exception (os._exit, crash or kill)",
-            "detail": f"last lines of its output:\n{_tail(rundir, rank)}"}
+    log = os.path.join(rundir, f"rank{rank}.log")
+    when = os.path.getmtime(log) if os.path.exists(log) else time.time()
+    summary = f"{how} without raising a Python exception (os._exit, crash or kill)"
+    tail = f"last lines of its output:\n{_tail(rundir, rank)}"
+    return _failure("died", summary, tail, min(when, time.time()))
+
+
+def _failure(status: str, summary: str, detail: str, when: float) -> dict[str, Any]:
+    return {"status": status, "summary": summary, "detail": detail, "when": when}
 
 
 def _raise_failure(procs: list[Any], rundir: str, done: dict[int, dict[str, Any]]) -> None:
@@ -239,47 +243,53 @@ def _raise_timeout(procs: list[Any], rundir: str, timeout: float) -> None:
             lines.append(f"rank {r} finished.")
         elif o["status"] == "running":
             unfinished.append(r)
-            lines.append(f"rank {r} did not finish within {timeout:.1f} s; {_hang_report(rundir, r)}")
+            lines.append(
+                f"rank {r} did not finish within {timeout:.1f} s; {_hang_report(rundir, r)}"
+            )
         else:
             lines.append(f"rank {r} failed: {o['summary']}\n{o['detail'].rstrip()}")
     head = f"ranks {', '.join(map(str, unfinished))} of {len(procs)} did not finish within {timeout:.1f} s"
     raise RankTimeout(head + "\n" + "\n".join(lines), unfinished)
 
 
-def _hang_report(rundir: str, rank: int) -> str:
+def _read(rundir: str, name: str) -> str | None:
     try:
-        with open(os.path.join(rundir, f"rank{rank}.hang")) as f:
+        with open(os.path.join(rundir, name), errors="replace") as f:
             return f.read()
     except FileNotFoundError:
-        return ("no watchdog report (still starting up, or a C call held the GIL); last lines "
-                f"of its output:\n{_tail(rundir, rank)}")
+        return None
+
+
+def _hang_report(rundir: str, rank: int) -> str:
+    report = _read(rundir, f"rank{rank}.hang")
+    if report is None:
+        report = "no watchdog report (still starting up, or a C call held the GIL); last "
+        report += f"lines of its output:\n{_tail(rundir, rank)}"
+    return report.rstrip()
 
 
 def _tail(rundir: str, rank: int) -> str:
-    try:
-        with open(os.path.join(rundir, f"rank{rank}.log"), errors="replace") as f:
-            lines = f.read().splitlines()[-_TAIL_LINES:]
-    except FileNotFoundError:  # it died in spawn's bootstrap, before _child_main ran
-        return ("  (none: it died before the harness started, e.g. importing the __main__ "
-                "module without an `if __name__ == '__main__':` guard; see the parent's stderr)")
-    return "\n".join("  " + line for line in lines) or "  (no output)"
+    text = _read(rundir, f"rank{rank}.log")
+    if text is None:  # it died in spawn's bootstrap, before _child_main ran
+        return "  (none: it died before the harness ran; look in the parent's stderr)"
+    return "\n".join("  " + line for line in text.splitlines()[-_TAIL_LINES:]) or "  (no output)"
 
 
 def _replay_logs(rundir: str, world_size: int) -> None:
     for r in range(world_size):
-        try:
-            with open(os.path.join(rundir, f"rank{r}.log"), errors="replace") as f:
-                text = f.read()
-        except FileNotFoundError:
-            continue
-        for line in text.splitlines():
+        for line in (_read(rundir, f"rank{r}.log") or "").splitlines():
             sys.stderr.write(f"[rank {r}] {line}\n")
 
 
 # -- child side ----------------------------------------------------------------------------
 def _child_main(
-    rank: int, world_size: int, payload: bytes, backend: str, rundir: str,
-    env: dict[str, str], timeout: float,
+    rank: int,
+    world_size: int,
+    payload: bytes,
+    backend: str,
+    rundir: str,
+    env: dict[str, str],
+    timeout: float,
 ) -> None:
     log = os.open(os.path.join(rundir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
@@ -288,9 +298,8 @@ def _child_main(
     import faulthandler
 
     faulthandler.enable()  # segfaults print the Python stack into the log
-    os.environ.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                       "MASTER_ADDR": "127.0.0.1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(env)  # before torch is imported, so OpenMP sees it
     threading.Thread(target=_watchdog, args=(rundir, rank), daemon=True).start()
     try:
@@ -303,21 +312,19 @@ def _child_main(
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(os.path.join(rundir, "store"), world_size)
         # Collective timeout above ours: the harness, not gloo, decides when a rank hung.
-        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
-                                timeout=datetime.timedelta(seconds=timeout + 60))
+        limit = datetime.timedelta(seconds=timeout + 60)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, store=store, timeout=limit
+        )
         value = fn(rank, world_size, *args, **kwargs)
         dist.destroy_process_group()
         blob = pickle.dumps({"status": "ok", "value": value})
         code = 0
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
-        blob = pickle.dumps({"status": "error", "when": time.time(),
-                             "summary": f"{type(e).__name__}: {e}",
-                             "detail": "".join(traceback.format_exception(e))})
+        tb = "".join(traceback.format_exception(e))
+        blob = pickle.dumps(_failure("error", f"{type(e).__name__}: {e}", tb, time.time()))
         code = 1
-    out = os.path.join(rundir, f"rank{rank}.out")
-    with open(out + ".tmp", "wb") as f:
-        f.write(blob)
-    os.replace(out + ".tmp", out)  # atomic: the parent never reads half a result
+    _write_atomic(os.path.join(rundir, f"rank{rank}.out"), blob)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -333,15 +340,23 @@ def _watchdog(rundir: str, rank: int) -> None:
         time.sleep(0.1)
     comm = sys.modules.get("zeroshard.comm")
     now = time.monotonic()
-    waits = [f"waiting in {desc} for {now - since:.1f} s"
-             for desc, since in list(getattr(comm, "_IN_FLIGHT_GLOBAL", {}).values())]
+    waits = [
+        f"waiting in {desc} for {now - since:.1f} s"
+        for desc, since in list(getattr(comm, "_IN_FLIGHT_GLOBAL", {}).values())
+    ]
     frame = sys._current_frames().get(main_id)  # type: ignore[arg-type]
     stack = traceback.extract_stack(frame) if frame is not None else []
     # Drop the spawn bootstrap and this harness: the stack starts at the user's fn.
     skip = max((i + 1 for i, fs in enumerate(stack) if fs.name == "_child_main"), default=0)
-    report = ("; ".join(waits) or "not in a zeroshard collective") + \
-        "; main thread stack (most recent call last):\n" + "".join(traceback.format_list(stack[skip:]))
-    out = os.path.join(rundir, f"rank{rank}.hang")
-    with open(out + ".tmp", "w") as f:
-        f.write(report)
-    os.replace(out + ".tmp", out)
+    report = (
+        ("; ".join(waits) or "not in a zeroshard collective")
+        + "; main thread stack (most recent call last):\n"
+        + "".join(traceback.format_list(stack[skip:]))
+    )
+    _write_atomic(os.path.join(rundir, f"rank{rank}.hang"), report.encode())
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)  # the parent never reads half a file

@@ -1,0 +1,270 @@
+"""The ``zeroshard`` command line: a thin layer over the library.
+
+Each subcommand is registered by one ``_add_<name>(subparsers)`` function listed in
+``_SUBCOMMANDS`` and runs a handler that imports its module lazily, so ``--version`` and
+``--help`` import no planner, engine or benchmark code. A handler returns the exit code;
+a :class:`UsageError` (or argparse's own checks) prints one line naming the value and the
+fix and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from zeroshard import __version__
+
+if TYPE_CHECKING:
+    from zeroshard.memory.planner import Plan
+
+__all__ = ["UsageError", "main", "parse_bytes", "parse_gpus", "parse_params"]
+
+#: Rough all-reduce bus bandwidths (nccl-tests busbw, 10^9 B/s): H100 NVLink 4 (900 GB/s
+#: bidirectional) reaches ~400; one 400 Gb/s InfiniBand NDR port per GPU ~45; PCIe Gen4 x16
+#: rings through host bridges ~20. Pass a number for your own measurement.
+INTERCONNECTS = {"nvlink": 400.0, "ib": 45.0, "pcie": 20.0}
+_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the value and the fix."""
+
+
+def parse_bytes(text: str) -> int:
+    """"80GB" -> 80e9, "80GiB" -> 80 * 2**30; a unit is required."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    units = "MB, MiB, GB, GiB, TB or TiB"
+    if m is None or not m.group(2):
+        why = "has no unit" if m else "is not a memory size"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} {why}; write e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes), using {units}")
+    if m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}; use {units}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes, e.g. 80GB")
+    return value
+
+
+def parse_params(text: str) -> int:
+    """"13B", "1.5B", "350M", "7e9" -> a parameter count."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; write e.g. 13B, 1.5B, 350M or 7e9")
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+
+
+def parse_gpus(text: str) -> list[int]:
+    """"8" -> [8]; "8-64" -> [8, 16, 32, 64] (doubling, B included); "8,16" -> [8, 16]."""
+    fix = "use a device count >= 1: --gpus 8, a doubling range --gpus 8-64 or a list --gpus 8,16,32"
+    try:
+        if re.fullmatch(r"\s*\d+\s*-\s*\d+\s*", text):
+            lo, hi = (int(x) for x in text.split("-"))
+            counts = [lo * 2**k for k in range(64) if lo * 2**k <= hi] if 0 < lo <= hi else []
+            counts += [hi] if counts and counts[-1] != hi else []
+        else:
+            counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device count; {fix}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"invalid device count {text!r}; {fix}")
+    return sorted(set(counts))
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer, e.g. 1")
+    return int(text)
+
+
+def _interconnect(text: str) -> float:
+    if text.lower() in INTERCONNECTS:
+        return INTERCONNECTS[text.lower()]
+    try:
+        value = float(re.sub(r"(?i)\s*GB/?s$", "", text))
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an interconnect; use {', '.join(INTERCONNECTS)} or a bus bandwidth "
+            "in GB/s, e.g. 100")
+    return value
+
+
+def _mfu(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model FLOPs utilisation; use (0, 1], e.g. 0.4")
+    return value
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in ("none", "selective", "full", "sqrt")
+           and not re.fullmatch(r"every-[1-9]\d*", p)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown checkpointing policy {', '.join(bad) or text!r}; use a comma list of none, "
+            "selective, full, sqrt, every-<k> (e.g. every-2)")
+    return names
+
+
+def _add_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="estimate memory and throughput per ZeRO stage and checkpointing policy",
+        description="Estimate per-device memory, communication and throughput for ZeRO stages "
+        "0-3 x activation checkpointing policies, and recommend one (docs/planning.md).")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="preset name, e.g. llama-7b")
+    which.add_argument("--params", type=parse_params,
+                       help="parameter count (13B, 350M, 7e9): nearest Llama-2-like shape")
+    p.add_argument("--gpus", type=parse_gpus, default=[8], help="8, 8-64 (doubling) or 8,16,32")
+    p.add_argument("--gpu-mem", type=parse_bytes, default=parse_bytes("80GB"),
+                   help="device memory with a unit: 80GB, 80GiB, 24GB (default 80GB)")
+    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's)")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per device")
+    p.add_argument("--interconnect", type=_interconnect, default=INTERCONNECTS["nvlink"],
+                   help="nvlink (400), ib (45), pcie (20) or a bus bandwidth in GB/s")
+    p.add_argument("--mfu", type=_mfu, default=0.4, help="model FLOPs utilisation (default 0.4)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense 16-bit peak per device")
+    p.add_argument("--recipe", default="bf16-adamw",
+                   choices=["bf16-adamw", "fp16-adamw", "fp32-adamw"])
+    p.add_argument("--policies", type=_policies, default=["none", "selective", "full"],
+                   help="checkpointing policies, comma separated")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from zeroshard.memory.planner import config_from_params, plan
+    from zeroshard.models.config import get_preset
+
+    if args.model is not None:
+        try:
+            config = get_preset(args.model)
+        except ValueError as exc:
+            raise UsageError(f"--model {args.model!r}: {exc}") from None
+        seq = args.seq or config.seq_len
+        if seq > config.seq_len:
+            raise UsageError(
+                f"--seq {seq} exceeds {args.model}'s maximum sequence length {config.seq_len}; "
+                f"use --seq {config.seq_len} or less (or --params for a shape of any length)")
+    else:
+        seq = args.seq or 4096
+        config = config_from_params(args.params, seq_len=seq)
+    try:
+        result = plan(
+            config, gpus=args.gpus, gpu_mem_bytes=args.gpu_mem, seq_len=seq,
+            micro_batch=args.micro_batch, interconnect_GBps=args.interconnect,
+            peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, policies=args.policies,
+            recipe=args.recipe)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    name = args.model or f"--params {args.params / 1e9:g}B -> Llama-like L={config.n_layers}, h={config.hidden}"
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result, name))
+    return 0
+
+
+def format_plan(p: Plan, name: str) -> str:
+    """The human-readable plan: assumptions, the 16Ψ breakdown, tables, recommendation."""
+    from zeroshard.memory.planner import reserve_bytes
+
+    r, psi, cfg = p.recipe, p.params, p.config
+    mem, reserve = p.gpu_mem_bytes, reserve_bytes(p.gpu_mem_bytes)
+    optim = "fp32 master + Adam m + v" if r.optim_bytes == 12 else "Adam m + v (fp32)"
+    lines = [
+        f"model   {name}: {psi / 1e9:.2f}B parameters (L={cfg.n_layers}, h={cfg.hidden}, "
+        f"heads={cfg.n_heads}), recipe {r.name}",
+        f"batch   seq {p.seq_len} x micro-batch {p.micro_batch} per device, one optimizer step "
+        "per micro-batch",
+        f"device  {mem / 1e9:.1f} GB ({mem / 2**30:.1f} GiB); usable {(mem - reserve) / 1e9:.1f} GB "
+        f"after a {reserve / 1e9:.1f} GB reserve (max(10%, 1.5 GB): CUDA context, NCCL, fragmentation)",
+        f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device",
+        "",
+        f"Model state (ZeRO, Rajbhandari et al. 2020, sec. 3.1): {r.bytes_per_param} bytes per parameter",
+        f"  {r.param_bytes:>2} B  weights the model computes with     {psi * r.param_bytes / 1e9:8.1f} GB",
+        f"  {r.grad_bytes:>2} B  gradients                            {psi * r.grad_bytes / 1e9:8.1f} GB",
+        f"  {r.optim_bytes:>2} B  optimizer: {optim:<25} {psi * r.optim_bytes / 1e9:8.1f} GB",
+        f"  {r.bytes_per_param:>2} B  per full replica                     "
+        f"{psi * r.bytes_per_param / 1e9:8.1f} GB",
+        "  stage 0 keeps all of it on every device; stage 1 shards the optimizer part over N,",
+        "  stage 2 also the gradients, stage 3 everything. Activations are a separate bill that",
+        "  no sharding touches; checkpointing trades them for recompute (+~33% FLOPs for full).",
+        "",
+        "GB = 10^9 bytes, GiB = 2^30 bytes; per device. comm = ZeRO volume per step (2Ψ / 3Ψ);",
+        "hides@tok = tokens per device per step at which overlappable communication hides.",
+    ]
+    head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} {'state GB':>8} {'act GB':>7} {'buf GB':>6} "
+            f"{'total GB':>8} {'total GiB':>9} {'fits':<4} {'comm GB':>7} {'comm s':>6} "
+            f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}")
+    for n in sorted({x.gpus for x in p.rows}):
+        lines += ["", head, "-" * len(head)]
+        for x in (x for x in p.rows if x.gpus == n):
+            lines.append(
+                f"{x.gpus:>4} {x.stage:>5} {x.activation_checkpointing:<9} "
+                f"{x.model_state_bytes / 1e9:>8.1f} {x.activation_bytes / 1e9:>7.1f} "
+                f"{x.buffer_bytes / 1e9:>6.1f} {x.total_bytes / 1e9:>8.1f} "
+                f"{x.total_bytes / 2**30:>9.1f} {'yes' if x.fits else 'no':<4} "
+                f"{x.comm_bytes_per_step / 1e9:>7.1f} {x.comm_time_s:>6.3f} {x.step_time_s:>6.3f} "
+                f"{x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}")
+    lines.append("")
+    if len(p.by_gpus) > 1:
+        lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
+        lines += [f"  {note}" for note in p.notes] + [""]
+    rec = p.recommendation
+    lines += [f"Recommendation ({rec.gpus} device{'s' if rec.gpus > 1 else ''}): {_rec_title(rec)}", f"  {rec.reason}"]
+    return "\n".join(lines)
+
+
+def _rec_title(rec: Any) -> str:
+    if rec.stage is None:
+        return rec.action.replace("-", " ")
+    what = {"single-device": "one device", "data-parallel": "plain data parallelism (stage 0)"}
+    title = what.get(rec.action, f"ZeRO stage {rec.stage}")
+    ckpt = rec.activation_checkpointing
+    return f"{title}, {'no' if ckpt == 'none' else ckpt} activation checkpointing"
+
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_plan,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard", description="Sharded data parallelism (ZeRO 0-3) with measured accounting.")
+    parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``zeroshard`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, argparse errors (already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.handler(args))
+    except UsageError as exc:
+        print(f"zeroshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Stage 3: units whose weights live as 1/N slices and are gathered around their compute.
+
+[Note: unit lifecycle]
+A :class:`Unit` is a module (by default each block of the model's ``nn.ModuleList``; the
+rest of the model forms the root unit) whose parameters live in flat buckets
+(see [Note: flat buckets]). Between uses each rank keeps only its slice (``shard16``, in the
+compute dtype). Around the unit's compute:
+
+    forward:  pre-hook  -> unshard (all-gather; maybe already prefetched), hook the inputs
+              post-hook -> reshard (free) if reshard_after_forward, and hook the outputs
+    backward: output-gradient hook -> unshard again if freed; prefetch the next unit
+              all parameters' gradients arrived -> reduce-scatter them
+              input-gradient hook -> reshard: every node that read the weights has run
+              (without inputs that need gradients: once all gradients arrived, or at
+              the end of backward if the unit has frozen weights, which no gradient
+              tracks)
+
+The gathered buffer ``full`` is allocated once and its *storage* is resized to zero to
+free it (``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors
+autograd saved in forward (views of the weights, such as a transposed weight) keep
+pointing at the same storage, which holds the right values again by the time backward
+reads them. While sharded, parameters are pointed at empty tensors, so user code that
+touches them outside forward sees no weights rather than freed memory.
+
+The root unit is gathered at the root's forward and kept until the end of backward, since
+the head is the first thing backward needs (FSDP2 treats its root the same way); it is
+freed at the end of backward, or at the end of forward under ``torch.no_grad()``.
+
+[Note: prefetch]
+The first forward records the order units run in. Afterwards, entering unit i starts
+the all-gathers of units i+1 … i+prefetch (asynchronously), and entering unit i's
+backward starts those of units i-1 … i-prefetch. So at most ``prefetch`` gathers are in
+flight beyond the unit computing, and unsharded weights never exceed
+(prefetch + 1) units + the root (+ units kept by reshard_after_forward=False).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+
+from torch import nn
+
+from ..comm import Comm, Pending
+from .flat import FlatBucket, cut_buckets
+
+__all__ = ["Unit", "UnitState", "build_units", "UnitSpec"]
+
+UnitSpec = Sequence[nn.Module] | Callable[[nn.Module], bool] | None
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class Unit:
+    """One module's buckets and where they are in the gather/free cycle."""
+
+    def __init__(self, name: str, module: nn.Module, buckets: list[FlatBucket],
+                 is_root: bool) -> None:
+        self.name = name
+        self.module = module
+        self.buckets = buckets
+        self.is_root = is_root
+        self.state = UnitState.SHARDED
+        self.pending: list[Pending] = []
+        self.in_backward = False  # prefetched for, or running, its backward
+        self.backward_started = False  # its output-gradient hook has fired
+        self.inputs_hooked = False  # post-backward is signalled by its input gradients
+
+    @property
+    def trainable(self) -> list[FlatBucket]:
+        return [b for b in self.buckets if b.requires_grad]
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(b.padded_numel * b.full.element_size() for b in self.buckets)
+
+    def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
+        """Start gathering the whole weights (no-op unless sharded)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        for b in self.buckets:
+            full = b.full
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            b.point_params_at(full)
+            b.shard_of(full).copy_(b.shard16)
+            self.pending.append(comm.all_gather(full, phase=phase, unit=self.name,
+                                                async_op=async_op))
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        for p in self.pending:
+            p.wait()
+        self.pending.clear()
+        if self.state is UnitState.GATHERING:
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the gathered weights; the slices stay."""
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        for b in self.buckets:
+            b.full.untyped_storage().resize_(0)
+            b.point_params_at_nothing()
+        self.state = UnitState.SHARDED
+
+
+def _unit_modules(model: nn.Module, spec: UnitSpec) -> list[nn.Module]:
+    if spec is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        return list(lists[0]) if lists else []
+    if callable(spec) and not isinstance(spec, nn.Module):
+        return [m for m in model.modules() if m is not model and spec(m)]
+    mods = list(spec)
+    inside = {id(m) for m in model.modules()}
+    for m in mods:
+        if not isinstance(m, nn.Module) or id(m) not in inside:
+            raise ValueError(
+                f"units= contains {type(m).__name__}, which is not a submodule of the model; "
+                "pass submodules of the model being sharded (e.g. list(model.blocks))"
+            )
+        if m is model:
+            raise ValueError("units= must not contain the model itself; it is the root unit")
+    return mods
+
+
+def _check_disjoint(mods: list[nn.Module], names: dict[int, str]) -> None:
+    for a in mods:
+        for sub in a.modules():
+            if sub is not a and any(sub is b for b in mods):
+                raise ValueError(
+                    f"units= overlap: {names[id(sub)]!r} is inside {names[id(a)]!r}; pass "
+                    "units that do not contain each other (e.g. only the blocks)"
+                )
+
+
+def build_units(
+    model: nn.Module, spec: UnitSpec, world: int, rank: int,
+) -> list[Unit]:
+    """Units in model order, the root last; each parameter owned by exactly one unit.
+
+    A parameter reachable from two units (tied weights) is owned by their common parent,
+    which for non-nested units is the root.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    mods = _unit_modules(model, spec)
+    _check_disjoint(mods, names)
+    owner: dict[int, int] = {}  # param id -> index of the unit that owns it
+    pnames: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        pnames.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    root = len(mods)
+    for i, m in enumerate(mods):
+        for p in m.parameters():
+            owner[id(p)] = i if owner.get(id(p), i) == i else root
+    for pid in params:
+        owner.setdefault(pid, root)
+    units: list[Unit] = []
+    index = 0
+    for i, m in enumerate([*mods, model]):
+        mine = [(tuple(pnames[pid]), params[pid]) for pid in params if owner[pid] == i]
+        name = names[id(m)] or "root"
+        buckets: list[FlatBucket] = []
+        for trainable in (True, False):
+            group = [(n, p) for n, p in mine if p.requires_grad == trainable]
+            # One bucket per dtype: the unit's whole weights move in one collective each.
+            for b in cut_buckets(group, 2**62, world, rank, index, f"{name}/"):
+                b.requires_grad = trainable
+                b.name = name if trainable else f"{name}(frozen)"
+                buckets.append(b)
+            index += len(buckets)
+        if buckets:
+            units.append(Unit(name, m, buckets, is_root=m is model))
+    return units
+
+
+def iter_buckets(units: Iterable[Unit]) -> Iterable[FlatBucket]:
+    for u in units:
+        yield from u.buckets

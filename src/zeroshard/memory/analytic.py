@@ -1,0 +1,246 @@
+"""Closed-form memory, communication and time per rank for ZeRO stages 0-3.
+
+Everything here is arithmetic on a parameter count Ψ, a data-parallel degree N and a
+precision recipe; nothing allocates or imports torch, so a 1T-parameter model prices in
+microseconds. :mod:`zeroshard.memory.planner` combines these with activation estimates.
+
+[Note: model state per rank]
+Rajbhandari et al. 2020 (ZeRO), §3.1 and §5, Figure 1. With P bytes per 16-bit weight,
+G per gradient and K of optimizer state per parameter (12 for mixed-precision Adam: fp32
+master copy + momentum + variance, §3.1; 8 for pure-fp32 Adam, whose master *is* the
+weight, so P = 4 already holds it):
+
+    stage 0  (P + G + K) Ψ           nothing sharded (plain data parallelism)
+    stage 1  (P + G) Ψ + K Ψ / N     optimizer state sharded     (ZeRO "P_os")
+    stage 2  P Ψ + (G + K) Ψ / N     + gradients                 (ZeRO "P_os+g")
+    stage 3  (P + G + K) Ψ / N       + parameters                (ZeRO "P_os+g+p")
+
+Ψ = 7.5B, N = 64, K = 12 gives the paper's 120 / 31.4 / 16.6 / 1.9 GB. Our flat buffers
+pad the sharded part to a multiple of N (``padded=True``: ceil(Ψ / N) elements per rank).
+
+[Note: communication volume]
+ZeRO §7, in the ledger's "logical bytes" (see [Note: logical vs wire bytes] in comm.py):
+an all-reduce of S bytes counts 2S, a reduce-scatter or all-gather of a full tensor of S
+bytes counts S. Stage 0 all-reduces gradients: 2ΨG. Stages 1-2 reduce-scatter gradients
+(ΨG) and all-gather the updated weights (ΨP): 2Ψ when P = G (§7.2.1). Stage 3 gathers
+weights in forward and again in backward and reduce-scatters gradients: 3Ψ (§7.2.2), or
+2Ψ when gathered weights are kept from forward to backward (reshard_after_forward=False).
+With a bandwidth-optimal ring each rank moves logical × (N-1)/N, so a collective takes
+logical × (N-1)/N ÷ bus bandwidth (nccl-tests' "busbw" convention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "RECIPES",
+    "Collective",
+    "ModelState",
+    "Recipe",
+    "break_even_tokens",
+    "collective_time_s",
+    "collectives_per_step",
+    "comm_bytes_per_step",
+    "compute_time_s",
+    "get_recipe",
+    "grad_bucket_bytes",
+    "model_state_bytes",
+    "unit_buffer_bytes",
+]
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Bytes per parameter of each kind of model state, and of activations."""
+
+    name: str
+    """Short name used by the CLI, e.g. "bf16-adamw"."""
+    param_bytes: int
+    """P: the weights the model computes with (2 for 16-bit)."""
+    grad_bytes: int
+    """G: gradients as produced and reduced (2 for 16-bit)."""
+    optim_bytes: int
+    """K: optimizer state (12 = fp32 master + Adam m + v; 8 = Adam m + v, fp32 weights)."""
+    act_bytes: int
+    """Bytes per stored activation element (2 for 16-bit compute)."""
+
+    def __post_init__(self) -> None:
+        for field in ("param_bytes", "grad_bytes", "optim_bytes", "act_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"Recipe.{field} must be an int >= 0 bytes per element, got {value!r}"
+                )
+
+    @property
+    def bytes_per_param(self) -> int:
+        """P + G + K: 16 for mixed-precision Adam (ZeRO §3.1)."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+RECIPES: dict[str, Recipe] = {
+    "bf16-adamw": Recipe(name="bf16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
+    # fp16 costs the same bytes; it adds dynamic loss scaling, not memory.
+    "fp16-adamw": Recipe(name="fp16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
+    "fp32-adamw": Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4),
+}
+
+
+def get_recipe(recipe: str | Recipe) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; use one of {', '.join(RECIPES)}")
+    return RECIPES[recipe]
+
+
+def _check(stage: int, n: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"data-parallel degree N={n!r} must be an int >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelState:
+    """Model state bytes held by one rank, by kind."""
+
+    params: int
+    grads: int
+    optim: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim
+
+
+def model_state_bytes(
+    psi: int, *, stage: int, n: int, recipe: str | Recipe = "bf16-adamw", padded: bool = True
+) -> ModelState:
+    """Bytes of weights, gradients and optimizer state per rank; see [Note: model state
+    per rank]. ``padded`` rounds the sharded part up to ceil(Ψ / N) elements per rank, as
+    a flat buffer padded to a multiple of N holds; otherwise the exact share Ψ·bytes / N
+    (rounded up to a byte)."""
+    _check(stage, n)
+    r = get_recipe(recipe)
+
+    def share(nbytes: int, sharded: bool) -> int:
+        if not sharded:
+            return psi * nbytes
+        return math.ceil(psi / n) * nbytes if padded else math.ceil(psi * nbytes / n)
+
+    return ModelState(
+        params=share(r.param_bytes, stage >= 3),
+        grads=share(r.grad_bytes, stage >= 2),
+        optim=share(r.optim_bytes, stage >= 1),
+    )
+
+
+def unit_buffer_bytes(
+    unit_params: int,
+    *,
+    prefetch: int = 1,
+    recipe: str | Recipe = "bf16-adamw",
+    psi: int = 0,
+    reshard_after_forward: bool = True,
+) -> int:
+    """Stage 3's unsharded working set on top of the 1/N shards.
+
+    While unit i computes, unit i+1..i+prefetch are being gathered, so ``prefetch + 1``
+    units of gathered 16-bit weights exist; in backward each also has a whole gradient
+    until its reduce-scatter finishes (the FSDP paper, §3.3-3.4, bounds the same window
+    with its rate limiter). ``unit_params`` should be the *largest* unit. Keeping
+    weights gathered between forward and backward (``reshard_after_forward=False``)
+    instead holds all Ψ gathered weights after forward.
+    """
+    r = get_recipe(recipe)
+    window = (prefetch + 1) * unit_params * (r.param_bytes + r.grad_bytes)
+    if reshard_after_forward:
+        return window
+    return psi * r.param_bytes + (prefetch + 1) * unit_params * r.grad_bytes
+
+
+def grad_bucket_bytes(bucket_bytes: int, *, in_flight: int = 3) -> int:
+    """Stage 2's transient whole-gradient buckets: each lives from its first gradient
+    until its reduce-scatter completes. The engine lets 2 reductions be pending plus the
+    one filling (``_MAX_PENDING + 1`` in engine.py)."""
+    return bucket_bytes * in_flight
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One kind of collective per step, with its ZeRO (logical) volume per rank."""
+
+    op: str
+    """"all_reduce" | "reduce_scatter" | "all_gather"."""
+    phase: str
+    """When it runs: "forward" and "backward" can hide behind compute, "step" cannot."""
+    logical_bytes: int
+    """Per rank: 2S for an all-reduce of S bytes, S for a reduce-scatter/all-gather."""
+
+
+def collectives_per_step(
+    psi: int, *, stage: int, n: int, recipe: str | Recipe = "bf16-adamw",
+    reshard_after_forward: bool = True,
+) -> list[Collective]:
+    """The per-step collectives of each stage; see [Note: communication volume]."""
+    _check(stage, n)
+    r = get_recipe(recipe)
+    if n == 1:
+        return []  # one rank: nothing to reduce or gather
+    grads, params = psi * r.grad_bytes, psi * r.param_bytes
+    if stage == 0:
+        return [Collective(op="all_reduce", phase="backward", logical_bytes=2 * grads)]
+    reduce = Collective(op="reduce_scatter", phase="backward", logical_bytes=grads)
+    if stage in (1, 2):
+        # The engine all-gathers updated weights after the optimizer step, before the
+        # next forward, so this half cannot overlap with compute.
+        return [reduce, Collective(op="all_gather", phase="step", logical_bytes=params)]
+    out = [Collective(op="all_gather", phase="forward", logical_bytes=params)]
+    if reshard_after_forward:
+        out.append(Collective(op="all_gather", phase="backward", logical_bytes=params))
+    return [*out, reduce]
+
+
+def comm_bytes_per_step(
+    psi: int, *, stage: int, n: int = 2, recipe: str | Recipe = "bf16-adamw",
+    reshard_after_forward: bool = True,
+) -> int:
+    """Logical bytes per rank per step: 2ΨG for stages 0-2, 3Ψ(2 bytes) for stage 3."""
+    return sum(
+        c.logical_bytes
+        for c in collectives_per_step(
+            psi, stage=stage, n=n, recipe=recipe, reshard_after_forward=reshard_after_forward
+        )
+    )
+
+
+def collective_time_s(logical_bytes: float, *, n: int, bus_GBps: float) -> float:
+    """Seconds for ``logical_bytes`` at bus bandwidth ``bus_GBps`` (10^9 B/s): each rank
+    of a ring moves logical × (N-1)/N bytes (nccl-tests' busbw convention)."""
+    if not bus_GBps > 0:
+        raise ValueError(f"bus bandwidth {bus_GBps!r} GB/s must be > 0")
+    return logical_bytes * (n - 1) / n / (bus_GBps * 1e9) if n > 1 else 0.0
+
+
+def compute_time_s(
+    tokens: float, *, flops_per_token: float, mfu: float = 0.4, peak_flops: float = 989e12
+) -> float:
+    """tokens × FLOPs/token ÷ (MFU × peak); 989e12 is H100/H200 dense bf16 peak."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu!r} must be in (0, 1], e.g. 0.4")
+    return tokens * flops_per_token / (mfu * peak_flops)
+
+
+def break_even_tokens(
+    comm_time_s: float, *, flops_per_token: float, mfu: float = 0.4,
+    peak_flops: float = 989e12, window_fraction: float = 1.0,
+) -> float:
+    """Tokens per device per step at which ``comm_time_s`` fits inside the compute it
+    overlaps with: ``window_fraction`` of the step's compute (2/3 for backward-only
+    overlap, stages 0-2). Below this, communication shows in the step time."""
+    return comm_time_s * mfu * peak_flops / (window_fraction * flops_per_token)

@@ -1,0 +1,69 @@
+"""Sharded training equals unsharded training on the same global batch (fp32).
+
+One group of ranks is spawned per world size; every configuration runs inside it (see
+zeroshard.testing.sweep). Bound per configuration: 1e-5 in ||delta|| / ||reference|| per
+parameter, or 3x the larger of two measured yardsticks where that is larger: what torch
+DDP reaches on the same batches, and what single-process torch reaches when it merely sums
+the same batch in two halves (same maths, other rounding; see train_reference). Both are
+measured here and printed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from _training import max_rel_diff, train_ddp, train_reference, train_sharded
+
+from zeroshard.testing import run_ranks, sweep
+
+FREEZE = "blocks.0.norm1.weight"
+
+GRID: list[dict] = [
+    *({"stage": s} for s in (0, 1, 2, 3)),
+    *({"stage": s, "clip": 0.05} for s in (0, 1, 2, 3)),
+    *({"stage": s, "accum": 2} for s in (0, 1, 2, 3)),
+    {"stage": 2, "accum": 2, "use_no_sync": False},
+    {"stage": 3, "accum": 2, "use_no_sync": False},
+    *({"stage": s, "opt": "sgd"} for s in (1, 2, 3)),
+    *({"stage": s, "freeze": FREEZE} for s in (0, 1, 2, 3)),
+    {"stage": 3, "reshard_after_forward": False},
+    {"stage": 3, "prefetch": 0},
+    {"stage": 3, "prefetch": 2, "overlap": False},
+    {"stage": 2, "overlap": False, "bucket_bytes": 4096},
+    {"stage": 1, "reduce_dtype": "fp32", "bucket_bytes": 10_000},
+    *({"stage": s, "preset": "llama-tiny"} for s in (0, 2, 3)),
+    {"stage": 3, "preset": "llama-tiny", "freeze": "blocks.1.mlp.up_proj.weight"},
+]
+
+
+def _all(rank: int, world: int, grid: list[dict]) -> list:
+    results = sweep(functools.partial(train_sharded, rank, world), grid)
+    ddp = train_ddp(rank, world)
+    return [results, ddp] if rank == 0 else []
+
+
+@functools.cache
+def _reference(key: tuple) -> dict:
+    return train_reference(**dict(key))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stages_match_unsharded_training(world: int) -> None:
+    results, ddp = run_ranks(_all, world, GRID, timeout=600)[0]
+    ddp_dev = max_rel_diff(ddp, _reference((("preset", "gpt2-tiny"),)))
+    failures = []
+    worst = 0.0
+    for point, got in zip(GRID, results):
+        ref_key = {k: v for k, v in point.items() if k in ("preset", "opt", "clip", "freeze")}
+        ref_key.setdefault("preset", "gpt2-tiny")
+        ref = _reference(tuple(sorted(ref_key.items())))
+        yard = max_rel_diff(_reference(tuple(sorted({**ref_key, "split": 2}.items()))), ref)
+        bound = max(1e-5, 3 * ddp_dev, 3 * yard)
+        dev = max_rel_diff(got, ref)
+        worst = max(worst, dev)
+        print(f"  {point}: {dev:.2e} (re-association yardstick {yard:.2e})")
+        if dev > bound:
+            failures.append(f"{point}: {dev:.2e} > bound {bound:.1e}")
+    print(f"world {world}: DDP deviation {ddp_dev:.2e}, worst zeroshard {worst:.2e}")
+    assert not failures, "\n".join(failures)
