@@ -112,12 +112,16 @@ def train_ddp(rank: int, world: int, *, preset: str = "gpt2-tiny", **_: Any):
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def max_rel_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+def rel_diffs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||got - ref|| / ||ref|| per parameter (same keys and shapes required)."""
     assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
-    worst = 0.0
+    out = {}
     for k, r in ref.items():
         g = got[k]
         assert g.shape == r.shape, (k, g.shape, r.shape)
-        denom = r.norm().item() or 1.0
-        worst = max(worst, (g - r).norm().item() / denom)
-    return worst
+        out[k] = (g - r).norm().item() / (r.norm().item() or 1.0)
+    return out
+
+
+def max_rel_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(rel_diffs(got, ref).values())

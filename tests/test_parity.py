@@ -1,11 +1,13 @@
 """Sharded training equals unsharded training on the same global batch (fp32).
 
 One group of ranks is spawned per world size; every configuration runs inside it (see
-zeroshard.testing.sweep). Bound per configuration: 1e-5 in ||delta|| / ||reference|| per
-parameter, or 3x the larger of two measured yardsticks where that is larger: what torch
-DDP reaches on the same batches, and what single-process torch reaches when it merely sums
-the same batch in two halves (same maths, other rounding; see train_reference). Both are
-measured here and printed.
+zeroshard.testing.sweep). Bound, per parameter: 1e-5 in ||delta|| / ||reference||, or 3x
+the larger of two measured yardsticks where that is larger: what torch DDP reaches on the
+same batches, and what single-process torch reaches when it merely sums the same batch in
+two halves (same maths, other rounding; see train_reference). Both are measured here and
+printed. The yardsticks matter for parameters whose true gradient is zero, such as the
+key bias (softmax ignores a constant added to every key): their gradient is pure
+rounding noise, which Adam turns into whole-lr steps of either sign.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _training import max_rel_diff, train_ddp, train_reference, train_sharded
+from _training import rel_diffs, train_ddp, train_reference, train_sharded
 
 from zeroshard.testing import run_ranks, sweep
 
@@ -51,19 +53,21 @@ def _reference(key: tuple) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_stages_match_unsharded_training(world: int) -> None:
     results, ddp = run_ranks(_all, world, GRID, timeout=600)[0]
-    ddp_dev = max_rel_diff(ddp, _reference((("preset", "gpt2-tiny"),)))
+    ddp = rel_diffs(ddp, _reference((("preset", "gpt2-tiny"),)))
     failures = []
-    worst = 0.0
+    worst_ratio, worst_dev = 0.0, 0.0
     for point, got in zip(GRID, results):
         ref_key = {k: v for k, v in point.items() if k in ("preset", "opt", "clip", "freeze")}
         ref_key.setdefault("preset", "gpt2-tiny")
         ref = _reference(tuple(sorted(ref_key.items())))
-        yard = max_rel_diff(_reference(tuple(sorted({**ref_key, "split": 2}.items()))), ref)
-        bound = max(1e-5, 3 * ddp_dev, 3 * yard)
-        dev = max_rel_diff(got, ref)
-        worst = max(worst, dev)
-        print(f"  {point}: {dev:.2e} (re-association yardstick {yard:.2e})")
-        if dev > bound:
-            failures.append(f"{point}: {dev:.2e} > bound {bound:.1e}")
-    print(f"world {world}: DDP deviation {ddp_dev:.2e}, worst zeroshard {worst:.2e}")
+        yard = rel_diffs(_reference(tuple(sorted({**ref_key, "split": 2}.items()))), ref)
+        for name, dev in rel_diffs(got, ref).items():
+            bound = max(1e-5, 3 * yard[name], 3 * ddp.get(name, 0.0))
+            worst_ratio = max(worst_ratio, dev / bound)
+            worst_dev = max(worst_dev, dev)
+            if dev > bound:
+                failures.append(f"{point} {name}: {dev:.2e} > bound {bound:.1e}")
+    print(f"world {world}: DDP worst {max(ddp.values()):.2e} (median "
+          f"{sorted(ddp.values())[len(ddp) // 2]:.1e}); zeroshard worst {worst_dev:.2e}, "
+          f"worst deviation/bound {worst_ratio:.2f}")
     assert not failures, "\n".join(failures)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .api import engine_of, full_state_dict, shard
+from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CommLedger, CommRecord
 from .config import ShardConfig
 
@@ -13,6 +13,7 @@ __all__ = [
     "shard",
     "full_state_dict",
     "engine_of",
+    "memory_tracker",
     "ShardConfig",
     "CommLedger",
     "CommRecord",

@@ -13,10 +13,12 @@ from torch import nn
 
 from .comm import Comm, CommLedger
 from .config import ShardConfig, suggest_option
-from .engine.engine import Engine
+from .engine.engine import Engine, ParamInit
 from .engine.optimizer import ShardedOptimizer, check_elementwise
+from .engine.units import UnitSpec
+from .memory.tracker import MemoryTracker
 
-__all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of"]
+__all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of", "memory_tracker"]
 
 OptimizerFactory = type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]
 
@@ -81,7 +83,7 @@ def _split_options(
     return ours, theirs
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, stage: int) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_zeroshard_engine", None) is not None:
@@ -98,7 +100,7 @@ def _check_model(model: nn.Module) -> None:
             f"parameters are on several devices {sorted(map(str, devices))}; move the model "
             "to one device (model.to(device)) before shard()"
         )
-    if torch.device("meta") in devices:
+    if torch.device("meta") in devices and stage != 3:
         raise ValueError(
             "parameters are on the meta device; stages 0-2 need real weights: materialise "
             "the model first (zeroshard.models.materialize) or use stage=3"
@@ -111,6 +113,9 @@ def shard(
     *,
     stage: int = 0,
     process_group: dist.ProcessGroup | None = None,
+    units: UnitSpec = None,
+    param_init: ParamInit | None = None,
+    device: torch.device | str | None = None,
     **options: Any,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Shard ``model`` for data-parallel training; return it with its optimizer.
@@ -120,6 +125,13 @@ def shard(
     ``shard(model, torch.optim.AdamW, stage=2, lr=1e-3, weight_decay=0.1)``.
     The model is changed in place (its parameters become views of flat buffers) and
     returned; the returned optimizer steps this rank's shard.
+
+    Stage 3 only: ``units`` — a list of submodules or a predicate ``module -> bool``
+    (default: each module of the model's first ``nn.ModuleList``; the rest is the root
+    unit). A model built on the meta device is materialised unit by unit on ``device``
+    (default: the current CUDA device, else CPU) by ``param_init(model, names)``, which
+    must fill the named parameters in place identically on every rank (default for
+    zeroshard's reference models: ``zeroshard.models.init_weights(model, 0, names)``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -129,10 +141,16 @@ def shard(
         )
     ours, optim_kwargs = _split_options(optimizer, options)
     config = ShardConfig(stage=stage, **ours)
-    _check_model(model)
+    _check_model(model, stage)
     check_elementwise(optimizer)
+    if units is not None and stage != 3:
+        raise ValueError(f"units= applies to stage 3 only (stage={stage}); drop it")
+    meta = next(model.parameters()).is_meta
+    dev = _resolve_device(device) if meta else None
+    if meta and param_init is None:
+        param_init = _default_param_init(model)
     comm = Comm(process_group, CommLedger(), label="world" if process_group is None else "dp")
-    engine = Engine(model, config, comm)
+    engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev)
     inner = optimizer(engine.master_params(), **optim_kwargs)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
@@ -143,6 +161,26 @@ def shard(
     model._zeroshard_engine = engine
     _swap_class(model)
     return model, ShardedOptimizer(engine, inner)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _default_param_init(model: nn.Module) -> ParamInit:
+    from .models import GPT2, Llama, init_weights
+
+    if isinstance(model, (GPT2, Llama)):
+        return lambda m, names: init_weights(m, 0, names)
+    raise ValueError(
+        f"{type(model).__name__} is on the meta device; pass param_init=fn(model, names) "
+        "that initialises the named parameters in place (the same on every rank), or build "
+        "the model on a real device"
+    )
 
 
 @torch.no_grad()
@@ -167,3 +205,22 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         src = src.detach()
         out[key] = (src.float() if src.is_floating_point() else src).cpu().clone()
     return out
+
+
+def memory_tracker(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> MemoryTracker:
+    """A :class:`~zeroshard.memory.MemoryTracker` that knows the sharded model's buffers.
+
+    Parameters, gradients (whole buffers, reduced slices, fp32 copies), fp32 master
+    weights (filed under optimizer state, as in ZeRO's K) and optimizer state are
+    attributed to their categories; use it as ``with tracker: ...`` around steps.
+    """
+    tracker = MemoryTracker()
+    tracker.track_module(model)
+    if optimizer is not None:
+        tracker.track_optimizer(optimizer)
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is not None:
+        tracker.add_source(engine.memory_sources())
+    return tracker

@@ -1,27 +1,18 @@
 """Activation checkpointing policies, applied per transformer block.
 
-Checkpointing (Chen et al. 2016) stores a region's *input* in forward and recomputes
-everything inside it during backward: memory for the region's internals then exists for
-one region at a time, at the price of running its forward twice (+~33% arithmetic for a
-whole model, since training is ~3 forwards' worth). A policy picks the regions:
-
-=============  ==============================================  ===============================
-name           regions (checkpointed as one unit)              stored per block / recompute
-=============  ==============================================  ===============================
-``none``       none                                            everything / nothing
-``full``       every block                                     its input / one forward
-``every-k``    every k-th block (index k-1, 2k-1, ...)         about 1/k of the full saving
-``selective``  each block's attention core (``attn.core``)     all but scores / few FLOPs
-``sqrt``       segments of ceil(sqrt(n)) consecutive blocks    one input per segment
-=============  ==============================================  ===============================
-
-``selective`` is Korthikanti et al. (2022, sec. 4.2): the attention scores, softmax and
-dropout cost O(a*s^2) bytes but few FLOPs, so recompute only those (our models put that
-path, and nothing else, in :class:`~zeroshard.models.CoreAttention`).
+Checkpointing (Chen et al. 2016) stores a region's *input* in forward and recomputes its
+inside during backward, so a region's internals exist for one region at a time, at the
+price of a second forward (~+33% arithmetic: training is ~3 forwards). A policy picks
+the regions: ``none``; ``full`` (every block); ``every-k`` (blocks k-1, 2k-1, ...);
+``selective`` (each block's ``attn.core``: scores, softmax and dropout cost O(a*s^2)
+bytes but few FLOPs, Korthikanti et al. 2022, sec. 4.2); ``sqrt`` (segments of
+ceil(sqrt(n)) consecutive blocks, one input stored per segment, Chen et al. 2016, sec. 4).
 
 The engine is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 preserve_rng_state=True)``: the RNG state is stashed before the forward and restored for
-the recompute, so dropout masks replay bit for bit.
+the recompute, so dropout masks replay bit for bit. Its *early stop* ends a recompute as
+soon as the last tensor backward needs is rebuilt: ops after the last save (a block's
+final matmul when no dropout follows it) are not rerun, so "+33%" can be less.
 
 [Note: wrapping by class swap]
 A wrapped module keeps its place and its parameter names (``state_dict`` keys do not
@@ -66,8 +57,17 @@ from torch.utils.checkpoint import checkpoint
 from zeroshard.memory.saved import record_kept
 
 __all__ = [
-    "CheckpointPolicy", "EveryK", "FullCheckpoint", "NoCheckpoint", "Selective", "SqrtSegments",
-    "apply_checkpointing", "checkpointed_modules", "find_blocks", "offload_to_host", "parse_policy",
+    "CheckpointPolicy",
+    "EveryK",
+    "FullCheckpoint",
+    "NoCheckpoint",
+    "Selective",
+    "SqrtSegments",
+    "apply_checkpointing",
+    "checkpointed_modules",
+    "find_blocks",
+    "offload_to_host",
+    "parse_policy",
     "remove_checkpointing",
 ]
 
@@ -165,8 +165,9 @@ class SqrtSegments(CheckpointPolicy):
         if self.segment_size is not None and (
             not isinstance(self.segment_size, int) or self.segment_size < 1
         ):
-            raise ValueError(f"SqrtSegments.segment_size must be None or >= 1, got "
-                             f"{self.segment_size!r}")
+            raise ValueError(
+                f"SqrtSegments.segment_size must be None or >= 1, got {self.segment_size!r}"
+            )
 
     def size_for(self, n_blocks: int) -> int:
         return self.segment_size or math.ceil(math.sqrt(n_blocks))
@@ -182,13 +183,19 @@ def parse_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a name or a CheckpointPolicy, got {type(policy).__name__}")
-    simple = {"none": NoCheckpoint, "full": FullCheckpoint, "selective": Selective,
-              "sqrt": SqrtSegments}
+    simple = {
+        "none": NoCheckpoint,
+        "full": FullCheckpoint,
+        "selective": Selective,
+        "sqrt": SqrtSegments,
+    }
     if policy in simple:
         return simple[policy]()
-    if m := re.fullmatch(r"every-(-?\d+)", policy):
+    if (m := re.fullmatch(r"every-(-?\d+)", policy)) and int(m.group(1)) >= 1:
         return EveryK(int(m.group(1)))
-    raise ValueError(f"unknown checkpoint policy {policy!r}; supported: {SUPPORTED}")
+    raise ValueError(
+        f"unknown checkpoint policy {policy!r} (every-k needs k >= 1); supported: {SUPPORTED}"
+    )
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -199,8 +206,10 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1:
             return m
-    raise ValueError(f"found no repeated blocks in {type(model).__name__} (no `blocks` "
-                     "ModuleList, no ModuleList of >1 same-class modules); pass blocks=...")
+    raise ValueError(
+        f"found no repeated blocks in {type(model).__name__} (no `blocks` "
+        "ModuleList, no ModuleList of >1 same-class modules); pass blocks=..."
+    )
 
 
 @dataclass(eq=False)
@@ -226,17 +235,24 @@ class _CheckpointedMixin(nn.Module):
         if index > 0:
             p = region.pending
             if p and p[1] == index and args and p[0]() is args[0] and _same(p[2:], args, kwargs):
-                region.pending = (p[0], index + 1, *p[2:]) if index + 1 < len(region.modules) else None
+                region.pending = (
+                    (p[0], index + 1, *p[2:]) if index + 1 < len(region.modules) else None
+                )
                 return args[0]
-            return _run(_Region([self], region.checkpoint, region.offload, region.pin_memory),
-                        args, kwargs)
+            return _run(
+                _Region([self], region.checkpoint, region.offload, region.pin_memory), args, kwargs
+            )
         return _run(region, args, kwargs)
 
 
 def _same(call: tuple, args: tuple, kwargs: dict) -> bool:
     l_args, l_kwargs = call  # the leader's extra arguments (all but the first)
-    return (len(l_args) == len(args) - 1 and all(a is b for a, b in zip(l_args, args[1:]))
-            and l_kwargs.keys() == kwargs.keys() and all(l_kwargs[k] is kwargs[k] for k in kwargs))
+    return (
+        len(l_args) == len(args) - 1
+        and all(a is b for a, b in zip(l_args, args[1:]))
+        and l_kwargs.keys() == kwargs.keys()
+        and all(l_kwargs[k] is kwargs[k] for k in kwargs)
+    )
 
 
 def _run(region: _Region, args: tuple, kwargs: dict) -> Any:
@@ -246,13 +262,16 @@ def _run(region: _Region, args: tuple, kwargs: dict) -> Any:
         out = _original_class(mods[0]).forward(mods[0], *a, **kw)
         for m in mods[1:]:
             if not isinstance(out, torch.Tensor):
-                raise TypeError(f"sqrt segments need blocks mapping a tensor to a tensor; "
-                                f"{type(m).__name__} got {type(out).__name__}")
+                raise TypeError(
+                    f"sqrt segments need blocks mapping a tensor to a tensor; "
+                    f"{type(m).__name__} got {type(out).__name__}"
+                )
             out = _original_class(m).forward(m, out, *a[1:], **kw)
         return out
 
     ctx: AbstractContextManager[Any] = (
-        offload_to_host(pin_memory=region.pin_memory) if region.offload else nullcontext())
+        offload_to_host(pin_memory=region.pin_memory) if region.offload else nullcontext()
+    )
     with ctx:
         if not (region.checkpoint and torch.is_grad_enabled()):
             out = chain(*args, **kwargs)
@@ -342,8 +361,11 @@ class offload_to_host(torch.autograd.graph.saved_tensors_hooks):
         pin = pin_memory and torch.cuda.is_available()
 
         def pack(t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
-            if t.device.type == "cpu" or isinstance(t, nn.Parameter) or \
-                    isinstance(t._base, nn.Parameter):
+            if (
+                t.device.type == "cpu"
+                or isinstance(t, nn.Parameter)
+                or isinstance(t._base, nn.Parameter)
+            ):
                 record_kept(t)
                 return None, t
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +106,8 @@ def _mfu(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a model FLOPs utilisation; use (0, 1], e.g. 0.4")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a model FLOPs utilisation; use a number in (0, 1], e.g. 0.4")
     return value
 
 
@@ -171,7 +173,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             recipe=args.recipe)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    name = args.model or f"--params {args.params / 1e9:g}B -> Llama-like L={config.n_layers}, h={config.hidden}"
+    name = args.model or f"--params {args.params / 1e9:g}B -> Llama-like shape"
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result, name))
     return 0
 
@@ -183,26 +185,28 @@ def format_plan(p: Plan, name: str) -> str:
     r, psi, cfg = p.recipe, p.params, p.config
     mem, reserve = p.gpu_mem_bytes, reserve_bytes(p.gpu_mem_bytes)
     optim = "fp32 master + Adam m + v" if r.optim_bytes == 12 else "Adam m + v (fp32)"
+    kinds = [(r.param_bytes, "weights the model computes with"), (r.grad_bytes, "gradients"),
+             (r.optim_bytes, f"optimizer: {optim}"), (r.bytes_per_param, "per full replica")]
     lines = [
         f"model   {name}: {psi / 1e9:.2f}B parameters (L={cfg.n_layers}, h={cfg.hidden}, "
         f"heads={cfg.n_heads}), recipe {r.name}",
-        f"batch   seq {p.seq_len} x micro-batch {p.micro_batch} per device, one optimizer step "
-        "per micro-batch",
-        f"device  {mem / 1e9:.1f} GB ({mem / 2**30:.1f} GiB); usable {(mem - reserve) / 1e9:.1f} GB "
-        f"after a {reserve / 1e9:.1f} GB reserve (max(10%, 1.5 GB): CUDA context, NCCL, fragmentation)",
+        f"batch   seq {p.seq_len} x micro-batch {p.micro_batch} per device, one optimizer "
+        "step per micro-batch",
+        f"device  {mem / 1e9:.1f} GB ({mem / 2**30:.1f} GiB); usable {(mem - reserve) / 1e9:.1f} "
+        f"GB after a {reserve / 1e9:.1f} GB reserve (max(10%, 1.5 GB): CUDA context, NCCL, "
+        "fragmentation)",
         f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device",
         "",
-        f"Model state (ZeRO, Rajbhandari et al. 2020, sec. 3.1): {r.bytes_per_param} bytes per parameter",
-        f"  {r.param_bytes:>2} B  weights the model computes with     {psi * r.param_bytes / 1e9:8.1f} GB",
-        f"  {r.grad_bytes:>2} B  gradients                            {psi * r.grad_bytes / 1e9:8.1f} GB",
-        f"  {r.optim_bytes:>2} B  optimizer: {optim:<25} {psi * r.optim_bytes / 1e9:8.1f} GB",
-        f"  {r.bytes_per_param:>2} B  per full replica                     "
-        f"{psi * r.bytes_per_param / 1e9:8.1f} GB",
+        f"Model state (ZeRO, Rajbhandari et al. 2020, sec. 3.1): {r.bytes_per_param} bytes "
+        "per parameter",
+        *(f"  {b:>2} B  {what:<36} {psi * b / 1e9:8.1f} GB" for b, what in kinds),
         "  stage 0 keeps all of it on every device; stage 1 shards the optimizer part over N,",
         "  stage 2 also the gradients, stage 3 everything. Activations are a separate bill that",
         "  no sharding touches; checkpointing trades them for recompute (+~33% FLOPs for full).",
         "",
         "GB = 10^9 bytes, GiB = 2^30 bytes; per device. comm = ZeRO volume per step (2Ψ / 3Ψ);",
+        "act = saved activations (fused attention) + backward's recompute working set;",
+        "buf = stage 1 reduced-gradient slice, stage 2 gradient buckets, stage 3 gathered units;",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
     head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} {'state GB':>8} {'act GB':>7} {'buf GB':>6} "
@@ -223,7 +227,9 @@ def format_plan(p: Plan, name: str) -> str:
         lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
         lines += [f"  {note}" for note in p.notes] + [""]
     rec = p.recommendation
-    lines += [f"Recommendation ({rec.gpus} device{'s' if rec.gpus > 1 else ''}): {_rec_title(rec)}", f"  {rec.reason}"]
+    plural = "s" if rec.gpus > 1 else ""
+    lines.append(f"Recommendation ({rec.gpus} device{plural}): {_rec_title(rec)}")
+    lines += textwrap.wrap(rec.reason, width=96, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 
 
@@ -241,7 +247,8 @@ _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_plan,)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zeroshard", description="Sharded data parallelism (ZeRO 0-3) with measured accounting.")
+        prog="zeroshard",
+        description="Sharded data parallelism (ZeRO 0-3) with measured accounting.")
     parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for add in _SUBCOMMANDS:

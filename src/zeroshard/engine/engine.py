@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import Comm
 from ..config import ShardConfig
@@ -61,6 +61,26 @@ def _named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]
             order.append(p)
         names[id(p)].append(name)
     return [(tuple(names[id(p)]), p) for p in order]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done.
+
+    Its backward runs when the gradient w.r.t. the unit's inputs is complete, i.e. after
+    every node inside the unit (every reader of its weights), and — unlike a hook on the
+    input tensor — strictly before hooks on the previous unit's output fire, so a unit is
+    freed before the next one's prefetch starts (FSDP2's RegisterPostBackwardFunction).
+    """
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):  # type: ignore[override]
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
 
 
 class Engine:
@@ -265,11 +285,21 @@ class Engine:
         self._prefetch(self._order, self._fwd_cursor)
         u.inputs_hooked = False
         if torch.is_grad_enabled():
-            for t in tree_flatten(args)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, u=u: self._unit_post_backward(u, g))
-                    u.inputs_hooked = True
+            args = self._hook_inputs(u, args)
         u.wait()
+        return args
+
+    def _hook_inputs(self, u: Unit, args: tuple) -> tuple:
+        """Route the unit's inputs through :class:`_PostBackward` (see its docstring)."""
+        flat, spec = tree_flatten(args)
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args
+        u.inputs_hooked = True
+        outs = _PostBackward.apply(lambda: self._reshard(u), *(flat[i] for i in idx))
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _unit_post_forward(self, u: Unit, output):
         if u.in_backward:
@@ -295,10 +325,6 @@ class Engine:
                 v.in_backward = True
                 self._unshard(v, "backward")
             u.wait()
-        return grad
-
-    def _unit_post_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
-        self._reshard(u)
         return grad
 
     # -- backward ---------------------------------------------------------------------------

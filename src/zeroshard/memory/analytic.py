@@ -1,8 +1,8 @@
 """Closed-form memory, communication and time per rank for ZeRO stages 0-3.
 
 Everything here is arithmetic on a parameter count Ψ, a data-parallel degree N and a
-precision recipe; nothing allocates or imports torch, so a 1T-parameter model prices in
-microseconds. :mod:`zeroshard.memory.planner` combines these with activation estimates.
+precision recipe; nothing allocates, so a 1T-parameter model prices in microseconds.
+:mod:`zeroshard.memory.planner` combines these with activation estimates.
 
 [Note: model state per rank]
 Rajbhandari et al. 2020 (ZeRO), §3.1 and §5, Figure 1. With P bytes per 16-bit weight,
@@ -34,11 +34,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zeroshard.models.config import GPT2Config, ModelConfig
+
 __all__ = [
     "RECIPES",
     "Collective",
+    "StepTime",
     "ModelState",
     "Recipe",
+    "block_params",
     "break_even_tokens",
     "collective_time_s",
     "collectives_per_step",
@@ -47,6 +51,8 @@ __all__ = [
     "get_recipe",
     "grad_bucket_bytes",
     "model_state_bytes",
+    "recompute_flops_per_token",
+    "step_time",
     "unit_buffer_bytes",
 ]
 
@@ -83,10 +89,13 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "bf16-adamw": Recipe(name="bf16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
-    # fp16 costs the same bytes; it adds dynamic loss scaling, not memory.
-    "fp16-adamw": Recipe(name="fp16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
-    "fp32-adamw": Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4),
+    r.name: r
+    for r in (
+        Recipe(name="bf16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
+        # fp16 costs the same bytes; it adds dynamic loss scaling, not memory.
+        Recipe(name="fp16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
+        Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4),
+    )
 }
 
 
@@ -236,6 +245,52 @@ def compute_time_s(
     return tokens * flops_per_token / (mfu * peak_flops)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """One optimizer step of one micro-batch; see [Note: step time]."""
+
+    compute_s: float
+    comm_s: float
+    """All collectives of the step, overlapped or not."""
+    exposed_comm_s: float
+    """The part of ``comm_s`` that compute does not hide."""
+    break_even_tokens: float
+    """Tokens per device per step from which overlappable communication hides."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def step_time(
+    collectives: list[Collective], *, n: int, bus_GBps: float, tokens: int,
+    flops_per_token: float, recompute_flops_per_token: float = 0.0, mfu: float = 0.4,
+    peak_flops: float = 989e12, first_unit_bytes: int = 0,
+) -> StepTime:
+    """[Note: step time]
+    compute = tokens × (flops_per_token + recompute) ÷ (MFU × peak). Forward is a third of
+    the non-recompute work, backward (with the recompute) the rest. Each collective
+    overlaps with its phase: gradient reductions with backward, stage 3's gathers with
+    forward or backward; only the excess shows, plus what has nothing to hide behind: the
+    "step" phase (stages 1-2's post-step all-gather) and ``first_unit_bytes`` (stage 3's
+    first unit, gathered in forward and again in backward before any compute). step =
+    compute + exposed communication.
+    """
+    fpt = flops_per_token + recompute_flops_per_token
+    compute = compute_time_s(tokens, flops_per_token=fpt, mfu=mfu, peak_flops=peak_flops)
+    window = {"forward": compute * flops_per_token / fpt / 3}
+    window["backward"] = compute - window["forward"]
+    comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    for c in collectives:
+        comm[c.phase] += collective_time_s(c.logical_bytes, n=n, bus_GBps=bus_GBps)
+    exposed = comm["step"] + sum(max(0.0, comm[p] - window[p]) for p in window)
+    exposed += 2 * collective_time_s(first_unit_bytes, n=n, bus_GBps=bus_GBps)
+    return StepTime(
+        compute_s=compute, comm_s=sum(comm.values()), exposed_comm_s=exposed,
+        break_even_tokens=max(comm[p] * tokens / window[p] for p in window),
+    )
+
+
 def break_even_tokens(
     comm_time_s: float, *, flops_per_token: float, mfu: float = 0.4,
     peak_flops: float = 989e12, window_fraction: float = 1.0,
@@ -244,3 +299,30 @@ def break_even_tokens(
     overlaps with: ``window_fraction`` of the step's compute (2/3 for backward-only
     overlap, stages 0-2). Below this, communication shows in the step time."""
     return comm_time_s * mfu * peak_flops / (window_fraction * flops_per_token)
+
+
+def block_params(config: ModelConfig) -> int:
+    """Parameters of one transformer block (the stage-3 unit and the recompute region):
+    GPT-2 ``12h^2 + 13h``, Llama ``2h^2 + 2h*kv_dim + 3hf + 2h`` (see models/config.py)."""
+    h = config.hidden
+    if isinstance(config, GPT2Config):
+        return 12 * h * h + 13 * h
+    kv = config.kv_heads * config.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * config.ffn_dim + 2 * h
+
+
+def recompute_flops_per_token(config: ModelConfig, seq_len: int, policy: str) -> int:
+    """Forward FLOPs per token re-run in backward (on top of ``config.flops_per_token``).
+
+    Selective (Korthikanti et al. 2022, §4.2) re-runs the attention core, QK^T and AV:
+    4hs per layer. Full re-runs each block's forward, 2 × block params + 4hs per layer
+    (the LM head is not recomputed): about +33% on 6Ψ. "every-k" re-runs blocks k-1, 2k-1..;
+    Chen et al.'s sqrt(n) segments (2016, §4) re-run every block once, like full.
+    """
+    layers, attn = config.n_layers, 4 * config.hidden * seq_len
+    if policy == "none":
+        return 0
+    if policy == "selective":
+        return layers * attn
+    k = int(policy[6:]) if policy.startswith("every-") and policy[6:].isdigit() else 1
+    return layers // k * (2 * block_params(config) + attn)  # blocks k-1, 2k-1, ...

@@ -1,9 +1,8 @@
 """``plan()``: does a model fit, at which stage and checkpointing policy, and how fast?
 
 Every (device count N, stage 0-3, checkpointing policy) gets a :class:`PlanRow` built
-from :mod:`zeroshard.memory.analytic` (model state, buffers, communication) and the
-activation estimate of :mod:`zeroshard.memory.activations`; then the ladder of
-mission.md §3 picks one (see [Note: recommendation]).
+from :mod:`zeroshard.memory.analytic` (model state, buffers, communication, step time)
+and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks one.
 
 [Note: what "fits" means]
 A row fits when total = model state + activations + buffers <= usable memory, where
@@ -12,23 +11,17 @@ reserve stands for what no formula here counts: the CUDA context and kernels (~0
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
 free but cannot be split for a larger request), commonly 5-10% at peak.
 
-[Note: step time]
-compute = tokens × (6N + 12Lhs + recompute FLOPs per token) ÷ (MFU × peak); forward is
-a third of the non-recompute part, backward (with recompute) the rest. Communication
-overlaps with the phase it belongs to: gradient reductions with backward, stage 3's
-gathers with forward or backward. Only the excess shows, plus what cannot overlap: the
-post-step all-gather of stages 1-2 and stage 3's first-unit gathers (nothing to prefetch
-behind). step = compute + exposed communication; tokens/s = N × micro_batch × seq / step.
-One optimizer step per micro-batch (no gradient accumulation), the worst case for
-communication.
+Step time: see [Note: step time] in analytic.py. tokens/s = N × micro_batch × seq / step,
+one optimizer step per micro-batch (gradient accumulation would amortise stages 0-2's
+reductions), the worst case for communication.
 
 [Note: recommendation]
 Among fitting rows of one N: the best estimated tokens/s; on a tie (stages 1 and 2 move
-the same bytes) the one using less memory, then the lower stage. Stage 3
-must beat the best fitting stage <= 2 by more than 10%: its per-unit gathers cost launch
-latency, copies and compute-stream contention this model does not price (anchors: "Stage 3
-by default is a common mistake"). Nothing fits: if one block's 16-bit weights, gradients
-and activations (micro-batch 1) exceed a device, no sharding helps -> tensor parallelism;
+the same bytes) the one using less memory, then the lower stage. Stage 3 must beat the
+best fitting stage <= 2 by more than 10%: its per-unit gathers cost launch latency,
+copies and compute-stream contention this model does not price (anchors.md: "Stage 3 by
+default is a common mistake"). Nothing fits: if one block's 16-bit weights, gradients and
+activations (micro-batch 1) exceed a device, no sharding helps -> tensor parallelism;
 else the device count at which stage 3 would fit. Over several N, the best tokens/s per
 device wins (more devices always add throughput; this asks what each one buys).
 """
@@ -37,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from zeroshard.memory import analytic
 from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig, get_preset
@@ -54,7 +47,9 @@ def reserve_bytes(gpu_mem_bytes: int) -> int:
     return max(int(RESERVE_FRACTION * gpu_mem_bytes), RESERVE_MIN_BYTES)
 
 
-def config_from_params(n_params: float, *, seq_len: int = 4096, vocab: int = 32000) -> LlamaConfig:
+def config_from_params(
+    n_params: float, *, seq_len: int = 4096, vocab: int = 32000
+) -> LlamaConfig:
     """The Llama-2-like shape whose parameter count is nearest ``n_params`` (in ratio).
 
     Head dim 128 and hidden = 128 × layers, the aspect ratio of Llama-2 7B (4096, 32) and
@@ -70,41 +65,27 @@ def config_from_params(n_params: float, *, seq_len: int = 4096, vocab: int = 320
     return min(shapes, key=lambda c: abs(math.log(c.param_count() / n_params)))
 
 
-def _block_params(config: ModelConfig) -> int:
-    h = config.hidden
-    if isinstance(config, GPT2Config):
-        return 12 * h * h + 13 * h
-    kv = config.kv_heads * config.head_dim
-    return 2 * h * h + 2 * h * kv + 3 * h * config.ffn_dim + 2 * h
-
-
 def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, policy: str,
-                      dtype_bytes: int) -> int:
-    """Adapter over ``activations.estimate_activation_bytes`` (owned elsewhere). Until it
-    exists: Korthikanti et al. 2022 Eq. (1)-(2), sbh(34 + 5as/h) bytes per layer at 16
-    bits, scaled to ``dtype_bytes``; full keeps each block's input (2sbh) plus one layer."""
-    try:
-        from zeroshard.memory.activations import estimate_activation_bytes
-    except ImportError:
-        s, b, h, a, n = seq_len, micro_batch, config.hidden, config.n_heads, config.n_layers
-        layer = s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
-        kept = {"none": n * layer, "selective": n * s * b * h * 34 * dtype_bytes / 2}
-        return int(kept.get(policy, n * s * b * h * dtype_bytes + layer))
-    return int(estimate_activation_bytes(config, micro_batch, seq_len, policy,
-                                         dtype_bytes=dtype_bytes))
+                      dtype_bytes: int) -> tuple[int, int]:
+    """(peak activation bytes, one block's un-checkpointed bytes) from
+    :func:`zeroshard.memory.activations.estimate_activation_bytes`.
 
+    That estimate is what forward leaves saved for backward, with a fused (flash) attention
+    kernel as on GPUs. Backward's peak adds the recompute working set: one checkpointed
+    region re-run whole (one block for full / every-k, ceil(sqrt(L)) blocks for sqrt), or
+    one block's attention scores for selective.
+    """
+    from zeroshard.checkpointing import Selective, parse_policy
+    from zeroshard.memory.activations import estimate_activation_bytes
 
-def recompute_flops_per_token(config: ModelConfig, seq_len: int, policy: str) -> int:
-    """Extra forward FLOPs per token in backward: selective recomputes the attention core
-    (QK^T and AV, 4hs per layer), full a whole block (2 × block params + 4hs per layer),
-    "every-k" one block in k. Chen's sqrt(n) segments recompute every block: as full."""
-    layers, attn = config.n_layers, 4 * config.hidden * seq_len
-    if policy == "none":
-        return 0
-    if policy == "selective":
-        return layers * attn
-    k = int(policy.split("-", 1)[1]) if policy.startswith("every-") and policy[6:].isdigit() else 1
-    return math.ceil(layers / k) * (2 * _block_params(config) + attn)
+    est = estimate_activation_bytes(config, micro_batch, seq_len, policy, dtype_bytes=dtype_bytes)
+    pol = parse_policy(policy)
+    if isinstance(pol, Selective):
+        transient = est.scores_bytes
+    else:
+        regions = pol.regions(list(range(config.n_layers)))  # type: ignore[arg-type]
+        transient = max((len(r) for r in regions), default=0) * est.block_bytes
+    return est.total + transient, est.block_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,101 +151,143 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def _row(cfg: ModelConfig, *, n: int, stage: int, policy: str, psi: int, usable: int,
-         opts: dict) -> PlanRow:
-    r, seq, mb = opts["recipe"], opts["seq_len"], opts["micro_batch"]
-    state = analytic.model_state_bytes(psi, stage=stage, n=n, recipe=r)
-    act = opts["act"][policy]
-    unit = max(_block_params(cfg), psi - cfg.n_layers * _block_params(cfg))
-    buffers = {
-        1: math.ceil(psi / n) * r.grad_bytes,  # engine's reduced-slice buffer (grad_shard)
-        2: analytic.grad_bucket_bytes(opts["bucket_bytes"]),
-        3: analytic.unit_buffer_bytes(unit, prefetch=opts["prefetch"], recipe=r, psi=psi),
-    }.get(stage, 0) if n > 1 else 0
-    total = state.total + act + buffers
+def _with(x: PlanRow) -> str:
+    p = x.activation_checkpointing
+    return f"stage {x.stage} with {'no' if p == 'none' else p} activation checkpointing"
 
-    tokens = mb * seq
-    base_fpt = cfg.flops_per_token(seq)
-    fpt = base_fpt + recompute_flops_per_token(cfg, seq, policy)
-    timing = {"mfu": opts["mfu"], "peak_flops": opts["peak_flops"]}
-    compute = analytic.compute_time_s(tokens, flops_per_token=fpt, **timing)
-    window = {"forward": compute * base_fpt / fpt / 3}
-    window["backward"] = compute - window["forward"]
-    comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+@dataclass(frozen=True, kw_only=True)
+class _Setup:
+    """Everything a row needs that does not vary with (N, stage, policy)."""
+
+    cfg: ModelConfig
+    recipe: analytic.Recipe
+    psi: int
+    seq_len: int
+    micro_batch: int
+    usable: int
+    mfu: float
+    peak_flops: float
+    bus_GBps: float
+    bucket_bytes: int
+    prefetch: int
+    act: dict[str, int]
+    """Activation bytes per policy (same at every stage: no sharding touches them)."""
+    layer_bytes: int
+    """One block's 16-bit weights + gradients + activations at micro-batch 1."""
+
+    @property
+    def unit(self) -> int:
+        """Largest stage-3 unit: a block, or everything outside the blocks (embeddings)."""
+        block = analytic.block_params(self.cfg)
+        return max(block, self.psi - self.cfg.n_layers * block)
+
+
+def _row(su: _Setup, *, n: int, stage: int, policy: str) -> PlanRow:
+    r, psi = su.recipe, su.psi
+    state = analytic.model_state_bytes(psi, stage=stage, n=n, recipe=r)
+    buffers = 0
+    if n > 1 and stage == 1:  # the engine's reduced-slice buffer, grad_shard (engine.py)
+        buffers = math.ceil(psi / n) * r.grad_bytes
+    elif n > 1 and stage == 2:
+        buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
+    elif n > 1 and stage == 3:
+        buffers = analytic.unit_buffer_bytes(su.unit, prefetch=su.prefetch, recipe=r, psi=psi)
+    total = state.total + su.act[policy] + buffers
+    tokens = su.micro_batch * su.seq_len
     colls = analytic.collectives_per_step(psi, stage=stage, n=n, recipe=r)
-    for c in colls:
-        comm[c.phase] += analytic.collective_time_s(c.logical_bytes, n=n, bus_GBps=opts["bw"])
-    exposed = comm["step"] + sum(max(0.0, comm[p] - window[p]) for p in window)
-    if stage == 3 and n > 1:  # the first unit's gather in forward and backward
-        exposed += 2 * analytic.collective_time_s(unit * r.param_bytes, n=n, bus_GBps=opts["bw"])
-    step = compute + exposed
+    t = analytic.step_time(
+        colls, n=n, bus_GBps=su.bus_GBps, tokens=tokens, mfu=su.mfu, peak_flops=su.peak_flops,
+        flops_per_token=su.cfg.flops_per_token(su.seq_len),
+        recompute_flops_per_token=analytic.recompute_flops_per_token(su.cfg, su.seq_len, policy),
+        first_unit_bytes=su.unit * r.param_bytes if stage == 3 else 0,
+    )
     return PlanRow(
         gpus=n, stage=stage, activation_checkpointing=policy,
         params_bytes=state.params, grads_bytes=state.grads, optim_bytes=state.optim,
-        model_state_bytes=state.total, activation_bytes=act, buffer_bytes=buffers,
-        total_bytes=total, usable_bytes=usable, fits=total <= usable,
-        comm_bytes_per_step=sum(c.logical_bytes for c in colls),
-        comm_time_s=sum(comm.values()), exposed_comm_time_s=exposed,
-        compute_time_s=compute, step_time_s=step, tokens_per_s=n * tokens / step,
-        break_even_tokens=max([comm[p] * tokens / window[p] for p in window], default=0.0),
+        model_state_bytes=state.total, activation_bytes=su.act[policy], buffer_bytes=buffers,
+        total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable,
+        comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s,
+        exposed_comm_time_s=t.exposed_comm_s, compute_time_s=t.compute_s,
+        step_time_s=t.step_s, tokens_per_s=n * tokens / t.step_s,
+        break_even_tokens=t.break_even_tokens,
     )
 
 
-def _recommend(rows: list[PlanRow], *, n: int, cfg: ModelConfig, psi: int, opts: dict) -> Recommendation:
-    fitting = [r for r in rows if r.fits]
-    usable = rows[0].usable_bytes
-    if not fitting:
-        r = opts["recipe"]
-        layer = _block_params(cfg) * (r.param_bytes + r.grad_bytes) + opts["layer_act"]
-        if layer > usable:
-            return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
-                                  action="tensor-parallel", reason=(
-                f"One transformer block needs {_gb(layer)} (16-bit weights and gradients plus "
-                f"its activations at micro-batch 1) but a device has {_gb(usable)} usable, so no "
-                "amount of sharding fits it: tensor parallelism is needed."))
-        lean = min((x for x in rows if x.stage == 3), key=lambda x: x.total_bytes)
-        rest = lean.total_bytes - lean.model_state_bytes
-        need = math.ceil(psi * r.bytes_per_param / (usable - rest)) if usable > rest else None
-        fix = (f"stage 3 with {lean.activation_checkpointing} checkpointing would fit on {need} "
-               "or more devices" if need else "activations alone exceed a device: lower "
-               "--micro-batch or --seq, or use tensor/sequence parallelism")
+def _nothing_fits(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
+    if su.layer_bytes > su.usable:
+        why = (f"One transformer block needs {_gb(su.layer_bytes)} (16-bit weights and "
+               f"gradients plus its activations at micro-batch 1) but a device has "
+               f"{_gb(su.usable)} usable, so no amount of sharding fits it: tensor "
+               "parallelism is needed.")
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
-                              action="more-devices", reason=(
-            f"Nothing fits on {n} device(s) with {_gb(usable)} usable each; {fix}."))
+                              action="tensor-parallel", reason=why)
+    lean = min((x for x in rows if x.stage == 3), key=lambda x: x.total_bytes)
+    rest = lean.total_bytes - lean.model_state_bytes  # does not shrink with N
+    if su.usable > rest:
+        need = math.ceil(su.psi * su.recipe.bytes_per_param / (su.usable - rest))
+        fix = f"{_with(lean)} fits on {need}+ devices"
+    else:
+        fix = ("activations alone exceed a device: lower the micro-batch or sequence length, "
+               "or use tensor/sequence parallelism")
+    why = f"Nothing fits on {n} device(s) with {_gb(su.usable)} usable; {fix}."
+    return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
+                          action="more-devices", reason=why)
+
+
+def _recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
+    """[Note: recommendation]"""
+    fitting = [x for x in rows if x.fits]
+    if not fitting:
+        return _nothing_fits(su, rows, n)
+
     def key(x: PlanRow) -> tuple[float, int, int]:  # equal speed: less memory, lower stage
         return (x.tokens_per_s, -x.total_bytes, -x.stage)
 
     best = max(fitting, key=key)
     low = [x for x in fitting if x.stage <= 2]
-    if best.stage == 3 and low:
-        alt = max(low, key=key)
-        if best.tokens_per_s <= (1 + STAGE3_MARGIN) * alt.tokens_per_s:
-            best = alt
-    s0 = min(x.total_bytes for x in rows if x.stage == 0)
-    s2 = min(x.total_bytes for x in rows if x.stage == 2)
-    how = (f"stage {best.stage} with {best.activation_checkpointing} checkpointing: "
-           f"{_gb(best.total_bytes)} of {_gb(usable)} usable, ~{best.tokens_per_s:,.0f} tokens/s")
+    alt = max(low, key=key) if low else None
+    if best.stage == 3 and alt and best.tokens_per_s <= (1 + STAGE3_MARGIN) * alt.tokens_per_s:
+        best = alt
+    how = (f"{_with(best)}: {_gb(best.total_bytes)} of {_gb(su.usable)} usable, "
+           f"~{best.tokens_per_s:,.0f} tokens/s")
+    s0 = _gb(min(x.total_bytes for x in rows if x.stage == 0))
     if n == 1:
         action, why = "single-device", f"It fits on one device ({how}): use one device."
     elif best.stage == 0:
-        action, why = "data-parallel", (f"A full replica fits on each device, so plain data "
-                                        f"parallelism has the best estimated throughput ({how}).")
+        action = "data-parallel"
+        why = f"A full replica fits on each device: plain data parallelism is fastest ({how})."
     elif best.stage in (1, 2):
-        action, why = f"zero-{best.stage}", (
-            f"A full replica does not fit (stage 0 needs at least {_gb(s0)}); sharding "
-            f"optimizer state{' and gradients' if best.stage == 2 else ''} gives the best "
-            f"estimated throughput that fits ({how}).")
+        action = f"zero-{best.stage}"
+        why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding optimizer "
+               f"state{' and gradients' if best.stage == 2 else ''} gives the best estimated "
+               f"throughput that fits ({how}).")
+    elif alt is None:
+        action = "zero-3"
+        s2 = _gb(min(x.total_bytes for x in rows if x.stage == 2))
+        why = (f"Stages 0-2 do not fit (stage 2 needs at least {s2}), so parameters must be "
+               f"sharded too ({how}); measure its throughput cost, don't assume it.")
     else:
         action = "zero-3"
-        why = (f"Stages 0-2 do not fit (stage 2 needs at least {_gb(s2)}), so parameters "
-               f"must be sharded too ({how}); measure its throughput cost, don't assume it."
-               if not low else
-               f"Stage 3 is estimated {best.tokens_per_s / alt.tokens_per_s - 1:.0%} faster than "
-               f"the best stage 0-2 option (stage {alt.stage} with {alt.activation_checkpointing} "
-               f"checkpointing, ~{alt.tokens_per_s:,.0f} tokens/s), whose post-step all-gather "
-               f"cannot overlap ({how}); confirm by measuring before committing.")
-    return Recommendation(gpus=n, stage=best.stage, activation_checkpointing=best.activation_checkpointing,
-                          action=action, reason=why, tokens_per_s=best.tokens_per_s)
+        gain = (f"sharding the weights leaves room to recompute less than "
+                f"{alt.activation_checkpointing} checkpointing does"
+                if best.activation_checkpointing != alt.activation_checkpointing else
+                f"stage {alt.stage}'s post-step all-gather cannot overlap")
+        why = (f"Stage 3 is estimated {best.tokens_per_s / alt.tokens_per_s - 1:.1%} faster than "
+               f"the best stage 0-2 option ({_with(alt)}, ~{alt.tokens_per_s:,.0f} tokens/s): "
+               f"{gain} ({how}); confirm by measuring.")
+    return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
+                          activation_checkpointing=best.activation_checkpointing,
+                          tokens_per_s=best.tokens_per_s)
+
+
+def _resolve(model: ModelConfig | str | float, seq_len: int) -> tuple[str, ModelConfig]:
+    if isinstance(model, str):
+        return model, get_preset(model)
+    if isinstance(model, (GPT2Config, LlamaConfig)):
+        return "custom", model
+    cfg = config_from_params(model, seq_len=seq_len)
+    return f"llama-like {cfg.param_count() / 1e9:.2f}B (L={cfg.n_layers}, h={cfg.hidden})", cfg
 
 
 def plan(
@@ -286,14 +309,9 @@ def plan(
 
     ``config_or_params``: a model config, a preset name, or a parameter count (shape from
     :func:`config_from_params`). ``gpus``: an int or any iterable of ints (e.g. a range).
+    ``interconnect_GBps``: all-reduce bus bandwidth per device in 10^9 B/s.
     """
-    if isinstance(config_or_params, str):
-        name, cfg = config_or_params, get_preset(config_or_params)
-    elif isinstance(config_or_params, (GPT2Config, LlamaConfig)):
-        name, cfg = "custom", config_or_params
-    else:
-        cfg = config_from_params(config_or_params, seq_len=seq_len)
-        name = f"llama-like {cfg.param_count() / 1e9:.2f}B (L={cfg.n_layers}, h={cfg.hidden})"
+    name, cfg = _resolve(config_or_params, seq_len)
     counts = sorted({gpus} if isinstance(gpus, int) else set(gpus))
     for label, v in (("gpus", counts[0] if counts else 0), ("seq_len", seq_len),
                      ("micro_batch", micro_batch), ("gpu_mem_bytes", gpu_mem_bytes)):
@@ -307,30 +325,36 @@ def plan(
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu!r} must be in (0, 1], e.g. 0.4")
     r = analytic.get_recipe(recipe)
-    psi = cfg.param_count()
-    act = {p: _activation_bytes(cfg, micro_batch=micro_batch, seq_len=seq_len, policy=p,
-                                dtype_bytes=r.act_bytes) for p in policies}
-    one = _activation_bytes(replace(cfg, n_layers=1), micro_batch=1, seq_len=seq_len,
-                            policy="none", dtype_bytes=r.act_bytes)
-    opts = {"recipe": r, "seq_len": seq_len, "micro_batch": micro_batch, "mfu": mfu,
-            "peak_flops": peak_flops, "bw": interconnect_GBps, "act": act, "layer_act": one,
-            "bucket_bytes": bucket_bytes, "prefetch": prefetch}
-    usable = gpu_mem_bytes - reserve_bytes(gpu_mem_bytes)
-    rows, recs = [], []
+
+    def act(p: str, b: int = micro_batch) -> tuple[int, int]:
+        return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
+                                 dtype_bytes=r.act_bytes)
+
+    su = _Setup(
+        cfg=cfg, recipe=r, psi=cfg.param_count(), seq_len=seq_len, micro_batch=micro_batch,
+        usable=gpu_mem_bytes - reserve_bytes(gpu_mem_bytes), mfu=mfu, peak_flops=peak_flops,
+        bus_GBps=interconnect_GBps, bucket_bytes=bucket_bytes, prefetch=prefetch,
+        act={p: act(p)[0] for p in policies},
+        layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
+        + act("none", 1)[1],
+    )
+    rows: list[PlanRow] = []
+    recs: list[Recommendation] = []
     for n in counts:
-        mine = [_row(cfg, n=n, stage=s, policy=p, psi=psi, usable=usable, opts=opts)
-                for s in analytic.STAGES for p in policies]
+        mine = [_row(su, n=n, stage=s, policy=p) for s in analytic.STAGES for p in policies]
         rows += mine
-        recs.append(_recommend(mine, n=n, cfg=cfg, psi=psi, opts=opts))
+        recs.append(_recommend(su, mine, n))
     notes = []
     if len(counts) > 1:
-        for s in analytic.STAGES:
-            ns = sorted({x.gpus for x in rows if x.stage == s and x.fits})
-            notes.append(f"stage {s} fits from {ns[0]} devices" if ns else
-                         f"stage {s} fits on none of {counts}")
+        for s in analytic.STAGES:  # the fewest devices on which each policy fits
+            first = {p: min((x.gpus for x in rows if (x.stage, x.activation_checkpointing,
+                                                     x.fits) == (s, p, True)), default=None)
+                     for p in policies}
+            notes.append(f"stage {s} fits from (devices, by checkpointing): " + ", ".join(
+                f"{p} {n or 'never'}" for p, n in first.items()))
     ok = [x for x in recs if x.tokens_per_s] or recs[-1:]
     best = max(ok, key=lambda x: ((x.tokens_per_s or 0) / x.gpus, -x.gpus))
-    return Plan(model=name, params=psi, config=cfg, recipe=r, seq_len=seq_len,
+    return Plan(model=name, params=su.psi, config=cfg, recipe=r, seq_len=seq_len,
                 micro_batch=micro_batch, gpu_mem_bytes=gpu_mem_bytes,
                 interconnect_GBps=interconnect_GBps, rows=tuple(rows), by_gpus=tuple(recs),
                 recommendation=best, notes=tuple(notes))

@@ -1,0 +1,247 @@
+"""Activation memory: the paper's formula and an itemised estimate for our models.
+
+The bill is what autograd keeps for backward after the forward pass ("saved activations",
+measured by :class:`~zeroshard.memory.SavedTensorCounter`), by term, so each number can be
+set beside a measurement. Notation: s sequence, b micro-batch, h hidden, a heads, L
+layers, V vocabulary, f MLP width, T = b*s tokens, d bytes per activation element.
+
+[Note: Korthikanti et al. 2022, eq. 2]
+One transformer layer with 16-bit activations, dropout, and attention that materialises
+the s x s scores stores s*b*h*(34 + 5*a*s/h) bytes:
+  attention  11sbh + 5as^2b: qkv input 2sbh; Q, K 4sbh; V 2sbh; out-proj input 2sbh;
+             dropout mask sbh; softmax output 2as^2b; its dropout mask as^2b; dropout
+             output 2as^2b (it feeds the AV matmul)
+  MLP        19sbh: fc input 2sbh; GELU input 8sbh; GELU output 8sbh; dropout mask sbh
+  LayerNorm  4sbh: the inputs of both norms
+Full checkpointing keeps 2sbh (the layer input); selective recompute (sec. 4.2) drops the
+5as^2b part and keeps 34sbh.
+
+[Note: what differs in our models]
+:func:`block_terms` and :func:`outside_terms` list what torch saves for our GPT-2 and
+Llama (exact on the CPU in fp32; the tests check every policy to the byte). Differences:
+* d: 2 in the paper, 4 for fp32 on the CPU: every activation term doubles.
+* Masks: CUDA's fused dropout keeps a 1-byte bool mask; the CPU's dropout multiplies by a
+  float noise tensor and keeps that (``mask_bytes=4``). No dropout, no masks.
+* Fused attention (flash / memory-efficient SDPA; the CPU uses its flash kernel only when
+  dropout is 0) stores no scores, only its output and a fp32 logsumexp (4*a*s*b bytes).
+  Its output is laid out [b, s, a, hd], so the out-proj input is a view of it (1 term).
+* LayerNorm also keeps fp32 mean and rstd (2 * 4 bytes per token); the paper ignores them.
+* Llama: RMSNorm run as torch's composite also keeps x*rstd (+1 sbh per norm); RoPE keeps
+  the rotated q (k, v after the GQA repeat are h wide too), so q/k/v stay 3sbh; SwiGLU
+  keeps gate, up, silu(gate) and their product: 4*s*b*f instead of GELU's 8sbh (4h wide).
+* Outside the blocks: token (and position) ids for the embedding backward, the final
+  norm, the LM-head input, and cross-entropy's log-softmax output T*V*d (the logits
+  themselves are not saved), its targets and a scalar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroshard.checkpointing import (
+    CheckpointPolicy,
+    NoCheckpoint,
+    Selective,
+    parse_policy,
+)
+from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig
+
+__all__ = [
+    "ActivationEstimate",
+    "block_terms",
+    "estimate_activation_bytes",
+    "outside_terms",
+    "paper_activation_bytes",
+    "paper_layer_bytes",
+]
+
+ID_BYTES = 8  # int64 token ids / targets
+STAT_BYTES = 4  # norm statistics and attention logsumexp are fp32 whatever d is
+
+
+def paper_layer_bytes(s: int, b: int, h: int, a: int) -> int:
+    """s*b*h*(34 + 5*a*s/h): one layer, 16-bit, dropout, unfused (eq. 2 of the paper)."""
+    return 34 * s * b * h + 5 * a * s * s * b
+
+
+def paper_activation_bytes(
+    s: int, b: int, h: int, a: int, n_layers: int, policy: str | CheckpointPolicy
+) -> int:
+    """The paper's per-layer bill for ``n_layers`` under a policy (blocks only)."""
+    full, sel, inputs = _layer_counts(parse_policy(policy), n_layers)
+    return full * paper_layer_bytes(s, b, h, a) + sel * 34 * s * b * h + inputs * 2 * s * b * h
+
+
+def block_terms(
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    dtype_bytes: int = 4,
+    fused_attention: bool = True,
+    dropout: bool = False,
+    mask_bytes: int = 1,
+) -> dict[str, int]:
+    """Bytes one un-checkpointed block saves for backward, by term (see module notes).
+
+    Terms whose name starts with ``"scores"`` are what selective recompute drops.
+    """
+    if dropout and isinstance(config, LlamaConfig):
+        raise ValueError("dropout=True, but the Llama model has no dropout; pass dropout=False")
+    b, s, h, a, d = micro_batch, seq_len, config.hidden, config.n_heads, dtype_bytes
+    t = b * s
+    terms = {
+        "norm inputs (2 norms)": 2 * t * h * d,
+        "attention input (norm1 output)": t * h * d,
+        "q, k, v (attention core inputs)": 3 * t * h * d,
+        "attention output (out-proj input)": t * h * d,
+        "mlp input (norm2 output)": t * h * d,
+    }
+    if fused_attention:
+        terms["scores: logsumexp (fp32, fused SDPA)"] = b * a * s * STAT_BYTES
+    else:
+        terms["scores: softmax output"] = b * a * s * s * d
+        if dropout:
+            terms["scores: dropout mask"] = b * a * s * s * mask_bytes
+            terms["scores: dropout output"] = b * a * s * s * d
+    if isinstance(config, GPT2Config):
+        terms["norm mean + rstd (fp32)"] = 2 * 2 * t * STAT_BYTES
+        terms["mlp fc output (GELU input, 4h)"] = 4 * t * h * d
+        terms["mlp GELU output (out-proj input, 4h)"] = 4 * t * h * d
+        if dropout:
+            terms["residual dropout masks (2)"] = 2 * t * h * mask_bytes
+    else:
+        f = config.ffn_dim
+        terms["norm rstd (fp32)"] = 2 * t * STAT_BYTES
+        terms["norm x*rstd (composite RMSNorm)"] = 2 * t * h * d
+        terms["mlp gate and up outputs (SwiGLU, f)"] = 2 * t * f * d
+        terms["mlp silu(gate) (f)"] = t * f * d
+        terms["mlp silu(gate)*up (out-proj input, f)"] = t * f * d
+    return terms
+
+
+def outside_terms(
+    config: ModelConfig, micro_batch: int, seq_len: int, *, dtype_bytes: int = 4
+) -> dict[str, int]:
+    """Bytes saved outside the blocks: embeddings, final norm, LM head, cross-entropy."""
+    b, s, h, d = micro_batch, seq_len, config.hidden, dtype_bytes
+    t = b * s
+    terms = {"token ids (embedding backward)": t * ID_BYTES}
+    if isinstance(config, GPT2Config):
+        terms["position ids"] = s * ID_BYTES
+        terms["final norm input"] = t * h * d
+        terms["final norm mean + rstd (fp32)"] = 2 * t * STAT_BYTES
+    else:
+        # The whole [seq_len_max, head_dim] fp32 tables: a slice keeps its storage.
+        terms["RoPE cos/sin tables (whole buffers, fp32)"] = (
+            2 * config.seq_len * config.head_dim * 4
+        )
+        terms["final norm input"] = t * h * d
+        terms["final norm x*rstd"] = t * h * d
+        terms["final norm rstd (fp32)"] = t * STAT_BYTES
+    terms["LM head input (final norm output)"] = t * h * d
+    terms["cross-entropy log-softmax output (b*s*V)"] = t * config.vocab * d
+    terms["cross-entropy targets"] = t * ID_BYTES
+    terms["cross-entropy total weight (scalar)"] = d
+    return terms
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Saved-for-backward bytes of one micro-batch under a policy, itemised.
+
+    ``block`` is one un-checkpointed block by term; ``full_blocks`` of them are stored
+    whole, ``selective_blocks`` without their ``scores`` terms, and ``kept_inputs`` block
+    inputs (``input_bytes`` each) are kept by checkpointed regions.
+    """
+
+    policy: str
+    block: dict[str, int]
+    outside: dict[str, int]
+    input_bytes: int
+    full_blocks: int
+    selective_blocks: int
+    kept_inputs: int
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.block.values())
+
+    @property
+    def scores_bytes(self) -> int:
+        return sum(v for k, v in self.block.items() if k.startswith("scores"))
+
+    @property
+    def blocks_total(self) -> int:
+        return (
+            self.full_blocks * self.block_bytes
+            + self.selective_blocks * (self.block_bytes - self.scores_bytes)
+            + self.kept_inputs * self.input_bytes
+        )
+
+    @property
+    def total(self) -> int:
+        return self.blocks_total + sum(self.outside.values())
+
+
+def estimate_activation_bytes(
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int | None = None,
+    policy: str | CheckpointPolicy = "none",
+    *,
+    dtype_bytes: int = 4,
+    fused_attention: bool = True,
+    dropout: bool = False,
+    mask_bytes: int = 1,
+) -> ActivationEstimate:
+    """Itemised saved-activation bytes of our GPT-2 / Llama for one micro-batch.
+
+    Args:
+        seq_len: tokens per sequence (default ``config.seq_len``).
+        dtype_bytes: 4 for fp32 (the CPU default), 2 for bf16/fp16 activations.
+        fused_attention: SDPA ran a fused kernel (no s x s scores stored). On the CPU,
+            torch picks it only when dropout is 0.
+        dropout: the model trains with dropout > 0 (GPT-2 only).
+        mask_bytes: bytes per dropout-mask element: 1 on CUDA, 4 on the CPU.
+    """
+    s = config.seq_len if seq_len is None else seq_len
+    for name, v in (
+        ("micro_batch", micro_batch),
+        ("seq_len", s),
+        ("dtype_bytes", dtype_bytes),
+        ("mask_bytes", mask_bytes),
+    ):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    config.check_seq_len(s)
+    pol = parse_policy(policy)
+    full, sel, inputs = _layer_counts(pol, config.n_layers)
+    return ActivationEstimate(
+        policy=getattr(pol, "name", type(pol).__name__),
+        block=block_terms(
+            config,
+            micro_batch,
+            s,
+            dtype_bytes=dtype_bytes,
+            fused_attention=fused_attention,
+            dropout=dropout,
+            mask_bytes=mask_bytes,
+        ),
+        outside=outside_terms(config, micro_batch, s, dtype_bytes=dtype_bytes),
+        input_bytes=micro_batch * s * config.hidden * dtype_bytes,
+        full_blocks=full,
+        selective_blocks=sel,
+        kept_inputs=inputs,
+    )
+
+
+def _layer_counts(policy: CheckpointPolicy, n_layers: int) -> tuple[int, int, int]:
+    """(blocks stored whole, blocks stored without scores, block inputs kept)."""
+    if isinstance(policy, NoCheckpoint):
+        return n_layers, 0, 0
+    if isinstance(policy, Selective):
+        return 0, n_layers, 0
+    # Full, every-k, sqrt: each region keeps one input; blocks outside regions keep all.
+    regions = policy.regions(list(range(n_layers)))  # type: ignore[arg-type]
+    return n_layers - sum(len(r) for r in regions), 0, len(regions)
