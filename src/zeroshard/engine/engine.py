@@ -102,7 +102,6 @@ class Engine:
             config.growth_interval, enabled=config.mixed_precision == "fp16",
         )
         named = _named_params(model)
-        self._known_params = {id(p) for _, p in named}
         self.units: list[Unit] = []
         if self.policy.units_by_module:
             self.units = build_units(model, units, comm.size, comm.rank)
@@ -117,10 +116,6 @@ class Engine:
             )
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
-        self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
-        for b in self.buckets:
-            for i, s in enumerate(b.slots):
-                self._slot_of[id(s.param)] = (b, i)
         self._pending: deque[FlatBucket] = deque()
         self._backward_queued = False
         self._grads_prepared = False
@@ -138,6 +133,12 @@ class Engine:
             _materialize_buffers(model, self.device)
         for b in self.all_buckets:
             self._materialize(b, param_init if meta else None)
+        # After materialising: a meta model's parameters are new objects by now.
+        self._known_params = {id(p) for p in model.parameters()}
+        self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
+        for b in self.buckets:
+            for i, s in enumerate(b.slots):
+                self._slot_of[id(s.param)] = (b, i)
         self._handles = [
             s.param.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets for s in b.slots
@@ -166,7 +167,7 @@ class Engine:
         if param_init is not None:
             flat = torch.zeros(b.padded_numel, dtype=b.dtype, device=self.device)
             b.device = flat.device
-            b.point_params_at(flat)
+            b.replace_meta_params(self.model, flat)
             with torch.no_grad():
                 param_init(self.model, [s.names[0] for s in b.slots])
         else:
@@ -308,23 +309,24 @@ class Engine:
         if self.config.reshard_after_forward or not grad:
             self._reshard(u)
         if grad:
+            call = [False]  # one forward call of the unit; its outputs share the flag
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, u=u: self._unit_pre_backward(u, g))
+                    t.register_hook(lambda g, u=u, c=call: self._unit_pre_backward(u, c, g))
         return output
 
-    def _unit_pre_backward(self, u: Unit, grad: torch.Tensor) -> torch.Tensor:
-        if not u.backward_started:
-            u.backward_started = True
-            u.in_backward = True
-            self._queue_finish()
-            self._unshard(u, "backward")
+    def _unit_pre_backward(self, u: Unit, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
+        u.in_backward = True
+        self._queue_finish()
+        self._unshard(u, "backward")  # no-op if kept or prefetched
+        if not call[0]:  # first output of this call to get its gradient: advance schedule
+            call[0] = True
             self._bwd_cursor += 1
             backward_order = self._order[::-1]
             for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
                 v.in_backward = True
                 self._unshard(v, "backward")
-            u.wait()
+        u.wait()
         return grad
 
     # -- backward ---------------------------------------------------------------------------
@@ -399,7 +401,7 @@ class Engine:
         self._backward_queued = False
         self._bwd_cursor = 0
         for u in self.units:
-            u.in_backward = u.backward_started = False
+            u.in_backward = False
             self._reshard(u)
         if not self.sync:
             for b in self.buckets:

@@ -20,7 +20,7 @@ reduced the moment it is complete.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -108,6 +108,21 @@ class FlatBucket:
         """Make every parameter a view into ``flat`` (keeps each Parameter's identity)."""
         for s, view in self.views(flat):
             s.param.data = view
+
+    def replace_meta_params(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Swap meta parameters for real ones viewing ``flat``, under every name.
+
+        A meta tensor's ``.data`` cannot be pointed at real memory, so each parameter is
+        replaced by a new ``nn.Parameter`` — set on every module that holds it, keeping
+        tied weights tied.
+        """
+        for i, (s, view) in enumerate(list(self.views(flat))):
+            new = nn.Parameter(view, requires_grad=s.param.requires_grad)
+            for name in s.names:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, new)
+            self.slots[i] = replace(s, param=new)
+        self.device = flat.device
 
     def point_params_at_nothing(self) -> None:
         """Stage 3, while sharded: parameters are empty, so a stray read sees no weights

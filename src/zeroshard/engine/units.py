@@ -67,7 +67,6 @@ class Unit:
         self.state = UnitState.SHARDED
         self.pending: list[Pending] = []
         self.in_backward = False  # prefetched for, or running, its backward
-        self.backward_started = False  # its output-gradient hook has fired
         self.inputs_hooked = False  # post-backward is signalled by its input gradients
 
     @property

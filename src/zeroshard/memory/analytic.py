@@ -38,10 +38,11 @@ from zeroshard.models.config import GPT2Config, ModelConfig
 
 __all__ = [
     "RECIPES",
+    "STAGES",
     "Collective",
-    "StepTime",
     "ModelState",
     "Recipe",
+    "StepTime",
     "block_params",
     "break_even_tokens",
     "collective_time_s",

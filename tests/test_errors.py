@@ -1,0 +1,109 @@
+"""Bad input to zeroshard.shard gets an error that names the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.testing import run_ranks
+
+
+def test_shard_before_init_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zeroshard.shard(nn.Linear(2, 2), torch.optim.AdamW, stage=1)
+
+
+class _Lamb(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+
+def _case(name: str):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    if name == "stage_5":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=5)
+    if name == "stage_str":
+        return zeroshard.shard(model, torch.optim.AdamW, stage="2")
+    if name == "mixed_precision":
+        return zeroshard.shard(model, torch.optim.AdamW, mixed_precision="int8")
+    if name == "misspelled":
+        return zeroshard.shard(model, torch.optim.AdamW, stgae=2)
+    if name == "misspelled_option":
+        return zeroshard.shard(model, torch.optim.AdamW, mixed_precison="bf16")
+    if name == "no_trainable":
+        model.requires_grad_(False)
+        return zeroshard.shard(model, torch.optim.AdamW)
+    if name == "devices":
+        model[1].to("meta")
+        return zeroshard.shard(model, torch.optim.AdamW)
+    if name == "not_elementwise":
+        return zeroshard.shard(model, _Lamb, stage=1)
+    if name == "lbfgs":
+        return zeroshard.shard(model, torch.optim.LBFGS, stage=1)
+    if name == "units_stage2":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=2, units=[model[0]])
+    if name == "units_overlap":
+        outer = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 1))
+        return zeroshard.shard(outer, torch.optim.AdamW, stage=3, units=[outer[0], outer[0][1]])
+    if name == "units_foreign":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=3, units=[nn.Linear(1, 1)])
+    if name == "twice":
+        zeroshard.shard(model, torch.optim.AdamW)
+        return zeroshard.shard(model, torch.optim.AdamW)
+    if name == "replaced_param":
+        model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2)
+        model[0].weight = nn.Parameter(torch.zeros(4, 4))
+        return model(torch.zeros(1, 4))
+    if name == "bucket_bytes":
+        return zeroshard.shard(model, torch.optim.AdamW, bucket_bytes=0)
+    if name == "meta_custom":
+        model.to("meta")
+        return zeroshard.shard(model, torch.optim.AdamW, stage=3)
+    if name == "meta_stage1":
+        model.to("meta")
+        return zeroshard.shard(model, torch.optim.AdamW, stage=1)
+    raise AssertionError(name)
+
+
+EXPECT = {
+    "stage_5": (ValueError, "stage=5 is not a ZeRO stage"),
+    "stage_str": (TypeError, "stage='2' must be an int"),
+    "mixed_precision": (ValueError, "mixed_precision='int8'.*'bf16'"),
+    "misspelled": (TypeError, "unknown option 'stgae'.*did you mean 'stage'"),
+    "misspelled_option": (TypeError, "did you mean 'mixed_precision'"),
+    "no_trainable": (ValueError, "no trainable parameters"),
+    "devices": (ValueError, "several devices.*model.to"),
+    "not_elementwise": (ValueError, "_Lamb is not elementwise"),
+    "lbfgs": (ValueError, "LBFGS is not elementwise"),
+    "units_stage2": (ValueError, "units= applies to stage 3 only"),
+    "units_overlap": (ValueError, "units= overlap: '0.1' is inside '0'"),
+    "units_foreign": (ValueError, "not a submodule"),
+    "twice": (ValueError, "already sharded"),
+    "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
+    "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
+    "meta_custom": (ValueError, "pass param_init="),
+    "meta_stage1": (ValueError, "meta device; stages 0-2 need real weights"),
+}
+
+
+def _all_cases(rank: int, world: int) -> dict:
+    out = {}
+    for name in EXPECT:
+        try:
+            _case(name)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - we report every error type
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_bad_input_messages() -> None:
+    import re
+
+    got = run_ranks(_all_cases, 1, timeout=120)[0]
+    for name, (etype, pattern) in EXPECT.items():
+        assert got[name] is not None, f"{name}: no error raised"
+        assert got[name][0] == etype.__name__, (name, got[name])
+        assert re.search(pattern, got[name][1]), (name, got[name][1])

@@ -1,0 +1,129 @@
+"""Mixed precision: bf16 parity with the same recipe run unsharded; fp16 loss scaling.
+
+The unsharded bf16 recipe: a bf16 copy of the model computes forward and backward, its
+gradients are cast to fp32 and stepped by AdamW on fp32 master weights, which are cast
+back to bf16 (what zeroshard does, minus sharding). Sharded runs additionally sum bf16
+gradients across ranks, so they round differently; the bound is per parameter
+max(2e-3, 3x the deviation of the unsharded recipe itself when it sums the batch in two
+halves) — the same yardstick as tests/test_parity.py, measured here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _training import STEPS, loader, loss_of, make_model, rel_diffs
+
+import zeroshard
+from zeroshard.testing import run_ranks, sweep
+
+PRESETS = ("gpt2-tiny", "llama-tiny")
+
+
+def _bf16_reference(preset: str, split: int = 1) -> dict[str, torch.Tensor]:
+    model = make_model(preset)
+    names = [n for n, _ in model.named_parameters()]
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    optim = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    data = loader(preset, 0, 1)
+    for _ in range(STEPS):
+        for x, y in data.micro_batches(split):
+            (loss_of(model, x, y) / split).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, model.parameters()):
+                p.copy_(m)
+    return dict(zip(names, (m.detach().clone() for m in master)))
+
+
+def _bf16_sharded(rank: int, world: int, preset: str, stage: int) -> dict:
+    model = make_model(preset)
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                   weight_decay=0.1, mixed_precision="bf16")
+    data = loader(preset, rank, world)
+    for _ in range(STEPS):
+        x, y = next(data)
+        loss_of(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+    full = zeroshard.full_state_dict(model)
+    return {n: full[n] for n, _ in model.named_parameters()}
+
+
+def _bf16_all(rank: int, world: int) -> list:
+    grid = [{"preset": p, "stage": s} for p in PRESETS for s in (0, 1, 2, 3)]
+    return [grid, sweep(functools.partial(_bf16_sharded, rank, world), grid)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_matches_unsharded_recipe(world: int) -> None:
+    grid, results = run_ranks(_bf16_all, world, timeout=300)[0]
+    refs = {p: _bf16_reference(p) for p in PRESETS}
+    yards = {p: rel_diffs(_bf16_reference(p, split=2), refs[p]) for p in PRESETS}
+    failures, worst = [], 0.0
+    for point, got in zip(grid, results):
+        preset = point["preset"]
+        for name, dev in rel_diffs(got, refs[preset]).items():
+            bound = max(2e-3, 3 * yards[preset][name])
+            worst = max(worst, dev / bound)
+            if world == 1 and point["stage"] == 0:
+                bound = 1e-6  # the same operations in the same order: equal
+            if dev > bound:
+                failures.append(f"{point} {name}: {dev:.2e} > {bound:.1e}")
+    print(f"world {world}: worst deviation/bound {worst:.2f}")
+    assert not failures, "\n".join(failures)
+
+
+def _fp16_overflow(rank: int, world: int, stage: int) -> dict:
+    model = make_model("gpt2-tiny")
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                   mixed_precision="fp16", init_scale=2.0**10)
+    data = loader("gpt2-tiny", rank, world)
+    before = zeroshard.full_state_dict(model)
+    x, y = next(data)
+    # Only rank 1 overflows: 1e30 times the gradient is inf in fp16. Every rank must skip.
+    boost = 1e30 if rank == world - 1 else 1.0
+    (loss_of(model, x, y) * boost).backward()
+    optim.step()
+    optim.zero_grad()
+    after_skip = zeroshard.full_state_dict(model)
+    scale_after_skip = optim.loss_scale
+    losses = []
+    for _ in range(5):
+        x, y = next(data)
+        loss = loss_of(model, x, y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    after = zeroshard.full_state_dict(model)
+    return {
+        "unchanged": all(torch.equal(before[k], after_skip[k]) for k in before),
+        "finite": all(torch.isfinite(v).all().item() for v in after.values()),
+        "scale": scale_after_skip,
+        "trained": any(not torch.equal(before[k], after[k]) for k in before),
+        "losses": losses,
+        "skipped": zeroshard.engine_of(model).scaler.skipped_steps,
+    }
+
+
+def _fp16_all(rank: int, world: int) -> list:
+    return sweep(functools.partial(_fp16_overflow, rank, world),
+                 [{"stage": s} for s in (0, 1, 2, 3)])
+
+
+def test_fp16_overflow_skips_step_and_halves_scale() -> None:
+    for ranks in zip(*run_ranks(_fp16_all, 2, timeout=300)):
+        for r in ranks:
+            assert r["unchanged"], "an overflowing step changed parameters"
+            assert r["scale"] == 2.0**9, r["scale"]
+            assert r["skipped"] == 1, r
+            assert r["finite"] and r["trained"], r
+            assert all(torch.isfinite(torch.tensor(r["losses"])))
