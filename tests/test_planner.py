@@ -146,3 +146,19 @@ def test_more_devices_make_a_cheaper_stage_fit() -> None:
 def test_plan_rejects_bad_inputs(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         _plan("llama-7b", **kw)
+
+
+def test_step_time_overlap_model() -> None:
+    """Backward-phase comm hides up to the backward compute; step-phase comm never does."""
+    fpt, kw = 3e9, {"n": 2, "bus_GBps": 1.0, "mfu": 1.0, "peak_flops": 1e12}
+    # 1000 tokens: compute 3 s, forward 1 s, backward 2 s.
+    hidden = [analytic.Collective(op="all_reduce", phase="backward", logical_bytes=2 * 10**9)]
+    t = analytic.step_time(hidden, tokens=1000, flops_per_token=fpt, **kw)  # 1 s of comm
+    assert (t.compute_s, t.comm_s, t.exposed_comm_s) == pytest.approx((3.0, 1.0, 0.0))
+    assert t.break_even_tokens == pytest.approx(500)
+    late = [analytic.Collective(op="all_gather", phase="step", logical_bytes=2 * 10**9)]
+    t = analytic.step_time(late, tokens=1000, flops_per_token=fpt, **kw)
+    assert t.step_s == pytest.approx(4.0)
+    fwd = [analytic.Collective(op="all_gather", phase="forward", logical_bytes=6 * 10**9)]
+    t = analytic.step_time(fwd, tokens=1000, flops_per_token=fpt, **kw)  # 3 s vs 1 s window
+    assert t.exposed_comm_s == pytest.approx(2.0)

@@ -133,11 +133,14 @@ def _meta_init(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_meta_init_llama_1b_world2_never_holds_the_model() -> None:
     """llama-1b (1.24B params, 4.9 GB in fp32) starts at world 2 with each rank's peak
-    near its shard plus one unit — never the whole model."""
+    at its shard (fp32 master + gradient slice: 4.9 GB at N = 2) plus about one unit (the
+    largest, the root with the 128k-token embedding, is 1.05 GB) — never the whole model.
+    Measured: peak 5.99 GB = shard 4.94 GB + 1.05 GB. Run time ~80 s, so kept out of CI."""
     for r in run_ranks(_meta_init, 2, timeout=900):
-        assert r["peak"] <= r["shard_state"] + 2 * r["largest_unit"] + 64 * 2**20, r
-        assert r["peak"] < 0.75 * r["full_bytes"], r
-        assert r["rss_peak"] < r["full_bytes"], r
+        transient = r["peak"] - r["shard_state"]
+        assert 0 <= transient <= 2 * r["largest_unit"] + 64 * 2**20, r
+        assert transient < 0.25 * r["full_bytes"], r
+        assert r["rss_peak"] - r["shard_state"] < 0.5 * r["full_bytes"], r
 
 
 def _meta_small(rank: int, world: int) -> dict:

@@ -291,6 +291,12 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 _CLASSES: dict[type, type] = {}
 
 
+def region_size(module: nn.Module) -> int:
+    """How many blocks share ``module``'s checkpoint region (1 unless sqrt segments)."""
+    region = getattr(module, "_zs_region", None)
+    return len(region.modules) if region is not None else 1
+
+
 def _original_class(m: nn.Module) -> type:
     return getattr(type(m), "_zs_original", type(m))
 

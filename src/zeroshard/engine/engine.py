@@ -275,7 +275,7 @@ class Engine:
             self._unshard(u, "backward" if u.in_backward else "forward")
 
     def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
-        if u.in_backward:  # recomputation inside backward: weights are already there
+        if u.in_backward or _in_backward():  # recomputation (activation checkpointing)
             self._unshard(u, "backward")
             u.wait()
             return
@@ -303,7 +303,9 @@ class Engine:
         return tree_unflatten(flat, spec)
 
     def _unit_post_forward(self, u: Unit, output):
-        if u.in_backward:
+        if u.in_backward or _in_backward():
+            # A recompute's graph only regenerates saved tensors; the hooks registered in
+            # the original forward free the unit once its backward is done.
             return output
         grad = torch.is_grad_enabled()
         if self.config.reshard_after_forward or not grad:
@@ -568,6 +570,11 @@ class Engine:
     @staticmethod
     def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. a checkpoint recomputing a forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:

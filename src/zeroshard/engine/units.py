@@ -116,6 +116,8 @@ def _unit_modules(model: nn.Module, spec: UnitSpec) -> list[nn.Module]:
         return [m for m in model.modules() if m is not model and spec(m)]
     mods = list(spec)
     inside = {id(m) for m in model.modules()}
+    if not mods:
+        raise ValueError("units= is empty; pass submodules (e.g. list(model.blocks)) or None")
     for m in mods:
         if not isinstance(m, nn.Module) or id(m) not in inside:
             raise ValueError(
@@ -148,6 +150,15 @@ def build_units(
     names = {id(m): n for n, m in model.named_modules()}
     mods = _unit_modules(model, spec)
     _check_disjoint(mods, names)
+    from ..checkpointing import region_size
+
+    for m in mods:
+        if region_size(m) > 1:
+            raise ValueError(
+                f"unit {names[id(m)]!r} shares a 'sqrt' checkpoint segment with other "
+                "blocks; at stage 3 a checkpoint region must not span several units. Use "
+                "'full', 'every-k' or 'selective' checkpointing with stage 3"
+            )
     owner: dict[int, int] = {}  # param id -> index of the unit that owns it
     pnames: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
