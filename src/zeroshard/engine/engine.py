@@ -9,14 +9,15 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   Stages >= 1: this rank's slice only. Without mixed precision it *is* a view of
   ``full`` (no copy); with it, a separate fp32 tensor.
 * ``grad`` — compute-dtype gradients, whole. Stages 0-1: allocated at shard time and
-  kept; parameters' ``.grad`` are views into it so autograd accumulates in place. Stage 2:
+  kept; a parameter's first gradient after ``zero_grad`` is copied in and its ``.grad``
+  becomes a view of the buffer, so further backwards (accumulation) add in place. Stage 2:
   allocated by the first gradient of the bucket in backward and freed as soon as its
   reduction completes, so at most ``_MAX_PENDING`` + 1 whole buckets exist at once.
 * ``grad_shard`` — stages >= 1: this rank's reduced slice in the reduce dtype, kept until
   the step. It is separate from ``grad`` because a native reduce-scatter leaves the other
   ranks' slices of ``grad`` unreduced; accumulating the next micro-batch on top of them
-  would be wrong, so ``grad`` is zeroed after every reduction and the reduced slices sum
-  up in ``grad_shard`` instead (DeepSpeed's stage 1 keeps the same partition buffer).
+  would be wrong, so ``grad`` is marked stale (see ``FlatBucket.valid``) after every
+  reduction and the reduced slices sum up in ``grad_shard`` instead (DeepSpeed's stage 1 keeps the same partition buffer).
 
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
@@ -342,16 +343,22 @@ class Engine:
         b, i = self._slot_of[id(p)]
         b.used[i] = 1.0
         self._grads_prepared = False
-        slot = b.slots[i]
         if self.policy.keep_full_grads:
-            view = b.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None
+            view = b.slot_view(b.grad, i)
+            if p.grad.data_ptr() != view.data_ptr():  # fresh: we (or the user) set None
                 view.copy_(p.grad)
-                p.grad = view
+                p.grad = view  # later backwards accumulate into the buffer in place
+            b.valid[i] = True
         elif self.sync:
             if b.grad is None:
-                b.grad = torch.zeros(b.padded_numel, dtype=p.dtype, device=b.device)
-            b.grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(p.grad)
+                b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
+                b.grad[b.numel :].zero_()
+            region = b.slot_view(b.grad, i)
+            if b.valid[i]:
+                region.add_(p.grad)
+            else:
+                region.copy_(p.grad)
+                b.valid[i] = True
             p.grad = None
         # Inside no_sync() at stage 2 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
@@ -369,9 +376,13 @@ class Engine:
         """Start reducing a bucket's gradient (average over ranks)."""
         src = b.grad
         assert src is not None
+        for i, ok in enumerate(b.valid):
+            if not ok:  # no gradient since the last reduction: contributes zeros
+                b.slot_view(src, i).zero_()
         rdtype = self.reduce_dtype_of(b)
         buf = src if src.dtype == rdtype else src.to(rdtype)
-        buf.div_(self.comm.size)  # pre-divide, as DDP does, to keep 16-bit sums in range
+        if self._predivide(rdtype):
+            buf.div_(self.comm.size)
         if self.policy.reduce_op == "all_reduce":
             pending = self.comm.all_reduce(buf, phase="backward", unit=b.name,
                                            async_op=self.config.overlap)
@@ -392,11 +403,20 @@ class Engine:
             if buf is not b.grad:  # reduced in another dtype: keep the reduced values
                 b.grad.copy_(buf)
             return
+        if not self._predivide(buf.dtype):
+            out.div_(self.comm.size)  # 1/N of the work of dividing the whole bucket
         b.grad_shard.add_(out)
+        b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes]
         if self.policy.keep_full_grads:
-            b.grad.zero_()  # see [Note: buffer lifetimes]
+            for s in b.slots:
+                s.param.grad = None  # the next gradient is copied in, not added
         else:
             b.grad = None
+
+    def _predivide(self, dtype: torch.dtype) -> bool:
+        """Average before summing where a sum could overflow (fp16) and at stage 0 (whose
+        result is the whole gradient anyway); otherwise divide only the reduced slice."""
+        return dtype == torch.float16 or self.policy.reduce_op == "all_reduce"
 
     def _finish_backward(self) -> None:
         """See [Note: end of backward]."""
@@ -515,17 +535,15 @@ class Engine:
         self.comm.ledger.mark_step()
 
     def zero_grad(self) -> None:
+        """Like ``set_to_none=True``: no memset of the whole-gradient buffers (see valid)."""
         for b in self.buckets:
-            if b.grad is not None and self.policy.keep_full_grads:
-                b.grad.zero_()
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             b.master.grad = None
             b.used.zero_()
-        if not self.policy.keep_full_grads:
-            for b in self.buckets:
-                for s in b.slots:
-                    s.param.grad = None
+            b.valid = [False] * len(b.slots)
+            for s in b.slots:
+                s.param.grad = None
         self._grads_prepared = False
 
     def skip_step(self) -> None:

@@ -78,6 +78,10 @@ class FlatBucket:
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
         self.launched = False  # its reduction was started this backward
+        # Per slot: does ``grad`` hold this parameter's current gradient? Stale slots are
+        # overwritten by the next gradient (a copy, not an add into zeros) or zeroed before
+        # a reduction, so buffers never need a memset between steps.
+        self.valid = [False] * len(slots)
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
 
     @property
@@ -99,6 +103,10 @@ class FlatBucket:
         for s in self.slots:
             flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
+
+    def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        s = self.slots[i]
+        return flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def views(self, flat: torch.Tensor) -> Iterable[tuple[ParamSlot, torch.Tensor]]:
         for s in self.slots:

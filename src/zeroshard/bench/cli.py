@@ -1,0 +1,161 @@
+"""``zeroshard bench``: the arguments and the handler, wired into zeroshard.cli.
+
+:func:`add_arguments` fills a parser; :func:`run` validates the values (a bad one prints
+one line naming it and the fix, and returns 2), starts the ranks, prints the table and
+writes the JSON and the plot. ``python -m zeroshard.bench`` runs it on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from zeroshard.bench.configs import (
+    DEFAULT_CONFIGS,
+    BenchSettings,
+    describe_configs,
+    parse_bytes,
+    parse_configs,
+)
+
+__all__ = ["add_arguments", "run", "settings_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Train the same model under plain data parallelism, ZeRO stages 1-3 and activation "
+        "checkpointing, side by side with torch DDP, ZeroRedundancyOptimizer, FSDP2 and "
+        "DeepSpeed; record peak memory by category, throughput, communication and loss "
+        "(docs/bench.md). Without torchrun it starts --world-size local ranks itself.")
+    a = parser.add_argument
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="model preset (default gpt2-small)")
+    which.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
+                       help="a function returning an nn.Module mapping LongTensor[B, T] to logits")
+    a("--vocab", type=int, default=None, help="vocabulary of a --model-factory model")
+    a("--world-size", type=int, default=None, help="local ranks to start (default 2)")
+    a("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    a("--seq", type=int, default=128, help="sequence length (default 128)")
+    a("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
+    a("--warmup", type=int, default=2, help="warm-up steps per configuration (default 2)")
+    a("--configs", default=",".join(DEFAULT_CONFIGS),
+      help="comma-separated configuration names (see --list-configs)")
+    a("--list-configs", action="store_true", help="list configuration names and exit")
+    a("--baseline", default="ddp", help="configuration the ratios refer to (default ddp)")
+    a("--budget", default=None, metavar="SIZE",
+      help="memory per rank with a unit, e.g. 1.5GiB: pick the fastest configuration that fits")
+    a("--mixed-precision", choices=["bf16", "fp16"], default=None,
+      help="16-bit compute (default fp32)")
+    a("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    a("--seed", type=int, default=0, help="model and data seed (default 0)")
+    a("--timeout", type=float, default=120.0, metavar="SECONDS",
+      help="how long a rank waits in one collective before failing its configuration")
+    a("--json", default=None, metavar="PATH", help="write the results as JSON")
+    a("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
+    a("--quiet", action="store_true", help="no progress bar")
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Validate the parsed arguments; ValueError names the value and the fix."""
+    from zeroshard.bench.launch import under_torchrun
+
+    model = args.model if args.model_factory is None else None
+    if args.model_factory is None:
+        from zeroshard.models import get_preset
+
+        model = model or "gpt2-small"
+        try:
+            cfg = get_preset(model)
+        except ValueError as exc:
+            raise ValueError(f"--model: {exc}") from None
+        if isinstance(args.seq, int) and args.seq > cfg.seq_len:
+            raise ValueError(f"--seq {args.seq} exceeds {model}'s maximum sequence length "
+                             f"{cfg.seq_len}; use --seq {cfg.seq_len} or less")
+    world = args.world_size
+    if under_torchrun():
+        import os
+
+        env_world = int(os.environ["WORLD_SIZE"])
+        if world is not None and world != env_world:
+            raise ValueError(f"--world-size {world} differs from torchrun's WORLD_SIZE="
+                             f"{env_world}; drop --world-size under torchrun")
+        world = env_world
+    settings = BenchSettings(
+        model=model, model_factory=args.model_factory, vocab=args.vocab,
+        world_size=2 if world is None else world, micro_batch=args.micro_batch, seq=args.seq,
+        steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(args.configs)),
+        baseline=args.baseline, mixed_precision=args.mixed_precision,
+        budget_bytes=None if args.budget is None else parse_bytes(args.budget),
+        lr=args.lr, seed=args.seed, timeout_s=args.timeout)
+    if settings.model_factory is not None:
+        _check_factory(settings.model_factory)
+    return settings
+
+
+def _check_factory(spec: str) -> None:
+    import importlib
+
+    module, _, fn = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in fn.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model-factory {spec!r}: {exc}; give an importable "
+                         "module:function") from None
+    if not callable(obj):
+        raise ValueError(f"--model-factory {spec!r} is not callable")
+
+
+def _command(s: BenchSettings) -> str:
+    parts = ["zeroshard", "bench"]
+    parts += ["--model-factory", s.model_factory] if s.model_factory else ["--model", s.model or ""]
+    parts += ["--world-size", str(s.world_size), "--micro-batch", str(s.micro_batch),
+              "--seq", str(s.seq), "--warmup", str(s.warmup), "--steps", str(s.steps),
+              "--configs", ",".join(c.name for c in s.configs)]
+    if s.baseline != "ddp":
+        parts += ["--baseline", s.baseline]
+    if s.mixed_precision:
+        parts += ["--mixed-precision", s.mixed_precision]
+    if s.budget_bytes is not None:
+        parts += ["--budget", f"{s.budget_bytes}B" if s.budget_bytes % 2**20 else
+                  f"{s.budget_bytes // 2**20}MiB"]
+    return shlex.join(parts)
+
+
+def _error(msg: str) -> int:
+    print(f"zeroshard bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``zeroshard bench``: 0 on success, 2 on a bad argument, 1 if nothing ran."""
+    if args.list_configs:
+        print(describe_configs())
+        return 0
+    try:
+        settings = settings_from_args(args)
+        if args.plot is not None:
+            from zeroshard.bench.render import require_matplotlib
+
+            require_matplotlib()
+    except (ValueError, ImportError) as exc:
+        return _error(str(exc))
+    from zeroshard.bench.launch import launch
+    from zeroshard.bench.render import format_table, plot
+    from zeroshard.bench.report import build_result, write_json
+
+    start = time.perf_counter()
+    meta = launch(settings, progress=not args.quiet)
+    if meta is None:  # a torchrun rank other than 0
+        return 0
+    result = build_result(settings, meta, _command(settings), time.perf_counter() - start)
+    if args.plot is not None:
+        plot(result, args.plot)
+        result["plot"] = str(args.plot)
+    if args.json is not None:
+        write_json(result, args.json)
+    print(format_table(result))
+    return 0 if any(r["status"] == "ok" for r in result["rows"]) else 1

@@ -1,0 +1,201 @@
+"""What the benchmark runs: configuration names and the validated run settings.
+
+A *configuration* is one way to train the same model: a system (zeroshard, torch DDP,
+DDP + ZeroRedundancyOptimizer, FSDP2, DeepSpeed), its ZeRO-equivalent stage, whether
+stage-3 weights are freed after forward, and an activation-checkpointing policy. Its name
+is ``<system>[-noreshard][-<policy>]``, e.g. ``ddp``, ``zs-s1``, ``zs-s3-full``,
+``fsdp2-noreshard``, ``zs-s2-every-2``; see :func:`describe_configs`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BenchSettings",
+    "ConfigSpec",
+    "DEFAULT_CONFIGS",
+    "SYSTEMS",
+    "describe_configs",
+    "parse_bytes",
+    "parse_config",
+    "parse_configs",
+]
+
+#: system prefix -> (JSON ``system``, ZeRO-equivalent stage, what it is)
+SYSTEMS: dict[str, tuple[str, int, str]] = {
+    "ddp": ("ddp", 0, "torch DistributedDataParallel + AdamW (plain data parallelism)"),
+    "zero-redundancy": (
+        "ddp_zero_redundancy", 1,
+        "DDP + torch.distributed.optim.ZeroRedundancyOptimizer (whole params per rank)"),
+    "fsdp2": ("fsdp2", 3, "torch fully_shard per block + root (reshard_after_forward=True)"),
+    "ds-z1": ("deepspeed", 1, "DeepSpeed ZeRO stage 1 (needs zeroshard[compare])"),
+    "ds-z2": ("deepspeed", 2, "DeepSpeed ZeRO stage 2 (needs zeroshard[compare])"),
+    "ds-z3": ("deepspeed", 3, "DeepSpeed ZeRO stage 3 (needs zeroshard[compare])"),
+    "zs-s0": ("zeroshard", 0, "zeroshard stage 0 (flat buckets, all-reduce)"),
+    "zs-s1": ("zeroshard", 1, "zeroshard stage 1 (optimizer state sharded)"),
+    "zs-s2": ("zeroshard", 2, "zeroshard stage 2 (+ gradients sharded)"),
+    "zs-s3": ("zeroshard", 3, "zeroshard stage 3 (+ parameters sharded, per block)"),
+}
+#: Test-only (not listed): a DDP run whose step raises on rank 1.
+HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1")}
+_RESHARDABLE = ("fsdp2", "zs-s3")
+POLICIES = ("none", "full", "selective", "sqrt")  # plus every-<k>
+
+DEFAULT_CONFIGS = (
+    "ddp", "zero-redundancy", "fsdp2", "fsdp2-noreshard",
+    "zs-s0", "zs-s1", "zs-s2", "zs-s2-full", "zs-s3", "zs-s3-full", "zs-s3-selective",
+    "ds-z1", "ds-z2", "ds-z3",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigSpec:
+    """One parsed configuration name."""
+
+    name: str
+    prefix: str
+    """Key of :data:`SYSTEMS` (or ``fail``)."""
+    system: str
+    """JSON ``system``: zeroshard, ddp, ddp_zero_redundancy, fsdp2 or deepspeed."""
+    stage: int
+    """ZeRO-equivalent stage; FSDP2 without resharding counts as 2 ("2-like")."""
+    reshard_after_forward: bool | None
+    """Stage 3 only: free gathered weights after forward (None where not applicable)."""
+    activation_checkpointing: str
+
+
+def parse_config(name: str) -> ConfigSpec:
+    """``zs-s3-noreshard-full`` -> ConfigSpec; ValueError naming the name and the fix."""
+    prefix = next((p for p in sorted({**SYSTEMS, **HIDDEN}, key=len, reverse=True)
+                   if name == p or name.startswith(p + "-")), None)
+    if prefix is None:
+        raise ValueError(
+            f"unknown configuration {name!r}; names are <system>[-noreshard][-<policy>] with "
+            f"system one of {', '.join(SYSTEMS)} (see --list-configs), e.g. zs-s3-full")
+    system, stage, _ = {**SYSTEMS, **HIDDEN}[prefix]
+    rest = name[len(prefix) + 1:]
+    reshard: bool | None = True if prefix in _RESHARDABLE else None
+    if rest == "noreshard" or rest.startswith("noreshard-"):
+        if prefix not in _RESHARDABLE:
+            raise ValueError(f"{name!r}: -noreshard applies to {' and '.join(_RESHARDABLE)} "
+                             "only (stage 3); drop it")
+        reshard, rest = False, rest[len("noreshard") + 1:]
+        stage = 2 if prefix == "fsdp2" else stage
+    policy = rest or "none"
+    if policy not in POLICIES and not re.fullmatch(r"every-[1-9]\d*", policy):
+        raise ValueError(
+            f"{name!r}: unknown activation checkpointing {policy!r}; append one of "
+            f"{', '.join(POLICIES)} or every-<k>, e.g. {prefix}-full")
+    return ConfigSpec(name=name, prefix=prefix, system=system, stage=stage,
+                      reshard_after_forward=reshard, activation_checkpointing=policy)
+
+
+def parse_configs(text: str) -> list[ConfigSpec]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--configs {text!r} names no configuration; e.g. --configs ddp,zs-s1")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"--configs lists {', '.join(dup)} twice; name each once")
+    return [parse_config(n) for n in names]
+
+
+def describe_configs() -> str:
+    """The text of ``--list-configs``."""
+    lines = ["Configuration names: <system>[-noreshard][-<policy>]", "", "systems:"]
+    lines += [f"  {p:<16} stage {s}  {what}" for p, (_, s, what) in SYSTEMS.items()]
+    lines += [
+        "", "suffixes:",
+        "  -noreshard       fsdp2 / zs-s3: keep gathered weights from forward to backward",
+        "                   (2 Psi traffic instead of 3 Psi; fsdp2-noreshard is reported as",
+        "                   stage 2, '2-like')",
+        "  -full, -selective, -sqrt, -every-<k>   activation checkpointing (default none)",
+        "", "default: " + ",".join(DEFAULT_CONFIGS),
+        "(deepspeed configurations are skipped with a note when deepspeed is not installed)",
+    ]
+    return "\n".join(lines)
+
+
+_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1.5GiB"`` -> 1610612736; a unit is required (kB, MB, GB, TB, KiB, MiB, GiB, TiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or not m.group(2) or m.group(2).lower() not in _UNITS:
+        why = ("has no unit" if m and not m.group(2) else
+               "has an unknown unit" if m else "is not a memory size")
+        raise ValueError(f"--budget {text!r} {why}; write it with a unit, e.g. 1.5GiB "
+                         "(2^30 bytes) or 1.5GB (10^9 bytes); units: MB, MiB, GB, GiB, TB, TiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"--budget {text!r} must be more than 0 bytes, e.g. 1.5GiB")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """Everything one benchmark run needs; validated on construction."""
+
+    model: str | None = "gpt2-small"
+    """A preset name (``zeroshard.models.PRESETS``); ignored when ``model_factory`` is set."""
+    model_factory: str | None = None
+    """``module:function`` returning an nn.Module mapping LongTensor[B, T] to logits."""
+    vocab: int | None = None
+    """Vocabulary of a factory model (default: its ``config.vocab`` or first Embedding)."""
+    world_size: int = 2
+    micro_batch: int = 2
+    """Sequences per rank per step (global batch = micro_batch x world_size)."""
+    seq: int = 128
+    steps: int = 6
+    """Measured (timed) steps per configuration."""
+    warmup: int = 2
+    configs: tuple[ConfigSpec, ...] = field(
+        default_factory=lambda: tuple(parse_config(n) for n in DEFAULT_CONFIGS))
+    baseline: str = "ddp"
+    mixed_precision: str | None = None
+    budget_bytes: int | None = None
+    lr: float = 1e-3
+    seed: int = 0
+    timeout_s: float = 120.0
+    """How long a rank waits in one collective before its configuration is failed."""
+    loss_tolerance: float | None = None
+    """Relative loss deviation allowed vs the baseline; None: 2% (fp32), 5% (16-bit)."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "micro_batch", "seq", "steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {v!r} must be an integer >= 1, "
+                                 f"e.g. --{name.replace('_', '-')} 2")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup!r} must be an integer >= 0, e.g. 2")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise ValueError(f"--mixed-precision {self.mixed_precision!r} is not supported; "
+                             "use bf16 or fp16 (omit it for fp32)")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"--timeout {self.timeout_s!r} must be a positive number of seconds")
+        if self.model_factory is None and self.model is None:
+            raise ValueError("give --model PRESET or --model-factory module:function")
+        if self.model_factory is not None and not re.fullmatch(
+                r"[\w.]+:[\w.]+", self.model_factory):
+            raise ValueError(f"--model-factory {self.model_factory!r} is not module:function; "
+                             "e.g. --model-factory mypkg.models:build")
+        names = [c.name for c in self.configs]
+        if self.baseline not in names:
+            raise ValueError(f"--baseline {self.baseline!r} is not among the configurations "
+                             f"run ({', '.join(names)}); add it to --configs or pick one of them")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world_size
+
+    @property
+    def tolerance(self) -> float:
+        if self.loss_tolerance is not None:
+            return self.loss_tolerance
+        return 0.02 if self.mixed_precision is None else 0.05

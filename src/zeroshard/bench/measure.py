@@ -1,0 +1,163 @@
+"""Instruments for one step: a collective byte counter, an RSS sampler, and timing.
+
+[Note: timed steps and measured steps are different steps]
+The memory tracker is a ``TorchDispatchMode``: every op goes through Python, which slows
+a step several times. So a configuration is never timed with it on. After warm-up each
+configuration runs one *measured* step with the tracker (and, for systems without a
+ledger, the collective counter) active; its throughput comes only from the plain timed
+steps that follow. Both kinds are real training steps on the shared data, so every
+configuration still takes the same number of optimizer steps on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_flatten
+
+from zeroshard.memory.tracker import MemoryTracker
+
+__all__ = ["CommCounter", "RssSampler", "StepMemory", "measured_step", "sync", "timed_step"]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0]
+               if isinstance(t, torch.Tensor))
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the c10d collectives dispatched while active, in the ledger's logical bytes.
+
+    ``ProcessGroup`` methods (what DDP's reducer, ZeroRedundancyOptimizer and FSDP2 call)
+    go through the dispatcher as ``c10d::*`` ops, so a dispatch mode sees them with their
+    tensors. Logical bytes follow [Note: logical vs wire bytes] in comm.py: an all-reduce
+    of S bytes counts 2S, an all-gather or reduce-scatter counts its full (unsharded)
+    tensor, a broadcast S. Barriers and point-to-point ops are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logical_bytes = 0
+        self.calls = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        packet = func.overloadpacket
+        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
+            self._count(packet.__name__, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, op: str, args: tuple) -> None:
+        if "allreduce" in op:
+            nbytes = 2 * _nbytes(args[0])
+        elif "allgather" in op:
+            nbytes = _nbytes(args[0])  # outputs: the gathered (full) tensor
+        elif "reduce_scatter" in op:
+            nbytes = _nbytes(args[1])  # inputs: the full tensor before scattering
+        elif "broadcast" in op:
+            nbytes = _nbytes(args[0])
+        else:
+            return
+        self.logical_bytes += nbytes
+        self.calls += 1
+        self.by_op[op] = self.by_op.get(op, 0) + nbytes
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class RssSampler:
+    """Highest resident set size seen (every ``interval_s``) while the block runs.
+
+    RSS is the whole process: the torch runtime and, in interleaved runs, every
+    configuration built so far. It is shown beside the tracker's per-category bytes,
+    not instead of them.
+    """
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s, self.peak = interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = _rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Run one step; return (seconds, local loss). Ranks are aligned by the caller."""
+    sync(device)
+    t0 = time.perf_counter()
+    loss = step(x, y)
+    value = float(loss)  # waits for the device
+    sync(device)
+    return time.perf_counter() - t0, value
+
+
+@dataclass
+class StepMemory:
+    """What one measured step saw on this rank."""
+
+    peak: dict[str, int] = field(default_factory=dict)
+    """Bytes by category at the moment the tracked total was highest, plus ``total``."""
+    rss_bytes: int = 0
+    cuda_peak_bytes: int | None = None
+    comm_bytes: int | None = None
+    comm_calls: int | None = None
+    loss: float = float("nan")
+
+
+def measured_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  tracker: MemoryTracker, x: torch.Tensor, y: torch.Tensor,
+                  device: torch.device, *, count_comm: bool) -> StepMemory:
+    """One step under the memory tracker (and the collective counter when asked)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    counter = CommCounter() if count_comm else None
+    with RssSampler() as rss, tracker:
+        if counter is not None:
+            with counter:
+                loss = step(x, y)
+        else:
+            loss = step(x, y)
+        value = float(loss)
+        sync(device)
+    out = StepMemory(loss=value, rss_bytes=rss.peak)
+    out.peak = {c.value: v for c, v in tracker.peak().items()}
+    out.peak["total"] = tracker.peak_total()
+    if device.type == "cuda":
+        out.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(device))
+    if counter is not None:
+        out.comm_bytes, out.comm_calls = counter.logical_bytes, counter.calls
+    return out

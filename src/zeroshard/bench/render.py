@@ -1,0 +1,135 @@
+"""The terminal table and the PNG plots of a benchmark result (see docs/bench.md)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "plot", "require_matplotlib"]
+
+MIB = 2**20
+_CATS = ("params", "grads", "optim", "activations", "comm", "other")
+
+
+def _mib(v: int | None) -> str:
+    return "-" if v is None else f"{v / MIB:,.0f}"
+
+
+def _ckpt(r: dict[str, Any]) -> str:
+    return r["activation_checkpointing"]
+
+
+def format_table(result: dict[str, Any]) -> str:
+    s, rows = result["settings"], result["rows"]
+    base = s["baseline"]
+    head = (f"{'config':<18} {'st':>2} {'ckpt':<9} {'tokens/s':>8} {'[min-max]':>13} "
+            f"{'x' + base:>6} {'step s':>6} {'params':>6} {'grads':>6} {'optim':>6} "
+            f"{'act':>5} {'other':>5} {'peak':>6} {'x' + base:>6} {'state':>6} {'plan':>6} "
+            f"{'rss':>6} {'comm/st':>7} {'loss':>7} {'dloss':>6}")
+    lines = [
+        f"model {s['model']} ({s['params'] / 1e6:.1f}M params), world {s['world_size']} x "
+        f"micro-batch {s['micro_batch']} x seq {s['seq']} = {s['tokens_per_step']:,} tokens/step, "
+        f"{s['mixed_precision'] or 'fp32'}, {s['backend']} on {s['device']}, "
+        f"{s['warmup']} warm-up + 1 measured + {s['steps']} timed steps per configuration, "
+        f"{'interleaved' if s['interleaved'] else 'sequential'}",
+        "", head, "-" * len(head)]
+    for r in rows:
+        if r["status"] != "ok":
+            why = textwrap.shorten(r["error"] or "", width=len(head) - 40, placeholder="...")
+            lines.append(f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<9} "
+                         f"{r['status'].upper()}: {why}")
+            continue
+        pk = r["peak_bytes"]
+        flag = "" if r["loss_ok"] in (True, None) else " !"
+        ratio = "-" if r["tokens_per_s_ratio"] is None else f"{r['tokens_per_s_ratio']:.2f}"
+        pratio = "-" if r["peak_bytes_ratio"] is None else f"{r['peak_bytes_ratio']:.2f}"
+        dloss = "-" if r["loss_rel_dev"] is None else f"{100 * r['loss_rel_dev']:.2f}%"
+        span = f"[{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
+        lines.append(
+            f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<9} {r['tokens_per_s']:>8,.0f} "
+            f"{span:>13} {ratio:>6} {r['step_s_median']:>6.2f} "
+            f"{_mib(pk['params']):>6} {_mib(pk['grads']):>6} {_mib(pk['optim']):>6} "
+            f"{_mib(pk['activations']):>5} {_mib(pk['comm'] + pk['other']):>5} "
+            f"{_mib(pk['total']):>6} {pratio:>6} {_mib(r['measured_model_state_bytes']):>6} "
+            f"{_mib(r['predicted_model_state_bytes']['total']):>6} {_mib(r['rss_bytes']):>6} "
+            f"{_mib(r['comm_bytes_per_step']):>7} {r['loss']:>7.4f} {dloss:>6}{flag}")
+    lines += [
+        "",
+        f"tokens/s: whole job, median over timed steps [slowest-fastest]; x{base}: ratio to the "
+        f"baseline. Memory in MiB per rank, measured by the category tracker in a separate "
+        "step (the rank with the highest peak): params/grads/optim/act/other(+comm) at the "
+        "moment of peak; state = params+grads+optim measured, plan = the planner's ZeRO "
+        "model-state prediction; rss = process resident set (whole process, every "
+        "configuration kept in memory). comm/st = logical collective MiB per step "
+        f"(2 Psi all-reduce, 3 Psi stage 3). dloss: relative deviation of the final loss "
+        f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%.",
+    ]
+    lines = lines[:-1] + textwrap.wrap(lines[-1], width=100)
+    if any(r.get("mfu") is not None for r in rows):
+        lines.append("MFU: " + ", ".join(f"{r['name']} {100 * r['mfu']:.1f}%"
+                                         for r in rows if r.get("mfu") is not None))
+    for note in result["notes"]:
+        lines.append(f"note: {note}")
+    if result.get("budget"):
+        b = result["budget"]
+        lines += textwrap.wrap(f"budget {b['budget_bytes'] / MIB:,.0f} MiB per rank -> "
+                               f"{b['choice'] or 'nothing fits'}: {b['reason']}", width=100)
+    lines.append(f"wall time {result['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def require_matplotlib() -> None:
+    """Raise ImportError with the fix when --plot is given and matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("--plot needs matplotlib, which is not installed; "
+                          "pip install 'zeroshard[plot]' (or matplotlib), or drop --plot") from None
+
+
+def plot(result: dict[str, Any], path: str | Path) -> list[str]:
+    """One PNG, two panels: memory by category per configuration (stacked bars), and
+    throughput against peak memory with the budget line. Returns the panel titles."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    names = [r["name"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5))
+    bottom = [0.0] * len(rows)
+    for cat in _CATS:
+        vals = [r["peak_bytes"][cat] / MIB for r in rows]
+        ax1.bar(names, vals, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.scatter(names, [r["predicted_model_state_bytes"]["total"] / MIB for r in rows],
+                marker="_", s=400, color="black", label="planned model state", zorder=3)
+    ax1.set_ylabel("peak MiB per rank")
+    ax1.set_title("Peak memory by category")
+    ax1.tick_params(axis="x", rotation=60)
+    ax1.legend(fontsize=8)
+    xs = [r["peak_bytes"]["total"] / MIB for r in rows]
+    ys = [r["tokens_per_s"] for r in rows]
+    ax2.errorbar(xs, ys, yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
+                               [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]],
+                 fmt="o", capsize=3)
+    for x, y, n in zip(xs, ys, names):
+        ax2.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    budget = result.get("budget")
+    if budget:
+        ax2.axvline(budget["budget_bytes"] / MIB, color="red", linestyle="--",
+                    label=f"budget {budget['budget_bytes'] / MIB:,.0f} MiB")
+        ax2.legend(fontsize=8)
+    ax2.set_xlabel("peak MiB per rank")
+    ax2.set_ylabel("tokens/s (median, min-max)")
+    ax2.set_title("Throughput against peak memory")
+    s = result["settings"]
+    fig.suptitle(f"zeroshard bench: {s['model']}, world {s['world_size']}, {s['device']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [ax1.get_title(), ax2.get_title()]

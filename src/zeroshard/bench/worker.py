@@ -1,0 +1,297 @@
+"""What every rank runs: build each configuration, then step them in interleaved rounds.
+
+[Note: interleaving]
+On a noisy machine (two cores shared by two ranks, a laptop, a shared node) the speed of
+the machine drifts over a run. Timing configuration A for a minute and then B for a
+minute folds that drift into the A/B ratio. So every configuration is built once and they
+take turns: warm-up rounds (one step each, in order A B C ...), one measured step each
+(see [Note: timed steps and measured steps are different steps] in measure.py), then
+``steps`` timed rounds A B C, A B C, ... Drift then hits all of them alike. If all models
+would not fit in memory at once (estimate: model state of every configuration within
+half of the host's available memory per rank, or of the free device memory), each
+configuration runs alone, one after the other, and the report says so.
+
+[Note: failing configurations]
+A configuration may raise on one rank only (out of memory, a bug, data-dependent control
+flow) while its peers wait inside a collective for that rank. Two things keep the run
+alive: each configuration has its *own* process group, created with ``timeout_s``, so a
+peer blocked in it gives up with an error instead of hanging; and after every build and
+every step all ranks meet on a separate gloo *control* group (never used by any
+configuration) and exchange a failure flag, their step time and loss in one all-gather.
+If any rank failed, every rank drops the configuration, so the collectives of the rest
+stay matched. DeepSpeed uses the world group and does not get this protection.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.bench.configs import BenchSettings, ConfigSpec
+from zeroshard.bench.measure import StepMemory, measured_step, timed_step
+from zeroshard.bench.runners import Runner, SkipConfig, build_runner
+from zeroshard.data import SyntheticLanguage, TokenLoader
+
+__all__ = ["rank_main", "make_model"]
+
+
+def make_model(s: BenchSettings, device: torch.device | str) -> nn.Module:
+    """The benchmark model, initialised identically on every rank and for every config."""
+    if s.model_factory is None:
+        from zeroshard.models import build_model
+
+        return build_model(s.model or "", device=device, seed=s.seed)
+    module, _, fn = s.model_factory.partition(":")
+    factory = importlib.import_module(module)
+    for part in fn.split("."):
+        factory = getattr(factory, part)
+    torch.manual_seed(s.seed)
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--model-factory {s.model_factory} returned {type(model).__name__}, "
+                        "not an nn.Module")
+    return model.to(device)
+
+
+@dataclass
+class _Config:
+    spec: ConfigSpec
+    status: str = "ok"
+    error: str = ""
+    note: str = ""
+    runner: Runner | None = None
+    step_s: list[float] = field(default_factory=list)
+    comm: list[int] = field(default_factory=list)
+    loss: float = float("nan")
+    memory: dict[str, Any] = field(default_factory=dict)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self._last = ""
+
+    def update(self, what: str, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // self.total
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {what}"
+        if self.tty:
+            print("\r" + bar.ljust(100)[:120], end="", file=sys.stderr, flush=True)
+        elif what.split(" ")[0] != self._last:  # no tty: one line per phase
+            print(bar, file=sys.stderr, flush=True)
+        self._last = what.split(" ")[0]
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def _exchange(ctrl: dist.ProcessGroup, failed: bool, err: str, secs: float = 0.0,
+              loss: float = float("nan")) -> tuple[bool, str, float, float]:
+    """All ranks: any failed?, errors by rank, max step time, mean loss."""
+    t = torch.tensor([float(failed), secs, loss], dtype=torch.float64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(ctrl))]
+    dist.all_gather(out, t, group=ctrl)
+    rows = torch.stack(out)
+    if not bool(rows[:, 0].any()):
+        return False, "", float(rows[:, 1].max()), float(rows[:, 2].mean())
+    errs: list[Any] = [None] * len(out)
+    dist.all_gather_object(errs, err if failed else "", group=ctrl)
+    # The cause first: a peer that gave up waiting for the failed rank reports a timeout.
+    found = sorted((("timed out" in e.lower() or "timeout" in e.lower(), r, e)
+                    for r, e in enumerate(errs) if e))
+    msg = "; ".join(f"rank {r}: {e}" for _, r, e in found)
+    return True, msg, 0.0, float("nan")
+
+
+def _fail(c: _Config, status: str, error: str) -> None:
+    c.status, c.error, c.runner = status, error, None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _build(c: _Config, s: BenchSettings, device: torch.device, ctrl: dist.ProcessGroup) -> None:
+    from zeroshard.checkpointing import apply_checkpointing
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=s.timeout_s))
+    skip, err = False, ""
+    try:
+        model = make_model(s, device)
+        if c.spec.activation_checkpointing != "none":
+            apply_checkpointing(model, c.spec.activation_checkpointing)
+        c.runner = build_runner(c.spec, model, group, s, device)
+        c.note = c.runner.note
+    except SkipConfig as exc:
+        skip, err = True, str(exc)
+    except Exception as exc:
+        err = _describe(exc)
+    failed, msg, _, _ = _exchange(ctrl, bool(err), err)
+    if skip:  # decided identically on every rank
+        _fail(c, "skipped", err)
+    elif failed:
+        _fail(c, "failed", msg)
+
+
+def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
+          ctrl: dist.ProcessGroup) -> None:
+    assert c.runner is not None
+    x, y = batches[k]
+    err, secs, loss, mem = "", 0.0, float("nan"), None
+    try:
+        if kind == "measured":
+            ledger = c.runner.ledger
+            mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
+                                count_comm=ledger is None)
+            loss = mem.loss
+        else:
+            secs, loss = timed_step(c.runner.step, x, y, device)
+        if not math.isfinite(loss):
+            err = f"loss is {loss} at step {k}"
+    except Exception as exc:
+        err = _describe(exc)
+    failed, msg, secs, loss = _exchange(ctrl, bool(err), err, secs, loss)
+    if failed:
+        _fail(c, "failed", f"{kind} step {k}: {msg}")
+        return
+    c.loss = loss
+    ledger = c.runner.ledger
+    if kind == "timed":
+        c.step_s.append(secs)
+        if ledger is not None:
+            c.comm.append(ledger.totals(ledger.last_step())["logical_bytes"])
+    elif kind == "measured":
+        _merge_memory(c, mem, ctrl)
+
+
+def _merge_memory(c: _Config, mem: StepMemory | None, ctrl: dist.ProcessGroup) -> None:
+    """Every rank's measured step -> the row: breakdown of the rank with the highest peak."""
+    got: list[Any] = [None] * dist.get_world_size(ctrl)
+    dist.all_gather_object(got, asdict(mem) if mem is not None else None, group=ctrl)
+    top = max(got, key=lambda m: m["peak"]["total"])
+    cuda = [m["cuda_peak_bytes"] for m in got if m["cuda_peak_bytes"] is not None]
+    c.memory = {
+        "peak_bytes": top["peak"],
+        "peak_rank": got.index(top),
+        "peak_total_by_rank": [m["peak"]["total"] for m in got],
+        "rss_bytes": max(m["rss_bytes"] for m in got),
+        "cuda_peak_bytes": max(cuda) if cuda else None,
+        "comm_bytes": got[0]["comm_bytes"],
+        "comm_calls": got[0]["comm_calls"],
+    }
+
+
+def _fits_together(s: BenchSettings, psi: int, device: torch.device, world: int) -> bool:
+    """[Note: interleaving]: can every configuration's model state stay resident?"""
+    from zeroshard.bench.report import predicted_state
+
+    need = sum(predicted_state(psi, c.stage, world, s.mixed_precision)["total"]
+               for c in s.configs)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return need <= 0.5 * free
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return need <= 0.5 * avail / max(local, 1)
+
+
+def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
+    """The per-rank entry point (elastic_launch or torchrun). Rank 0 returns the results."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    ctrl = dist.new_group(backend="gloo")
+
+    probe = make_model(s, "meta") if s.model_factory is None else make_model(s, "cpu")
+    psi = sum(p.numel() for p in probe.parameters())
+    vocab = _vocab(s, probe)
+    del probe
+    loader = TokenLoader(SyntheticLanguage(vocab, s.seq, seed=s.seed),
+                         global_batch=s.global_batch, rank=rank, world_size=world)
+    total = s.warmup + 1 + s.steps
+    batches = [tuple(t.to(device) for t in next(loader)) for _ in range(total)]
+
+    together = _fits_together(s, psi, device, world)
+    configs = [_Config(spec) for spec in s.configs]
+    waves = [configs] if together else [[c] for c in configs]
+    bar = _Progress(len(configs) * (1 + total), progress and rank == 0)
+    for wave in waves:
+        for c in wave:
+            bar.update(f"build {c.spec.name}")
+            _build(c, s, device, ctrl)
+        plan = [("warmup", w) for w in range(s.warmup)] + [("measured", s.warmup)]
+        plan += [("timed", s.warmup + 1 + r) for r in range(s.steps)]
+        for kind, k in plan:
+            for c in wave:
+                bar.update(f"{kind} {c.spec.name} (step {k + 1}/{total})")
+                if c.runner is not None:
+                    _step(c, kind, k, batches, device, ctrl)
+        for c in wave:
+            c.runner = None
+        gc.collect()
+    bar.close()
+    dist.barrier(group=ctrl)
+    if own:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        "psi": psi, "vocab": vocab, "world_size": world, "interleaved": together,
+        "backend": "nccl" if device.type == "cuda" else "gloo", "device": _device_name(device),
+        "threads_per_rank": torch.get_num_threads(),
+        "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
+                  "step_s": c.step_s, "comm": c.comm, "loss": c.loss, "memory": c.memory}
+                 for c in configs],
+    }
+
+
+def _vocab(s: BenchSettings, model: nn.Module) -> int:
+    if s.vocab is not None:
+        return s.vocab
+    cfg = getattr(model, "config", None)
+    if isinstance(getattr(cfg, "vocab", None), int):
+        return cfg.vocab  # type: ignore[union-attr]
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError("cannot tell the factory model's vocabulary; pass --vocab N")
+    return emb.num_embeddings
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
