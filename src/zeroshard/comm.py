@@ -9,18 +9,23 @@ The ledger records two byte counts per collective, both *per rank*:
   are Ψ + Ψ = 2Ψ, stage 3 is 3Ψ (Ψ counted in bytes of the communicated dtype).
 * ``wire_bytes`` is what this rank actually sends with a bandwidth-optimal ring algorithm
   for the collective that was really issued: all-reduce 2S(N-1)/N, reduce-scatter and
-  all-gather S(N-1)/N. It differs from the logical volume by (N-1)/N, and when the
-  backend made us emulate one collective with another (see below).
+  all-gather S(N-1)/N (also when issued as N reduces / broadcasts, see below). It
+  differs from the logical volume by (N-1)/N.
 
 [Note: collectives per backend]
-gloo implements reduce-scatter as one all-reduce per rank and its all-gather is slow
-(measured here, 2 ranks, fp32, 16-256 MB: all-reduce 0.6-0.8 GB/s, all-gather and
-reduce-scatter 0.10-0.16 GB/s). On gloo we therefore issue a reduce-scatter as an
-all-reduce of the whole buffer (each rank then keeps its slice) and an all-gather as an
-all-reduce of a buffer that is zero outside the rank's own slice. Summing zeros is exact,
-so results are bit-identical to the native collectives. On NCCL (and anything else) the
-native reduce-scatter / all-gather are used. The choice is made once per group in
-:func:`_emulate_with_all_reduce` and reported in the ledger as ``impl``.
+gloo implements reduce-scatter as one all-reduce per rank, and its all-gather is slow.
+Measured on our 2-core machines (25 MB fp32, bytes of the whole tensor per second):
+
+    N=2: all_gather 0.67 GB/s, reduce_scatter 0.73, all_reduce 1.06,
+         N async broadcasts 2.75, N async reduces 1.22
+    N=3: all_gather 0.66 GB/s, reduce_scatter 0.50, all_reduce 0.57,
+         N async broadcasts 1.57, N async reduces 0.91
+
+So on gloo an all-gather is issued as N broadcasts (rank r broadcasts its slice) and a
+reduce-scatter as N reduces (slice r summed onto rank r), all in flight at once; each
+moves the same S(N-1)/N bytes per rank as the ring collective, and the result is
+bit-identical. On NCCL (and anything else) the native collectives are used. The choice is
+made once per group (:func:`_decompose_for`) and reported in the ledger as ``impl``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class CommRecord:
     """One collective as issued by one rank."""
 
     op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
-    impl: str  # the collective really issued (may differ from ``op`` on gloo)
+    impl: str  # what was really issued: on gloo N "broadcast"s / "reduce"s (see Note)
     logical_bytes: int
     wire_bytes: int
     group: str  # a label for the process group ("world", "shard", "replicate", ...)
@@ -122,7 +127,7 @@ def _waiting_in(desc: str) -> Iterator[None]:
 _IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
 
 
-def _emulate_with_all_reduce(group: dist.ProcessGroup | None) -> bool:
+def _decompose_for(group: dist.ProcessGroup | None) -> bool:
     """See [Note: collectives per backend]."""
     try:
         backend = dist.get_backend(group)
@@ -147,18 +152,17 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         ledger: CommLedger | None = None,
         label: str = "world",
-        emulate_with_all_reduce: bool | None = None,
+        decompose: bool | None = None,
     ) -> None:
         self.group = group
         self.ledger = ledger if ledger is not None else CommLedger()
         self.label = label
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.emulate = (
-            _emulate_with_all_reduce(group)
-            if emulate_with_all_reduce is None
-            else emulate_with_all_reduce
-        )
+        self.decompose = _decompose_for(group) if decompose is None else decompose
+        self._peers = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
+        ]
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _record(
@@ -168,9 +172,9 @@ class Comm:
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
             wire = 2 * full_bytes * (n - 1) // n
-        elif impl == "broadcast":
+        elif op == "broadcast":
             wire = full_bytes
-        else:
+        else:  # ring or N broadcasts/reduces: S(N-1)/N either way
             wire = full_bytes * (n - 1) // n
         self.ledger.add(
             CommRecord(
@@ -198,7 +202,7 @@ class Comm:
         desc = f"all_reduce({unit or '-'}, {phase}, {_nbytes(tensor)} B)"
         with _waiting_in(desc):
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return Pending(work, tensor, desc)
+        return Pending([work] if async_op else None, tensor, desc)
 
     def reduce_scatter(
         self, full: torch.Tensor, *, phase: str = "backward", unit: str = "",
@@ -213,18 +217,23 @@ class Comm:
         if full.numel() % n:
             raise ValueError(f"reduce_scatter needs numel divisible by {n}, got {full.numel()}")
         shard = full.numel() // n
-        impl = "all_reduce" if (self.emulate and n > 1) else "reduce_scatter"
+        impl = "reduce" if (self.decompose and n > 1) else "reduce_scatter"
         self._record("reduce_scatter", impl, _nbytes(full), phase, unit, full.dtype)
         if n == 1:
             return Pending(None, full, "")
         desc = f"reduce_scatter({unit or '-'}, {phase}, {_nbytes(full)} B)"
         with _waiting_in(desc):
-            if impl == "all_reduce":
-                work = dist.all_reduce(full, group=self.group, async_op=async_op)
+            if impl == "reduce":
+                # Slice r is summed onto rank r; other ranks' copies of it become scratch.
+                work = [dist.reduce(full[r * shard : (r + 1) * shard], dst=self._peers[r],
+                                    group=self.group, async_op=True) for r in range(n)]
                 out = full[self.rank * shard : (self.rank + 1) * shard]
             else:
                 out = torch.empty(shard, dtype=full.dtype, device=full.device)
-                work = _reduce_scatter_single(out, full, self.group, async_op)
+                work = [_reduce_scatter_single(out, full, self.group, True)]
+        if not async_op:
+            Pending(work, out, desc).wait()
+            return Pending(None, out, "")
         return Pending(work, out, desc)
 
     def all_gather(
@@ -238,21 +247,22 @@ class Comm:
         n = self.size
         if full.numel() % n:
             raise ValueError(f"all_gather needs numel divisible by {n}, got {full.numel()}")
-        impl = "all_reduce" if (self.emulate and n > 1) else "all_gather"
+        impl = "broadcast" if (self.decompose and n > 1) else "all_gather"
         self._record("all_gather", impl, _nbytes(full), phase, unit, full.dtype)
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
-        lo, hi = self.rank * shard, (self.rank + 1) * shard
         desc = f"all_gather({unit or '-'}, {phase}, {_nbytes(full)} B)"
         with _waiting_in(desc):
-            if impl == "all_reduce":
-                # Zero everything but our slice, then sum: exact (x + 0 == x).
-                full[:lo].zero_()
-                full[hi:].zero_()
-                work = dist.all_reduce(full, group=self.group, async_op=async_op)
+            if impl == "broadcast":
+                work = [dist.broadcast(full[r * shard : (r + 1) * shard], src=self._peers[r],
+                                       group=self.group, async_op=True) for r in range(n)]
             else:
-                work = _all_gather_single(full, full[lo:hi], self.group, async_op)
+                lo = self.rank * shard
+                work = [_all_gather_single(full, full[lo : lo + shard], self.group, True)]
+        if not async_op:
+            Pending(work, full, desc).wait()
+            return Pending(None, full, "")
         return Pending(work, full, desc)
 
     def all_gather_into(
@@ -297,14 +307,15 @@ class Pending:
 
     __slots__ = ("_work", "_out", "_desc")
 
-    def __init__(self, work, out: torch.Tensor, desc: str) -> None:
+    def __init__(self, work: list | None, out: torch.Tensor, desc: str) -> None:
         self._work = work
         self._out = out
         self._desc = desc
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
+        if self._work:
             with _waiting_in(self._desc):
-                self._work.wait()
-            self._work = None
+                for w in self._work:
+                    w.wait()
+        self._work = None
         return self._out

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
                        help="a function returning an nn.Module mapping LongTensor[B, T] to logits")
     a("--vocab", type=int, default=None, help="vocabulary of a --model-factory model")
-    a("--world-size", type=int, default=None, help="local ranks to start (default 2)")
+    a("--world-size", type=int, default=None,
+      help="local ranks to start (default: one per GPU, else 2)")
     a("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
     a("--seq", type=int, default=128, help="sequence length (default 128)")
     a("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
@@ -82,9 +83,15 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             raise ValueError(f"--world-size {world} differs from torchrun's WORLD_SIZE="
                              f"{env_world}; drop --world-size under torchrun")
         world = env_world
+    if world is None:  # NCCL refuses two ranks on one GPU: one rank per visible device
+        world = _cuda_devices() or 2
+    elif not under_torchrun() and 0 < _cuda_devices() < world:
+        raise ValueError(f"--world-size {world} exceeds the {_cuda_devices()} visible GPU(s); "
+                         "NCCL needs one GPU per rank: use --world-size "
+                         f"{_cuda_devices()} or less")
     settings = BenchSettings(
         model=model, model_factory=args.model_factory, vocab=args.vocab,
-        world_size=2 if world is None else world, micro_batch=args.micro_batch, seq=args.seq,
+        world_size=world, micro_batch=args.micro_batch, seq=args.seq,
         steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(args.configs)),
         baseline=args.baseline, mixed_precision=args.mixed_precision,
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
@@ -92,6 +99,12 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _check_factory(spec: str) -> None:
@@ -148,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.bench.report import build_result, write_json
 
     start = time.perf_counter()
-    meta = launch(settings, progress=not args.quiet)
+    try:
+        meta = launch(settings, progress=not args.quiet)
+    except Exception as exc:  # a rank died outside any configuration (crash, signal)
+        print(f"zeroshard bench: the ranks failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if meta is None:  # a torchrun rank other than 0
         return 0
     result = build_result(settings, meta, _command(settings), time.perf_counter() - start)

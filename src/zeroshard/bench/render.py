@@ -13,7 +13,9 @@ _CATS = ("params", "grads", "optim", "activations", "comm", "other")
 
 
 def _mib(v: int | None) -> str:
-    return "-" if v is None else f"{v / MIB:,.0f}"
+    if v is None:
+        return "-"
+    return f"{v / MIB:.1f}" if 0 < v < 10 * MIB else f"{v / MIB:,.0f}"
 
 
 def _ckpt(r: dict[str, Any]) -> str:
@@ -60,8 +62,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"baseline. Memory in MiB per rank, measured by the category tracker in a separate "
         "step (the rank with the highest peak): params/grads/optim/act/other(+comm) at the "
         "moment of peak; state = params+grads+optim measured, plan = the planner's ZeRO "
-        "model-state prediction; rss = process resident set (whole process, every "
-        "configuration kept in memory). comm/st = logical collective MiB per step "
+        "model-state prediction; rss = peak resident set of the whole process during that "
+        f"step{' (every configuration is resident: interleaved)' if s['interleaved'] else ''}. "
+        "comm/st = logical collective MiB per step "
         f"(2 Psi all-reduce, 3 Psi stage 3). dloss: relative deviation of the final loss "
         f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%.",
     ]

@@ -19,7 +19,8 @@ CATEGORIES = ("params", "grads", "optim", "activations", "comm", "other", "total
 ROW_KEYS = (
     "name", "system", "stage", "reshard_after_forward", "activation_checkpointing",
     "world_size", "status", "error", "note", "tokens_per_s", "tokens_per_s_min",
-    "tokens_per_s_max", "step_s_median", "step_s_min", "step_s_max", "steps_measured",
+    "tokens_per_s_max", "step_s_median", "step_s_min", "step_s_max", "step_s_all",
+    "steps_measured",
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
     "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
@@ -79,8 +80,8 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
     row.update(
         tokens_per_s=tokens / med, tokens_per_s_min=tokens / times[-1],
         tokens_per_s_max=tokens / times[0], step_s_median=med, step_s_min=times[0],
-        step_s_max=times[-1], steps_measured=len(times), peak_bytes=peak,
-        peak_rank=mem["peak_rank"], rss_bytes=mem["rss_bytes"],
+        step_s_max=times[-1], step_s_all=raw["step_s"], steps_measured=len(times),
+        peak_bytes=peak, peak_rank=mem["peak_rank"], rss_bytes=mem["rss_bytes"],
         cuda_peak_bytes=mem["cuda_peak_bytes"], loss=raw["loss"],
         measured_model_state_bytes=peak["params"] + peak["grads"] + peak["optim"])
     if raw["comm"]:

@@ -1,0 +1,196 @@
+"""``zeroshard bench``: one fast two-rank run checked from several sides, plus argument checks.
+
+The run (gpt2-tiny, 2 timed steps, world 2) covers torch DDP (the baseline), zeroshard
+stage 3 with full checkpointing, a DeepSpeed configuration (not installed here: skipped)
+and the test-only ``fail`` configuration, which raises on rank 1 while rank 0 waits in a
+collective: rank 0 must give up after ``--timeout`` and the others must still complete.
+Timing is never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import pytest
+
+from zeroshard.bench import add_arguments, run
+from zeroshard.bench.configs import parse_bytes, parse_config
+from zeroshard.bench.report import CATEGORIES, ROW_KEYS, choose
+from zeroshard.models import build_model, param_count
+
+CONFIGS = "ddp,zs-s3-full,ds-z1,fail"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    code = run(_args("--model", "gpt2-tiny", "--seq", "32", "--micro-batch", "2",
+                     "--world-size", "2", "--warmup", "1", "--steps", "2", "--configs", CONFIGS,
+                     "--timeout", "8", "--budget", "64MiB", "--quiet",
+                     "--json", str(out / "r.json"), "--plot", str(out / "r.png")))
+    assert code == 0
+    return {"json": json.loads((out / "r.json").read_text()), "png": out / "r.png", "dir": out}
+
+
+def _rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in result["rows"]}
+
+
+def test_json_has_every_key_with_its_type(fast_run: dict[str, Any]) -> None:
+    result = fast_run["json"]
+    assert result["schema"] == "zeroshard.bench/1"
+    assert result["settings"]["world_size"] == 2 and result["settings"]["interleaved"] is True
+    assert [r["name"] for r in result["rows"]] == CONFIGS.split(",")
+    for r in result["rows"]:
+        assert set(ROW_KEYS) <= set(r), set(ROW_KEYS) - set(r)
+        assert r["system"] in ("zeroshard", "ddp", "ddp_zero_redundancy", "fsdp2", "deepspeed")
+        assert r["status"] in ("ok", "failed", "skipped")
+        assert isinstance(r["stage"], int) and r["world_size"] == 2
+        assert r["activation_checkpointing"] in ("none", "full", "selective", "sqrt")
+        assert r["reshard_after_forward"] in (True, False, None)
+        assert set(r["predicted_model_state_bytes"]) == {"params", "grads", "optim", "total"}
+        if r["status"] != "ok":
+            assert isinstance(r["error"], str) and r["error"]
+            assert r["tokens_per_s"] is None and r["peak_bytes"] is None
+            continue
+        assert r["error"] is None
+        for key in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "step_s_median",
+                    "step_s_min", "step_s_max", "loss", "loss_rel_dev", "tokens_per_s_ratio"):
+            assert isinstance(r[key], float) and r[key] >= 0, key
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert r["step_s_min"] <= r["step_s_median"] <= r["step_s_max"]
+        assert r["steps_measured"] == 2 and len(r["step_s_all"]) == 2
+        assert set(r["peak_bytes"]) == set(CATEGORIES)
+        assert all(isinstance(v, int) and v >= 0 for v in r["peak_bytes"].values())
+        assert r["peak_bytes"]["total"] == sum(r["peak_bytes"][c] for c in CATEGORIES[:-1])
+        assert isinstance(r["rss_bytes"], int) and r["rss_bytes"] > r["peak_bytes"]["total"]
+        assert isinstance(r["comm_bytes_per_step"], int) and isinstance(r["comm_source"], str)
+        assert r["mfu"] is None  # CPU: no MFU
+        assert isinstance(r["fits_budget"], bool)
+
+
+def test_rows_measure_what_the_formulas_say(fast_run: dict[str, Any]) -> None:
+    rows = _rows(fast_run["json"])
+    psi = param_count(build_model("gpt2-tiny", device="meta"))
+    ddp, zs3 = rows["ddp"], rows["zs-s3-full"]
+    assert (ddp["system"], ddp["stage"]) == ("ddp", 0)
+    assert (zs3["system"], zs3["stage"], zs3["reshard_after_forward"]) == ("zeroshard", 3, True)
+    # fp32 all-reduce of the gradients: logical 2 x 4 bytes x Psi (+ DDP's small syncs)
+    assert ddp["comm_bytes_per_step"] == pytest.approx(8 * psi, rel=0.01)
+    # stage 3: gather in forward and backward + reduce-scatter: 3 x 4 bytes x Psi, less one
+    # gather of the root unit (embeddings, final norm), which stays gathered until backward
+    assert 10 * psi < zs3["comm_bytes_per_step"] <= 12 * psi * 1.01
+    assert ddp["predicted_model_state_bytes"]["total"] == 16 * psi
+    # Adam's moments are sharded: half of DDP's per rank (2 blocks + prefetch mean every
+    # weight is gathered at some moment in this tiny model, so params are not compared)
+    assert zs3["peak_bytes"]["optim"] == pytest.approx(ddp["peak_bytes"]["optim"] / 2, rel=0.02)
+    # same data, same init: the losses agree
+    assert ddp["loss_rel_dev"] == 0.0 and ddp["tokens_per_s_ratio"] == 1.0
+    assert zs3["loss_ok"] is True and zs3["loss_rel_dev"] < 0.02
+
+
+def test_failing_configuration_is_reported_and_the_rest_complete(
+        fast_run: dict[str, Any]) -> None:
+    rows = _rows(fast_run["json"])
+    fail = rows["fail"]
+    assert fail["status"] == "failed"
+    assert fail["error"].startswith("warmup step 0: rank 1: RuntimeError: deliberate failure")
+    assert rows["ddp"]["status"] == "ok" and rows["zs-s3-full"]["status"] == "ok"
+
+
+def test_deepspeed_absent_is_skipped_with_a_note(fast_run: dict[str, Any]) -> None:
+    try:
+        import deepspeed  # noqa: F401
+        pytest.skip("deepspeed is installed here")
+    except ImportError:
+        pass
+    ds = _rows(fast_run["json"])["ds-z1"]
+    assert ds["status"] == "skipped" and ds["system"] == "deepspeed" and ds["stage"] == 1
+    assert "zeroshard[compare]" in ds["error"]
+
+
+def test_budget_picks_the_fastest_that_fits(fast_run: dict[str, Any]) -> None:
+    budget = fast_run["json"]["budget"]
+    ok = [r for r in fast_run["json"]["rows"] if r["status"] == "ok"]
+    assert budget["budget_bytes"] == 64 * 2**20
+    assert budget["choice"] == max(ok, key=lambda r: r["tokens_per_s"])["name"]
+    assert "fastest" in budget["reason"]
+    rows = [{"name": n, "status": "ok", "tokens_per_s": t, "peak_bytes": {"total": p}}
+            for n, t, p in (("a", 100.0, 900), ("b", 80.0, 500), ("c", 60.0, 300))]
+    got = choose(rows, 600)
+    assert got is not None and got["choice"] == "b" and "a (" in got["reason"]
+    assert [r["fits_budget"] for r in rows] == [False, True, True]
+    none = choose(rows, 100)
+    assert none is not None and none["choice"] is None and "c at" in none["reason"]
+
+
+def test_plot_has_both_panels(fast_run: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    from zeroshard.bench.render import plot
+
+    assert fast_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    titles = plot(fast_run["json"], fast_run["dir"] / "again.png")
+    assert titles == ["Peak memory by category", "Throughput against peak memory"]
+
+
+def test_table_is_printed(fast_run: dict[str, Any]) -> None:
+    from zeroshard.bench.render import format_table
+
+    text = format_table(fast_run["json"])
+    assert "zs-s3-full" in text and "FAILED" in text and "SKIPPED" in text and "xddp" in text
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--budget", "1.5"], ["'1.5'", "no unit", "1.5GiB"]),
+    (["--budget", "1.5 parsecs"], ["'1.5 parsecs'", "unknown unit"]),
+    (["--configs", "ddp,zs-s9"], ["'zs-s9'", "--list-configs"]),
+    (["--configs", "zs-s1-noreshard"], ["-noreshard", "stage 3"]),
+    (["--configs", "zs-s3-partial"], ["'partial'", "full"]),
+    (["--world-size", "0"], ["--world-size 0", ">= 1"]),
+    (["--model", "gpt-17"], ["'gpt-17'", "gpt2-small"]),
+    (["--model", "gpt2-tiny", "--seq", "500"], ["--seq 500", "64"]),
+    (["--baseline", "fsdp2", "--configs", "ddp"], ["--baseline 'fsdp2'", "--configs"]),
+    (["--model-factory", "no_such_module_x:make"], ["no_such_module_x", "module:function"]),
+])
+def test_bad_arguments_exit_2_naming_value_and_fix(
+        argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(_args(*argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard bench: error: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_plot_without_matplotlib_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert run(_args("--plot", "x.png")) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_module_entry_point_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroshard.bench.__main__ import main
+
+    assert main(["--world-size", "two"]) == 2  # argparse's own check
+    assert "'two'" in capsys.readouterr().err
+    assert main(["--list-configs"]) == 0
+    assert "zs-s3-full" in capsys.readouterr().out
+
+
+def test_config_names_and_sizes() -> None:
+    spec = parse_config("fsdp2-noreshard-selective")
+    assert (spec.system, spec.stage, spec.reshard_after_forward) == ("fsdp2", 2, False)
+    assert spec.activation_checkpointing == "selective"
+    assert parse_config("zero-redundancy").system == "ddp_zero_redundancy"
+    assert parse_config("zs-s2-every-2").activation_checkpointing == "every-2"
+    assert parse_config("ds-z3").stage == 3
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2GB") == 2 * 10**9
