@@ -242,7 +242,27 @@ def _rec_title(rec: Any) -> str:
     return f"{title}, {'no' if ckpt == 'none' else ckpt} activation checkpointing"
 
 
-_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_plan,)
+def _add_bench(subparsers: Any) -> None:
+    from zeroshard.bench import cli as bench_cli
+
+    p = subparsers.add_parser(
+        "bench", help="side-by-side benchmark of stages and other systems (the main job)",
+        description="Train the same model under DDP, ZeRO stages 0-3 with and without "
+        "activation checkpointing, FSDP2 and DeepSpeed; record peak memory, throughput "
+        "and communication for each. See docs/bench.md.")
+    bench_cli.add_arguments(p)
+    p.set_defaults(handler=bench_cli.run)
+
+
+def _add_demo(subparsers: Any) -> None:
+    from zeroshard import demo
+
+    p = subparsers.add_parser("demo", help="a short sharded training run on local ranks")
+    demo.add_arguments(p)
+    p.set_defaults(handler=demo.run)
+
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_plan, _add_bench, _add_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

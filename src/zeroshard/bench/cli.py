@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validate the parsed arguments; ValueError names the value and the fix."""
-    from zeroshard.bench.launch import under_torchrun
+    from zeroshard.launch import under_torchrun
 
     model = args.model if args.model_factory is None else None
     if args.model_factory is None:

@@ -345,7 +345,7 @@ class Engine:
         self._grads_prepared = False
         if self.policy.keep_full_grads:
             view = b.slot_view(b.grad, i)
-            if p.grad.data_ptr() != view.data_ptr():  # fresh: we (or the user) set None
+            if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
                 view.copy_(p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
@@ -524,11 +524,11 @@ class Engine:
         """Return updated weights to the compute buffers (and to every rank)."""
         for b in self.buckets:
             if self.policy.shard_params:
-                if b.shard16.data_ptr() != b.master.data_ptr():
+                if not self._same_memory(b.shard16, b.master):
                     b.shard16.copy_(b.master.detach())
                 continue
             target = b.shard_of(b.full) if self.policy.shard_optimizer else b.full
-            if target.data_ptr() != b.master.data_ptr():
+            if not self._same_memory(target, b.master):
                 target.copy_(b.master.detach())
             if self.policy.gather_after_step:
                 self.comm.all_gather(b.full, phase="step", unit=b.name).wait()
@@ -556,7 +556,7 @@ class Engine:
         if not self.policy.shard_optimizer:
             return b.master.detach()
         if not self.policy.shard_params and (
-            b.master.data_ptr() == b.shard_of(b.full).data_ptr()
+            self._same_memory(b.master, b.shard_of(b.full))
         ):
             return b.full  # fp32 without mixed precision: already whole and current
         src = (b.master if b.master is not None else b.shard16).detach()
@@ -588,6 +588,13 @@ class Engine:
     @staticmethod
     def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+    @staticmethod
+    def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Same storage, same offset. Not ``data_ptr()``: fake tensors (traced planning,
+        memory/traced.py) have null-based data pointers, so every storage's first element
+        would compare equal."""
+        return Engine._shares(a, b) and a.storage_offset() == b.storage_offset()
 
 
 def _in_backward() -> bool:
