@@ -6,14 +6,14 @@ bytes (4 fp32, 2 bf16), n_b = number of trainable buckets (AdamW keeps one 4-byt
 tensor per optimizer parameter, i.e. per bucket). Measured between steps (after
 ``zero_grad``), where the stage formulas of the ZeRO paper (§5) hold:
 
-    stage  params      grads                 optimizer state (fp32 master + 2 moments)
-    0      c·P         c·P                   (K)·P + 4·n_b     K = 12 (bf16) or 8 (fp32:
-    1      c·P         c·P + c·S  (*)        K·S + 4·n_b        the master is the weight)
-    2      c·P         c·S                   K·S + 4·n_b
-    3      c·S         c·S                   K·S + 4·n_b
+    stage  params      grads      optimizer state (fp32 master + 2 moments)
+    0      c·P         c·P        K·P + 4·n_b     K = 12 (bf16) or 8 (fp32, where the
+    1      c·P         c·P        K·S + 4·n_b     master is the weight itself)
+    2      c·P         c·S        K·S + 4·n_b
+    3      c·S         c·S        K·S + 4·n_b
 
-(*) stage 1 keeps its reduced slice apart from the whole gradient buffer, so that
-accumulation stays correct with a native reduce-scatter (see [Note: buffer lifetimes]).
+Stage 1 keeps its reduced slice inside the whole gradient buffer (see [Note: buffer
+lifetimes]), so it costs nothing extra.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _expected(stage: int, mp: str | None, world: int, padded: list[int]) -> dict
     p = sum(padded)
     s = p // world
     steps = 4 * len(padded)
-    grads = {0: c * p, 1: c * p + c * s, 2: c * s, 3: c * s}[stage]
+    grads = {0: c * p, 1: c * p, 2: c * s, 3: c * s}[stage]
     return {
         "params": c * (s if stage == 3 else p),
         "grads": grads,

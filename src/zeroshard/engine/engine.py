@@ -13,11 +13,14 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   becomes a view of the buffer, so further backwards (accumulation) add in place. Stage 2:
   allocated by the first gradient of the bucket in backward and freed as soon as its
   reduction completes, so at most ``_MAX_PENDING`` + 1 whole buckets exist at once.
-* ``grad_shard`` — stages >= 1: this rank's reduced slice in the reduce dtype, kept until
-  the step. It is separate from ``grad`` because a native reduce-scatter leaves the other
-  ranks' slices of ``grad`` unreduced; accumulating the next micro-batch on top of them
-  would be wrong, so ``grad`` is marked stale (see ``FlatBucket.valid``) after every
-  reduction and the reduced slices sum up in ``grad_shard`` instead (DeepSpeed's stage 1 keeps the same partition buffer).
+* ``grad_shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
+  the step; reductions of several backwards (accumulation without ``no_sync``) add up in
+  it. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
+  it costs nothing beyond the whole buffer; the rest of ``grad`` is marked stale (see
+  ``FlatBucket.valid``), since a reduce-scatter leaves other ranks' slices unreduced. Only
+  if another backward is about to reuse the buffer before the step is the reduced slice
+  moved to a ``grad_shard`` stash (``_stash``), where later reductions add up. With a
+  ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
 
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
@@ -191,10 +194,24 @@ class Engine:
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
-        if self.policy.shard_optimizer:
+        if self.policy.shard_optimizer and not self._in_place(b):
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
+
+    def _in_place(self, b: FlatBucket) -> bool:
+        """Stage 1: the reduced slice stays in the whole buffer (see [Note: buffer
+        lifetimes]) unless it is reduced in another dtype."""
+        return (self.policy.keep_full_grads and self.policy.shard_optimizer
+                and self.reduce_dtype_of(b) == b.grad.dtype)
+
+    def _stash(self, b: FlatBucket) -> None:
+        """Stage 1: move a reduced slice out of the way before the buffer is reused."""
+        if not b.reduced:
+            return
+        own = b.shard_of(b.grad)
+        b.grad_shard = own.clone() if b.grad_shard is None else b.grad_shard.add_(own)
+        b.reduced = False
 
     def _materialize_sharded(self, b: FlatBucket, flat: torch.Tensor) -> None:
         """Stage 3: keep the slices; free the whole buffer's storage."""
@@ -344,6 +361,7 @@ class Engine:
         b.used[i] = 1.0
         self._grads_prepared = False
         if self.policy.keep_full_grads:
+            self._stash(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
                 view.copy_(p.grad)
@@ -376,6 +394,8 @@ class Engine:
         """Start reducing a bucket's gradient (average over ranks)."""
         src = b.grad
         assert src is not None
+        if self.policy.keep_full_grads:
+            self._stash(b)
         for i, ok in enumerate(b.valid):
             if not ok:  # no gradient since the last reduction: contributes zeros
                 b.slot_view(src, i).zero_()
@@ -405,7 +425,13 @@ class Engine:
             return
         if not self._predivide(buf.dtype):
             out.div_(self.comm.size)  # 1/N of the work of dividing the whole bucket
-        b.grad_shard.add_(out)
+        if self._in_place(b):
+            own = b.shard_of(b.grad)
+            if not self._same_memory(out, own):
+                own.copy_(out)
+            b.reduced = True
+        else:
+            b.grad_shard.add_(out)
         b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes]
         if self.policy.keep_full_grads:
             for s in b.slots:
@@ -463,7 +489,7 @@ class Engine:
         if self._grads_prepared:
             return self._overflow
         for b in self.buckets:
-            g = b.grad if self.policy.reduce_op == "all_reduce" else b.grad_shard
+            g = b.grad if self.policy.reduce_op == "all_reduce" else self._reduced_slice(b)
             if g.dtype == b.master.dtype and not self.scaler.enabled:
                 b.master.grad = g
             else:
@@ -479,6 +505,18 @@ class Engine:
             self._overflow = bool(bad.item() > 0)
         self._grads_prepared = True
         return self._overflow
+
+    def _reduced_slice(self, b: FlatBucket) -> torch.Tensor:
+        if not self._in_place(b):
+            return b.grad_shard
+        own = b.shard_of(b.grad)
+        if not b.reduced and b.grad_shard is None:  # no backward since zero_grad
+            own.zero_()
+            b.reduced = True
+        if b.grad_shard is None:
+            return own
+        self._stash(b)  # accumulated over several synced backwards: sum in the stash
+        return b.grad_shard
 
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The global gradient norm, equal to clip_grad_norm_'s on the unsharded model."""
@@ -538,7 +576,11 @@ class Engine:
         """Like ``set_to_none=True``: no memset of the whole-gradient buffers (see valid)."""
         for b in self.buckets:
             if b.grad_shard is not None:
-                b.grad_shard.zero_()
+                if self._in_place(b):
+                    b.grad_shard = None  # only a stash; see _stash
+                else:
+                    b.grad_shard.zero_()
+            b.reduced = False
             b.master.grad = None
             b.used.zero_()
             b.valid = [False] * len(b.slots)
