@@ -116,6 +116,8 @@ def shard(
     units: UnitSpec = None,
     param_init: ParamInit | None = None,
     device: torch.device | str | None = None,
+    hybrid: tuple[int, int] | None = None,
+    mesh: Any = None,
     **options: Any,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Shard ``model`` for data-parallel training; return it with its optimizer.
@@ -132,6 +134,11 @@ def shard(
     (default: the current CUDA device, else CPU) by ``param_init(model, names)``, which
     must fill the named parameters in place identically on every rank (default for
     zeroshard's reference models: ``zeroshard.models.init_weights(model, 0, names)``).
+
+    Hybrid sharding (stages 1-3): ``hybrid=(replicas, shard_size)`` or a 2-D
+    ``mesh`` (a ``DeviceMesh`` with dims ("replicate", "shard")) shards inside each group of
+    ``shard_size`` consecutive ranks — keep it within a node — and all-reduces the
+    reduced slices across the ``replicas`` groups. See docs/hybrid.md.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -149,8 +156,23 @@ def shard(
     dev = _resolve_device(device) if meta else None
     if meta and param_init is None:
         param_init = _default_param_init(model)
-    comm = Comm(process_group, CommLedger(), label="world" if process_group is None else "dp")
-    engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev)
+    ledger = CommLedger()
+    if hybrid is not None or mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group or hybrid=/mesh=, not both")
+        if stage == 0:
+            raise ValueError(
+                "hybrid sharding needs stage 1, 2 or 3 (stage 0 shards nothing); drop "
+                "hybrid= or pick a stage"
+            )
+        from .hybrid import hybrid_comms
+
+        comm, replicate, world = hybrid_comms(ledger, hybrid=hybrid, mesh=mesh)
+    else:
+        label = "world" if process_group is None else "dp"
+        comm, replicate, world = Comm(process_group, ledger, label=label), None, None
+    engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
+                    replicate=replicate, world=world)
     inner = optimizer(engine.master_params(), **optim_kwargs)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(

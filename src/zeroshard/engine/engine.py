@@ -93,11 +93,18 @@ class Engine:
     def __init__(
         self, model: nn.Module, config: ShardConfig, comm: Comm, *,
         units: UnitSpec = None, param_init: ParamInit | None = None,
-        device: torch.device | None = None,
+        device: torch.device | None = None, replicate: Comm | None = None,
+        world: Comm | None = None,
     ) -> None:
         self.model = model
         self.config = config
+        # ``comm`` is the sharding group. Hybrid sharding adds ``replicate`` (ranks holding
+        # the same slices: reduced slices are all-reduced across it) and ``world`` (the
+        # start-up broadcast and the flags every rank must agree on); see docs/hybrid.md.
         self.comm = comm
+        self.replicate = replicate
+        self.world = world or comm
+        self.dp_size = comm.size * (replicate.size if replicate else 1)
         self.policy = StagePolicy(config.stage)
         self.compute_dtype = config.compute_dtype
         self.sync = True  # False inside no_sync(): accumulate locally, no communication
@@ -176,7 +183,7 @@ class Engine:
                 param_init(self.model, [s.names[0] for s in b.slots])
         else:
             flat = b.flatten()
-            self.comm.broadcast(flat, 0, phase="init", unit=b.name)
+            self.world.broadcast(flat, 0, phase="init", unit=b.name)
         compute = self.compute_dtype or b.dtype
         full = flat if compute == flat.dtype else flat.to(compute)
         b.full = full
@@ -402,7 +409,7 @@ class Engine:
         rdtype = self.reduce_dtype_of(b)
         buf = src if src.dtype == rdtype else src.to(rdtype)
         if self._predivide(rdtype):
-            buf.div_(self.comm.size)
+            buf.div_(self.dp_size)
         if self.policy.reduce_op == "all_reduce":
             pending = self.comm.all_reduce(buf, phase="backward", unit=b.name,
                                            async_op=self.config.overlap)
@@ -423,8 +430,10 @@ class Engine:
             if buf is not b.grad:  # reduced in another dtype: keep the reduced values
                 b.grad.copy_(buf)
             return
+        if self.replicate is not None:  # hybrid: sum the slice over the replicas too
+            self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
         if not self._predivide(buf.dtype):
-            out.div_(self.comm.size)  # 1/N of the work of dividing the whole bucket
+            out.div_(self.dp_size)  # 1/N of the work of dividing the whole bucket
         if self._in_place(b):
             own = b.shard_of(b.grad)
             if not self._same_memory(out, own):
@@ -501,7 +510,7 @@ class Engine:
             bad = torch.zeros(1, device=self.buckets[0].device)
             for b in self.buckets:
                 bad += (~torch.isfinite(b.master.grad)).any().float()
-            self.comm.all_reduce(bad, phase="control", unit="overflow").wait()
+            self.world.all_reduce(bad, phase="control", unit="overflow").wait()
             self._overflow = bool(bad.item() > 0)
         self._grads_prepared = True
         return self._overflow
@@ -544,7 +553,7 @@ class Engine:
     def unused_slots(self) -> list[tuple[FlatBucket, int, int]]:
         """Master ranges (bucket, lo, hi) of parameters no rank produced a gradient for."""
         flags = torch.cat([b.used for b in self.buckets])
-        self.comm.all_reduce(flags, phase="control", unit="used").wait()
+        self.world.all_reduce(flags, phase="control", unit="used").wait()
         out: list[tuple[FlatBucket, int, int]] = []
         k = 0
         for b in self.buckets:
