@@ -180,6 +180,11 @@ def shard(
         )
     check_elementwise(inner)
     comm.ledger.mark_step()  # the initial broadcast is not part of any step
+    comm.ledger.step = 0
+    names = [b.name for b in engine.all_buckets] + [u.name for u in engine.units]
+    for c in (comm, replicate, world):
+        if c is not None:
+            c.know_names([*names, "full_state_dict", "used", "grad_norm", "overflow", "join"])
     model._zeroshard_engine = engine
     _swap_class(model)
     return model, ShardedOptimizer(engine, inner)
@@ -213,6 +218,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     under mixed precision they are the exact values being trained, not 16-bit casts.
     """
     engine = engine_of(model)
+    engine.world.sync_point("full_state_dict")
     values: dict[int, torch.Tensor] = {}
     for b in engine.all_buckets:
         full = engine.full_master(b)

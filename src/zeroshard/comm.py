@@ -30,8 +30,10 @@ made once per group (:func:`_decompose_for`) and reported in the ledger as ``imp
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "in_flight"]
+__all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "in_flight", "CollectiveTimeout",
+           "CollectiveMismatch", "CollectiveError"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class CommLedger:
 
     records: list[CommRecord] = field(default_factory=list)
     _step_starts: list[int] = field(default_factory=lambda: [0])
+    #: Optimizer steps completed (the engine resets it to 0 once set-up traffic is done).
+    step: int = 0
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -75,10 +80,12 @@ class CommLedger:
     def clear(self) -> None:
         self.records.clear()
         self._step_starts = [0]
+        self.step = 0
 
     def mark_step(self) -> None:
-        """Close the current step: later summaries with ``last_step=True`` see only it."""
+        """Close the current step: ``last_step()`` then returns its records."""
         self._step_starts.append(len(self.records))
+        self.step += 1
 
     def last_step(self) -> list[CommRecord]:
         """Records of the last completed step (between the last two ``mark_step`` calls)."""
@@ -140,11 +147,43 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed because a peer left or crashed."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within ``ShardConfig.timeout`` (see [Note: divergence])."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives at the same point (see [Note: divergence])."""
+
+
+_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+_PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other")
+
+
+def _key(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
 class Comm:
     """The collectives of one process group, recorded in a :class:`CommLedger`.
 
     ``group=None`` means the default (world) group. All methods are synchronous from the
     caller's point of view unless ``async_op=True`` is passed where offered.
+
+    [Note: divergence]
+    Two opt-in guards turn diverging ranks into errors instead of hangs:
+
+    * ``timeout`` (seconds): every collective is waited on with that timeout; one that does
+      not complete raises :class:`CollectiveTimeout` naming the rank, the collective, its
+      unit and phase — on every rank that is left waiting.
+    * ``check``: before each collective the group all-gathers a 5-number descriptor (step,
+      index within the step, op, unit, element count) and compares. On a mismatch every
+      rank raises :class:`CollectiveMismatch` naming the step, the ranks and the first
+      differing collective — before issuing the mismatched collective, so nothing hangs.
+      Cost: one extra 40-byte all-gather per collective (a debug-run setting).
     """
 
     def __init__(
@@ -159,15 +198,21 @@ class Comm:
         self.label = label
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
         self.decompose = _decompose_for(group) if decompose is None else decompose
         self._peers = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
+        self.timeout: float | None = None
+        self.check = False
+        self._names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
+        self._seq = (-1, 0)  # (step, index within step)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _record(
-        self, op: str, impl: str, full_bytes: int, phase: str, unit: str, dtype: torch.dtype
-    ) -> None:
+    def _begin(
+        self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str
+    ) -> str:
+        """Record the collective (and verify agreement if ``check``); its description."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
@@ -186,9 +231,61 @@ class Comm:
                 group_size=n,
                 phase=phase,
                 unit=unit,
-                dtype=str(dtype).replace("torch.", ""),
+                dtype=str(t.dtype).replace("torch.", ""),
             )
         )
+        desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
+        if self.check and n > 1:
+            self._verify(op, unit, phase, t.numel())
+        return desc
+
+    def know_names(self, names: list[str]) -> None:
+        """Unit names a peer may mention, so mismatch reports can name them."""
+        for n in names:
+            self._names[_key(n)] = n
+
+    def _verify(self, op: str, unit: str, phase: str, numel: int) -> None:
+        step = self.ledger.step
+        index = self._seq[1] + 1 if self._seq[0] == step else 0
+        self._seq = (step, index)
+        self.know_names([unit])
+        ph = _PHASES.index(phase) if phase in _PHASES else len(_PHASES) - 1
+        mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel],
+                            dtype=torch.int64)
+        table = torch.empty(self.size * 6, dtype=torch.int64)
+        work = _all_gather_single(table, mine, self.group, True)
+        Pending([work], table, f"collective check before {op}({unit})", self).wait()
+        rows = table.view(self.size, 6).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+
+        def say(r: list[int]) -> str:
+            where = self._names.get(r[3], f"unit #{r[3]}")
+            return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}, {r[5]} elements) as collective "
+                    f"#{r[1]} of step {r[0]}")
+
+        lines = [f"rank {self._peers[i]}: {say(r)}" for i, r in enumerate(rows)]
+        raise CollectiveMismatch(
+            f"ranks diverged at step {step}: they issued different collectives "
+            f"(group {self.label!r}):\n  " + "\n  ".join(lines) + "\nEvery rank must run the "
+            "same units in the same order each step; for uneven data use zeroshard.join()"
+        )
+
+    def sync_point(self, name: str) -> None:
+        """With ``check`` on, make ranks agree they reached ``name`` (no-op otherwise).
+
+        Used where a rank may legitimately issue no collective (``full_state_dict`` at
+        stages 0-2), so that a rank that got there early meets its peers' next collective
+        check and every rank reports the divergence instead of one rank hanging.
+        """
+        if self.check and self.size > 1:
+            self._verify("barrier", name, "sync", 0)
+
+    def _finish(self, works: list, out: torch.Tensor, desc: str, async_op: bool) -> Pending:
+        pending = Pending(works, out, desc, self)
+        if not async_op:
+            pending.wait()
+        return pending
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(
@@ -196,13 +293,12 @@ class Comm:
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
     ) -> Pending:
         """In-place all-reduce (sum by default); ``.wait()`` returns ``tensor``."""
-        self._record("all_reduce", "all_reduce", _nbytes(tensor), phase, unit, tensor.dtype)
+        desc = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase, unit)
         if self.size == 1:
             return Pending(None, tensor, "")
-        desc = f"all_reduce({unit or '-'}, {phase}, {_nbytes(tensor)} B)"
         with _waiting_in(desc):
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return Pending([work] if async_op else None, tensor, desc)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._finish([work], tensor, desc, async_op)
 
     def reduce_scatter(
         self, full: torch.Tensor, *, phase: str = "backward", unit: str = "",
@@ -218,10 +314,9 @@ class Comm:
             raise ValueError(f"reduce_scatter needs numel divisible by {n}, got {full.numel()}")
         shard = full.numel() // n
         impl = "reduce" if (self.decompose and n > 1) else "reduce_scatter"
-        self._record("reduce_scatter", impl, _nbytes(full), phase, unit, full.dtype)
+        desc = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit)
         if n == 1:
             return Pending(None, full, "")
-        desc = f"reduce_scatter({unit or '-'}, {phase}, {_nbytes(full)} B)"
         with _waiting_in(desc):
             if impl == "reduce":
                 # Slice r is summed onto rank r; other ranks' copies of it become scratch.
@@ -231,10 +326,7 @@ class Comm:
             else:
                 out = torch.empty(shard, dtype=full.dtype, device=full.device)
                 work = [_reduce_scatter_single(out, full, self.group, True)]
-        if not async_op:
-            Pending(work, out, desc).wait()
-            return Pending(None, out, "")
-        return Pending(work, out, desc)
+        return self._finish(work, out, desc, async_op)
 
     def all_gather(
         self, full: torch.Tensor, *, phase: str = "step", unit: str = "",
@@ -248,11 +340,10 @@ class Comm:
         if full.numel() % n:
             raise ValueError(f"all_gather needs numel divisible by {n}, got {full.numel()}")
         impl = "broadcast" if (self.decompose and n > 1) else "all_gather"
-        self._record("all_gather", impl, _nbytes(full), phase, unit, full.dtype)
+        desc = self._begin("all_gather", impl, full, _nbytes(full), phase, unit)
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
-        desc = f"all_gather({unit or '-'}, {phase}, {_nbytes(full)} B)"
         with _waiting_in(desc):
             if impl == "broadcast":
                 work = [dist.broadcast(full[r * shard : (r + 1) * shard], src=self._peers[r],
@@ -260,10 +351,7 @@ class Comm:
             else:
                 lo = self.rank * shard
                 work = [_all_gather_single(full, full[lo : lo + shard], self.group, True)]
-        if not async_op:
-            Pending(work, full, desc).wait()
-            return Pending(None, full, "")
-        return Pending(work, full, desc)
+        return self._finish(work, full, desc, async_op)
 
     def all_gather_into(
         self, full: torch.Tensor, shard: torch.Tensor, *, phase: str = "forward",
@@ -283,12 +371,13 @@ class Comm:
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = ""
     ) -> None:
-        self._record("broadcast", "broadcast", _nbytes(tensor), phase, unit, tensor.dtype)
+        desc = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase, unit)
         if self.size == 1:
             return
-        with _waiting_in(f"broadcast({unit or '-'}, {phase}, {_nbytes(tensor)} B)"):
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src)
-                           if self.group is not None else src, group=self.group)
+        with _waiting_in(desc):
+            work = dist.broadcast(tensor, src=self._peers[src], group=self.group,
+                                  async_op=True)
+        self._finish([work], tensor, desc, False)
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
@@ -305,17 +394,38 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op
 class Pending:
     """A collective that may still be running; ``wait()`` blocks and returns its output."""
 
-    __slots__ = ("_work", "_out", "_desc")
+    __slots__ = ("_work", "_out", "_desc", "_comm")
 
-    def __init__(self, work: list | None, out: torch.Tensor, desc: str) -> None:
+    def __init__(self, work: list | None, out: torch.Tensor, desc: str,
+                 comm: Comm | None = None) -> None:
         self._work = work
         self._out = out
         self._desc = desc
+        self._comm = comm
 
     def wait(self) -> torch.Tensor:
         if self._work:
+            timeout = self._comm.timeout if self._comm is not None else None
             with _waiting_in(self._desc):
+                start = time.monotonic()
                 for w in self._work:
-                    w.wait()
+                    if timeout is None:
+                        w.wait()
+                        continue
+                    left = max(0.0, timeout - (time.monotonic() - start))
+                    try:
+                        w.wait(timeout=datetime.timedelta(seconds=left))
+                    except RuntimeError as e:
+                        c = self._comm
+                        if "timed out" not in str(e).lower():
+                            raise CollectiveError(
+                                f"rank {c.global_rank}: {self._desc} (group {c.label!r}) "
+                                f"failed: a peer left or crashed. Underlying error: {e}"
+                            ) from e
+                        raise CollectiveTimeout(
+                            f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
+                            f"(group {c.label!r}) and gave up: a peer is not issuing the "
+                            "same collective (diverged, hung or busy elsewhere)"
+                        ) from e
         self._work = None
         return self._out

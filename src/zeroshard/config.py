@@ -57,6 +57,10 @@ class ShardConfig:
     reshard_after_forward: bool = True
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
+    #: Seconds any collective may take before raising CollectiveTimeout (None: wait forever).
+    timeout: float | None = None
+    #: Verify before every collective that all ranks issue the same one (debug runs).
+    check_collectives: bool = False
     #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.
     init_scale: float = 2.0**16
     growth_interval: int = 2000
@@ -85,6 +89,11 @@ class ShardConfig:
             self.prefetch < 0
         ):
             raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (0 disables it)")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float)
+            or self.timeout <= 0
+        ):
+            raise ValueError(f"timeout={self.timeout!r} must be None or seconds > 0, e.g. 300")
         if not self.init_scale > 0:
             raise ValueError(f"init_scale={self.init_scale!r} must be > 0")
         if not self.growth_factor > 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,9 @@ class Engine:
         self.replicate = replicate
         self.world = world or comm
         self.dp_size = comm.size * (replicate.size if replicate else 1)
+        for c in {id(x): x for x in (comm, replicate, world) if x is not None}.values():
+            c.timeout = config.timeout
+            c.check = config.check_collectives
         self.policy = StagePolicy(config.stage)
         self.compute_dtype = config.compute_dtype
         self.sync = True  # False inside no_sync(): accumulate locally, no communication
@@ -138,6 +142,14 @@ class Engine:
         self._bwd_cursor = 0
         self.unsharded_bytes = 0
         self.peak_unsharded_bytes = 0
+        # Uneven inputs (see [Note: join] in join.py).
+        self._joinable: Any = None
+        self.active_ranks: int | None = None  # ranks with data this step, inside join()
+        self._iter_start = 0
+        self._last_iter: list = []
+        self._clip_this_iter: tuple[float, float] | None = None
+        self._last_clip: tuple[float, float] | None = None
+        self._replaying = False
         self.device = device or next(model.parameters()).device
         meta = next(model.parameters()).is_meta
         if meta:
@@ -238,6 +250,12 @@ class Engine:
     # -- forward hooks ------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
+        if self._joinable is not None and not _in_backward():
+            from torch.distributed.algorithms.join import Join
+
+            if Join.notify_join_context(self._joinable) is not None:  # join() is active
+                self._count_active(1)
+                self._iter_start = len(self.comm.ledger.records)
         if self.units:
             root = self.units[-1]
             self._fwd_cursor = 0
@@ -409,7 +427,7 @@ class Engine:
         rdtype = self.reduce_dtype_of(b)
         buf = src if src.dtype == rdtype else src.to(rdtype)
         if self._predivide(rdtype):
-            buf.div_(self.dp_size)
+            buf.div_(self._divisor())
         if self.policy.reduce_op == "all_reduce":
             pending = self.comm.all_reduce(buf, phase="backward", unit=b.name,
                                            async_op=self.config.overlap)
@@ -433,7 +451,7 @@ class Engine:
         if self.replicate is not None:  # hybrid: sum the slice over the replicas too
             self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
         if not self._predivide(buf.dtype):
-            out.div_(self.dp_size)  # 1/N of the work of dividing the whole bucket
+            out.div_(self._divisor())  # 1/N of the work of dividing the whole bucket
         if self._in_place(b):
             own = b.shard_of(b.grad)
             if not self._same_memory(out, own):
@@ -447,6 +465,10 @@ class Engine:
                 s.param.grad = None  # the next gradient is copied in, not added
         else:
             b.grad = None
+
+    def _divisor(self) -> int:
+        """Ranks whose gradients are averaged: all, or those with data inside join()."""
+        return self.active_ranks or self.dp_size
 
     def _predivide(self, dtype: torch.dtype) -> bool:
         """Average before summing where a sum could overflow (fp16) and at stage 0 (whose
@@ -579,6 +601,9 @@ class Engine:
                 target.copy_(b.master.detach())
             if self.policy.gather_after_step:
                 self.comm.all_gather(b.full, phase="step", unit=b.name).wait()
+        if self._joinable is not None and not self._replaying:
+            self._last_iter = self.comm.ledger.records[self._iter_start :]
+            self._last_clip, self._clip_this_iter = self._clip_this_iter, None
         self.comm.ledger.mark_step()
 
     def zero_grad(self) -> None:
@@ -600,6 +625,56 @@ class Engine:
     def skip_step(self) -> None:
         self.zero_grad()
         self.comm.ledger.mark_step()
+
+    # -- uneven inputs (see [Note: join] in join.py) ---------------------------------------
+    def _count_active(self, mine: int) -> None:
+        t = torch.tensor([float(mine)], device=self.device)
+        self.world.all_reduce(t, phase="control", unit="join").wait()
+        self.active_ranks = int(t.item())
+
+    def shadow_iteration(self, optimizer: Any) -> None:
+        """One iteration without data: the collectives of the last real one, neutral."""
+        if not self._last_iter:
+            raise RuntimeError(
+                f"rank {self.world.global_rank} ran out of data before finishing one "
+                "iteration inside zeroshard.join(); give every rank at least one batch"
+            )
+        self._count_active(0)
+        self._replaying = True
+        try:
+            self._replay_backward()
+            if self._last_clip is not None:
+                optimizer.clip_grad_norm_(*self._last_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        finally:
+            self._replaying = False
+
+    def _replay_backward(self) -> None:
+        units = {u.name: u for u in self.units}
+        buckets: dict[str, list[FlatBucket]] = {}
+        for b in self.buckets:
+            buckets.setdefault(b.name, []).append(b)
+        seen: dict[str, int] = {}
+        for r in self._last_iter:
+            if r.phase not in ("forward", "backward") or r.group == "replicate":
+                continue
+            if r.op == "all_gather":  # a stage-3 unit: serve our slice to the others
+                u = units[r.unit]
+                self._unshard(u, r.phase)
+                u.wait()
+                if not u.is_root:
+                    self._reshard(u)
+                continue
+            b = buckets[r.unit][seen.get(r.unit, 0)]
+            seen[r.unit] = seen.get(r.unit, 0) + 1
+            if b.grad is None:
+                b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
+                                     device=b.device)
+            self._launch(b)  # stale slots are zeroed: this rank contributes nothing
+            while self._pending:
+                self._complete(self._pending.popleft())
+        self._finish_backward()
 
     # -- state --------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:
