@@ -57,6 +57,9 @@ class ShardConfig:
     reshard_after_forward: bool = True
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
+    #: "optimizer": fp32 master weights, optimizer state and the step live in host memory
+    #: (ZeRO-Offload); stages 1-3. On a CPU-only run host and device coincide: no copies.
+    offload: str | None = None
     #: Seconds any collective may take before raising CollectiveTimeout (None: wait forever).
     timeout: float | None = None
     #: Verify before every collective that all ranks issue the same one (debug runs).
@@ -89,6 +92,15 @@ class ShardConfig:
             self.prefetch < 0
         ):
             raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (0 disables it)")
+        if self.offload not in (None, "optimizer"):
+            raise ValueError(
+                f"offload={self.offload!r} is not supported; use None or 'optimizer'"
+            )
+        if self.offload is not None and self.stage == 0:
+            raise ValueError(
+                "offload='optimizer' needs stage 1, 2 or 3 (each rank offloads its slice); "
+                "use stage=1 or higher"
+            )
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float)
             or self.timeout <= 0

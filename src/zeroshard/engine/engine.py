@@ -51,6 +51,10 @@ ParamInit = Callable[[nn.Module, list[str]], None]
 
 __all__ = ["Engine"]
 
+# Tests only: take the offload path's copies even when the device is the host (CPU), so
+# its logic is exercised on machines without an accelerator.
+_FORCE_HOST_COPIES = False
+
 # Stage 2: reductions allowed in flight before backward waits for the oldest; bounds the
 # number of whole-bucket gradient buffers alive at once.
 _MAX_PENDING = 2
@@ -151,6 +155,12 @@ class Engine:
         self._last_clip: tuple[float, float] | None = None
         self._replaying = False
         self.device = device or next(model.parameters()).device
+        # ZeRO-Offload (docs/offload.md): masters and optimizer state on the host. Where
+        # the device *is* the host (a CPU run) nothing moves and nothing is copied.
+        self.host = torch.device("cpu")
+        self.offload = config.offload == "optimizer" and (
+            self.device.type != "cpu" or _FORCE_HOST_COPIES
+        )
         meta = next(model.parameters()).is_meta
         if meta:
             _materialize_buffers(model, self.device)
@@ -209,7 +219,7 @@ class Engine:
             master_src = b.shard_of(master_src)
             if self.compute_dtype is not None:
                 master_src = master_src.clone()  # keep only the slice alive
-        b.master = nn.Parameter(master_src)
+        b.master = nn.Parameter(self._on_host(master_src))
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
@@ -217,6 +227,14 @@ class Engine:
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """With offload, a pinned host copy of ``t`` (pinned: copies to and from the device
+        can run asynchronously); otherwise ``t`` itself."""
+        if not self.offload:
+            return t
+        t = t.detach().to(self.host, copy=True)
+        return t.pin_memory() if torch.cuda.is_available() else t
 
     def _in_place(self, b: FlatBucket) -> bool:
         """Stage 1: the reduced slice stays in the whole buffer (see [Note: buffer
@@ -236,11 +254,12 @@ class Engine:
         """Stage 3: keep the slices; free the whole buffer's storage."""
         if b.requires_grad:
             src = b.shard_of(flat)
-            b.master = nn.Parameter(src.float().clone() if self.compute_dtype else src.clone())
+            master = src.float().clone() if self.compute_dtype else src.clone()
+            b.master = nn.Parameter(self._on_host(master))
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
-        if b.master is not None and b.master.dtype == b.full.dtype:
+        if b.master is not None and b.master.dtype == b.full.dtype and not self.offload:
             b.shard16 = b.master.detach()  # fp32 without mixed precision: one copy only
         else:
             b.shard16 = b.shard_of(b.full).clone()
@@ -519,8 +538,19 @@ class Engine:
         """
         if self._grads_prepared:
             return self._overflow
+        grads = []
         for b in self.buckets:
             g = b.grad if self.policy.reduce_op == "all_reduce" else self._reduced_slice(b)
+            if self.offload:  # device -> pinned host, all buckets in flight, then one sync
+                if b.host_grad is None:
+                    b.host_grad = torch.empty(g.shape, dtype=g.dtype,
+                                              pin_memory=torch.cuda.is_available())
+                b.host_grad.copy_(g, non_blocking=True)
+                g = b.host_grad
+            grads.append(g)
+        if self.offload and self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.current_stream(self.device).synchronize()
+        for b, g in zip(self.buckets, grads):
             if g.dtype == b.master.dtype and not self.scaler.enabled:
                 b.master.grad = g
             else:
@@ -529,9 +559,10 @@ class Engine:
                     b.master.grad.div_(self.scaler.scale)
         self._overflow = False
         if self.scaler.enabled:
-            bad = torch.zeros(1, device=self.buckets[0].device)
+            bad = torch.zeros(1, device=b.master.device)
             for b in self.buckets:
                 bad += (~torch.isfinite(b.master.grad)).any().float()
+            bad = bad.to(self.device)  # collectives run on the device (NCCL needs it)
             self.world.all_reduce(bad, phase="control", unit="overflow").wait()
             self._overflow = bool(bad.item() > 0)
         self._grads_prepared = True
@@ -556,17 +587,18 @@ class Engine:
         device = grads[0].device
         sharded = self.policy.shard_optimizer
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max().float()
+            local = torch.stack([g.abs().max() for g in grads]).max().float().to(self.device)
             if sharded:
                 self.comm.all_reduce(local, phase="control", unit="grad_norm",
                                      op=dist.ReduceOp.MAX).wait()
-            return local
+            return local.to(device)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             local += g.float().pow(norm_type).sum()
         if sharded:
+            local = local.to(self.device)  # offloaded grads live on the host
             self.comm.all_reduce(local, phase="control", unit="grad_norm").wait()
-        return local.pow(1.0 / norm_type)
+        return local.pow(1.0 / norm_type).to(device)
 
     def scale_grads(self, coef: torch.Tensor) -> None:
         for b in self.buckets:

@@ -75,6 +75,7 @@ class FlatBucket:
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
+        self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
         self.launched = False  # its reduction was started this backward
