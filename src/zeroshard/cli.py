@@ -131,6 +131,9 @@ def _add_plan(subparsers: Any) -> None:
     which.add_argument("--model", help="preset name, e.g. llama-7b")
     which.add_argument("--params", type=parse_params,
                        help="parameter count (13B, 350M, 7e9): nearest Llama-2-like shape")
+    which.add_argument("--hf-config", metavar="PATH",
+                       help="a Hugging Face config.json or model directory (gpt2, llama, mistral; "
+                       "needs zeroshard[hf])")
     p.add_argument("--gpus", type=parse_gpus, default=[8], help="8, 8-64 (doubling) or 8,16,32")
     p.add_argument("--gpu-mem", type=parse_bytes, default=parse_bytes("80GB"),
                    help="device memory with a unit: 80GB, 80GiB, 24GB (default 80GB)")
@@ -145,6 +148,9 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--policies", type=_policies, default=["none", "selective", "full"],
                    help="checkpointing policies, comma separated")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--traced", action="store_true",
+                   help="also trace one real step per row on fake tensors (slow: seconds to "
+                   "minutes per row; see docs/planning.md)")
     p.set_defaults(handler=_run_plan)
 
 
@@ -162,6 +168,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--seq {seq} exceeds {args.model}'s maximum sequence length {config.seq_len}; "
                 f"use --seq {config.seq_len} or less (or --params for a shape of any length)")
+    elif args.hf_config is not None:  # zeroshard[hf]: the shape of an HF config
+        from zeroshard.hf import model_config_from_hf
+
+        try:
+            config = model_config_from_hf(args.hf_config)
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--hf-config {args.hf_config!r}: {exc}") from None
+        seq = args.seq or config.seq_len
     else:
         seq = args.seq or 4096
         config = config_from_params(args.params, seq_len=seq)
@@ -173,7 +187,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             recipe=args.recipe)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    name = args.model or f"--params {args.params / 1e9:g}B -> Llama-like shape"
+    if args.traced:
+        from zeroshard.memory.traced import trace_plan
+
+        result = trace_plan(result, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
+                          f"--params {args.params / 1e9:g}B -> Llama-like shape")
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result, name))
     return 0
 
@@ -209,9 +228,14 @@ def format_plan(p: Plan, name: str) -> str:
         "buf = stage 1 reduced-gradient slice, stage 2 gradient buckets, stage 3 gathered units;",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
+    traced = any(x.traced_peak_bytes is not None for x in p.rows)
+    if traced:
+        lines += ["trace st/pk = one real step of the engine on fake tensors at this N "
+                  "(zeroshard.memory.traced): model state between steps / peak total."]
     head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} {'state GB':>8} {'act GB':>7} {'buf GB':>6} "
             f"{'total GB':>8} {'total GiB':>9} {'fits':<4} {'comm GB':>7} {'comm s':>6} "
-            f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}")
+            f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
+            + (f" {'trace st GB':>11} {'trace pk GB':>11}" if traced else ""))
     for n in sorted({x.gpus for x in p.rows}):
         lines += ["", head, "-" * len(head)]
         for x in (x for x in p.rows if x.gpus == n):
@@ -221,16 +245,26 @@ def format_plan(p: Plan, name: str) -> str:
                 f"{x.buffer_bytes / 1e9:>6.1f} {x.total_bytes / 1e9:>8.1f} "
                 f"{x.total_bytes / 2**30:>9.1f} {'yes' if x.fits else 'no':<4} "
                 f"{x.comm_bytes_per_step / 1e9:>7.1f} {x.comm_time_s:>6.3f} {x.step_time_s:>6.3f} "
-                f"{x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}")
+                f"{x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}" + _traced_cols(x, traced))
     lines.append("")
     if len(p.by_gpus) > 1:
         lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
+        lines += [f"  {note}" for note in p.notes] + [""]
+    elif traced and p.notes:  # rows left untraced, and why
         lines += [f"  {note}" for note in p.notes] + [""]
     rec = p.recommendation
     plural = "s" if rec.gpus > 1 else ""
     lines.append(f"Recommendation ({rec.gpus} device{plural}): {_rec_title(rec)}")
     lines += textwrap.wrap(rec.reason, width=96, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
+
+
+def _traced_cols(x: Any, traced: bool) -> str:
+    if not traced:
+        return ""
+    if x.traced_peak_bytes is None:
+        return f" {'-':>11} {'-':>11}"
+    return f" {x.traced_model_state_bytes / 1e9:>11.1f} {x.traced_peak_bytes / 1e9:>11.1f}"
 
 
 def _rec_title(rec: Any) -> str:
@@ -262,7 +296,41 @@ def _add_demo(subparsers: Any) -> None:
     p.set_defaults(handler=demo.run)
 
 
-_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_plan, _add_bench, _add_demo)
+def _add_train(subparsers: Any) -> None:
+    from zeroshard import train
+
+    p = subparsers.add_parser(
+        "train", help="train a reference model with sharded checkpoints (for torchrun)",
+        description="Train a preset model at a ZeRO stage with periodic sharded checkpoints; "
+        "under torchrun --max-restarts K with --resume, a killed rank restarts from the "
+        "latest complete checkpoint. See docs/checkpoints.md.")
+    train.add_arguments(p)
+    p.set_defaults(handler=train.run)
+
+
+def _add_consolidate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "consolidate", help="write a sharded checkpoint's full weights to one safetensors file",
+        description="Stream the full weights of a zeroshard checkpoint into one safetensors "
+        "file, one parameter at a time (bounded memory). See docs/checkpoints.md.")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run's --ckpt-dir "
+                   "(its latest complete checkpoint)")
+    p.add_argument("out", help="the safetensors file to write")
+    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of floating tensors (default fp32: the master weights)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check file sizes only, not CRC-32 (skips one read of each file)")
+    p.set_defaults(handler=_run_consolidate)
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from zeroshard.state.consolidate import run
+
+    return run(args)
+
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
+    _add_plan, _add_bench, _add_demo, _add_train, _add_consolidate)
 
 
 def build_parser() -> argparse.ArgumentParser:

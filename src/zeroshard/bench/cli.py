@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--model", default=None, help="model preset (default gpt2-small)")
     which.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
                        help="a function returning an nn.Module mapping LongTensor[B, T] to logits")
+    which.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="a Hugging Face config.json: each rank builds "
+                       "AutoModelForCausalLM.from_config (needs zeroshard[hf])")
     a("--vocab", type=int, default=None, help="vocabulary of a --model-factory model")
     a("--world-size", type=int, default=None,
       help="local ranks to start (default: one per GPU, else 2)")
@@ -62,8 +65,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validate the parsed arguments; ValueError names the value and the fix."""
     from zeroshard.launch import under_torchrun
 
-    model = args.model if args.model_factory is None else None
-    if args.model_factory is None:
+    factory, vocab, configs = args.model_factory, args.vocab, args.configs
+    if getattr(args, "hf_config", None) is not None:
+        factory, vocab, configs = _hf_model(args.hf_config, vocab, configs)
+    model = args.model if factory is None else None
+    if factory is None:
         from zeroshard.models import get_preset
 
         model = model or "gpt2-small"
@@ -90,15 +96,37 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          "NCCL needs one GPU per rank: use --world-size "
                          f"{_cuda_devices()} or less")
     settings = BenchSettings(
-        model=model, model_factory=args.model_factory, vocab=args.vocab,
+        model=model, model_factory=factory, vocab=vocab,
         world_size=world, micro_batch=args.micro_batch, seq=args.seq,
-        steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(args.configs)),
+        steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(configs)),
         baseline=args.baseline, mixed_precision=args.mixed_precision,
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
         lr=args.lr, seed=args.seed, timeout_s=args.timeout)
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings
+
+
+def _hf_model(path: str, vocab: int | None, configs: str) -> tuple[str, int, str]:
+    """--hf-config: every rank builds the model with zeroshard.hf.bench_model, which reads
+    the config's path from the environment the ranks inherit."""
+    import os
+
+    from zeroshard import hf
+
+    config = hf.load_config(path)  # fails here, once, naming the problem
+    os.environ[hf.BENCH_CONFIG_ENV] = os.path.abspath(path)
+    if "selective" in configs:  # CoreAttention-based; HF models need zeroshard.hf's policy
+        if configs != ",".join(DEFAULT_CONFIGS):
+            raise ValueError("--hf-config: -selective configurations checkpoint zeroshard's "
+                             "CoreAttention modules, which HF models lack (zeroshard.hf."
+                             "apply_checkpointing has an HF selective policy); drop them "
+                             "from --configs")
+        configs = ",".join(c for c in DEFAULT_CONFIGS if not c.endswith("-selective"))
+    return HF_FACTORY, vocab or config.vocab_size, configs
+
+
+HF_FACTORY = "zeroshard.hf:bench_model"
 
 
 def _cuda_devices() -> int:
@@ -124,7 +152,15 @@ def _check_factory(spec: str) -> None:
 
 def _command(s: BenchSettings) -> str:
     parts = ["zeroshard", "bench"]
-    parts += ["--model-factory", s.model_factory] if s.model_factory else ["--model", s.model or ""]
+    if s.model_factory == HF_FACTORY:
+        import os
+
+        from zeroshard.hf import BENCH_CONFIG_ENV
+
+        parts += ["--hf-config", os.environ.get(BENCH_CONFIG_ENV, "?")]
+    else:
+        parts += (["--model-factory", s.model_factory] if s.model_factory
+                  else ["--model", s.model or ""])
     parts += ["--world-size", str(s.world_size), "--micro-batch", str(s.micro_batch),
               "--seq", str(s.seq), "--warmup", str(s.warmup), "--steps", str(s.steps),
               "--configs", ",".join(c.name for c in s.configs)]

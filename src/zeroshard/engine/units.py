@@ -111,7 +111,14 @@ class Unit:
 def _unit_modules(model: nn.Module, spec: UnitSpec) -> list[nn.Module]:
     if spec is None:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-        return list(lists[0]) if lists else []
+        if not lists:
+            raise ValueError(
+                f"stage 3 found no nn.ModuleList of layers in {type(model).__name__} to use as "
+                "units (the default); pass units=: the repeated layers, e.g. "
+                "units=list(model.model.layers), or a predicate, e.g. units=lambda m: "
+                "isinstance(m, MyBlock) (units=lambda m: False keeps the whole model as one unit)"
+            )
+        return list(lists[0])
     if callable(spec) and not isinstance(spec, nn.Module):
         return [m for m in model.modules() if m is not model and spec(m)]
     mods = list(spec)

@@ -111,6 +111,10 @@ class PlanRow:
     step_time_s: float
     tokens_per_s: float
     break_even_tokens: float
+    traced_model_state_bytes: int | None = None
+    """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
+    traced_peak_bytes: int | None = None
+    """Peak total of a traced step, transients included; None unless traced."""
 
 
 @dataclass(frozen=True, kw_only=True)

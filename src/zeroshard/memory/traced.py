@@ -1,0 +1,348 @@
+"""Traced estimates: one real training step of the real engine, on fake tensors.
+
+[Note: how a trace works]
+The analytic planner (analytic.py) prices formulas; a trace prices the code. Under
+``FakeTensorMode`` every tensor carries a shape, dtype, device and a ``meta`` storage of
+the right size, but no data, so no memory proportional to the model is allocated and no
+arithmetic is done: a 7B model "trains" in seconds on a laptop. Communication goes
+through a fake process group (``FakeStore`` + backend ``"fake"``) of any world size N:
+its collectives return at once, so one process plays rank ``rank`` of N. The steps:
+
+1. Build the model on the meta device (presets via ``build_model(..., device="meta")``,
+   or the caller's meta model, deep-copied), apply the checkpointing policy.
+2. Stages 0-2 need real weights before ``shard()``: each parameter is replaced by a fake
+   CPU tensor (ties kept) and buffers are recomputed by ``reset_buffers()``. Stage 3
+   materialises unit by unit inside the engine, as on a real run (with a no-op init:
+   fake tensors have no values to initialise).
+3. Run ``steps`` optimizer steps (forward, backward, step, zero_grad) with the category
+   :class:`~zeroshard.memory.MemoryTracker` active. AdamW's moments appear during the
+   first step, so the steady-state peak is only reached in the second: ``steps=2``.
+4. Read: the per-category breakdown at the peak total, each category's own maximum,
+   model state between steps (params + grads + optimizer state after ``zero_grad``),
+   the engine's stage-3 unsharded peak and the communication ledger of the last step.
+
+What fake tensors cannot do is read a value. Two places in a step do: the engine's
+"which parameters got no gradient on any rank" check (so the trace assumes all did, as
+in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
+bytes, only the loss scale differs). Any other op that reads values or lacks a fake
+kernel fails with a :class:`TraceError` naming the model, stage, N and phase.
+
+[Note: one default process group per process]
+``torch.distributed`` holds one default group per process. With none initialised the
+trace runs in-process: it creates the fake group and destroys it afterwards. If the
+caller already has one (a training script), the trace runs in a fresh *spawned* process
+(``subprocess=True`` forces that; useful to measure the trace's own peak RSS).
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zeroshard.memory.tracker import Category
+from zeroshard.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from zeroshard.memory.planner import Plan
+
+__all__ = [
+    "LossFn", "TraceError", "TracedResult", "lm_loss", "run_steps", "trace_plan", "trace_step",
+]
+
+LossFn = Callable[[nn.Module, int, int], torch.Tensor]
+"""``loss_fn(model, micro_batch, seq_len) -> scalar loss``: makes a batch and runs forward."""
+
+
+class TraceError(RuntimeError):
+    """A trace failed; the message names the model, stage, world size and phase."""
+
+
+def lm_loss(model: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
+    """Next-token cross-entropy on random tokens (``model.config.vocab``), fp32 logits."""
+    vocab = model.config.vocab
+    x = torch.randint(0, vocab, (micro_batch, seq_len))
+    y = torch.randint(0, vocab, (micro_batch, seq_len))
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: int,
+              seq_len: int, steps: int, loss_fn: LossFn = lm_loss,
+              phase: list[str] | None = None) -> None:
+    """The training loop both a trace and a measured run execute (so they compare).
+
+    ``phase[0]`` is kept up to date for error messages.
+    """
+    where = phase if phase is not None else [""]
+    for i in range(1, steps + 1):
+        where[0] = f"forward of step {i}"
+        loss = loss_fn(model, micro_batch, seq_len)
+        where[0] = f"backward of step {i}"
+        loss.backward()
+        del loss
+        where[0] = f"optimizer step {i}"
+        optim.step()
+        optim.zero_grad()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedResult:
+    """Bytes are per rank (rank ``rank`` of ``world_size``); categories as in tracker.py."""
+
+    model: str
+    stage: int
+    world_size: int
+    rank: int
+    mixed_precision: str | None
+    micro_batch: int
+    seq_len: int
+    checkpointing: str
+    steps: int
+    params: int
+    """Trainable parameter elements Ψ (tied weights once), unpadded."""
+    current: dict[str, int]
+    """Per category between steps (after the last ``zero_grad``)."""
+    peak: dict[str, int]
+    """Per category at the moment the total was highest."""
+    max_per_category: dict[str, int]
+    peak_bytes: int
+    """The highest total over the traced steps."""
+    model_state_bytes: int
+    """params + grads + optim between steps, less ``reduced_grad_bytes`` (the planner's
+    convention: stage 1's reduced slice is a buffer, not ZeRO's model state)."""
+    reduced_grad_bytes: int
+    """Stage 1's ``grad_shard``, if it keeps one between steps (see [Note: buffer
+    lifetimes] in engine.py); 0 otherwise."""
+    activation_peak_bytes: int
+    """The largest amount of saved-for-backward memory seen."""
+    peak_unsharded_bytes: int
+    """Stage 3: most gathered unit weights alive at once (engine); 0 otherwise."""
+    comm_per_step: dict[str, dict[str, int]]
+    """The last step's ledger by phase: {phase: {logical_bytes, wire_bytes, calls}}."""
+    comm_logical_bytes: int
+    """ZeRO volume of the last step (forward + backward + step phases)."""
+    wall_s: float
+    peak_rss_bytes: int
+    """The tracing process's peak resident memory (lifetime of that process)."""
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def trace_step(
+    model_or_preset: nn.Module | str | ModelConfig, *, world_size: int, rank: int = 0,
+    stage: int, mixed_precision: str | None = "bf16", micro_batch: int, seq_len: int,
+    checkpointing: str = "none",
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 2,
+    loss_fn: LossFn = lm_loss, subprocess: bool | None = None, **options: Any,
+) -> TracedResult:
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` at ``stage``.
+
+    ``model_or_preset``: a preset name, a model config, or an ``nn.Module`` built on the
+    meta device (deep-copied; for a non-language model pass ``loss_fn``). ``options`` go
+    to :func:`zeroshard.shard` (``lr``, ``bucket_bytes``, ``prefetch`` ...). See
+    [Note: how a trace works] and [Note: one default process group per process].
+    """
+    kwargs = dict(world_size=world_size, rank=rank, stage=stage,
+                  mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
+                  checkpointing=checkpointing, optimizer=optimizer, steps=steps,
+                  loss_fn=loss_fn, **options)
+    for name in ("world_size", "micro_batch", "seq_len", "steps"):
+        v = kwargs[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+    if subprocess is None:
+        subprocess = dist.is_available() and dist.is_initialized()
+    if not subprocess:
+        return _trace(model_or_preset, **kwargs)
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_trace, model_or_preset, **kwargs).result()
+
+
+def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
+           mixed_precision: str | None, micro_batch: int, seq_len: int, checkpointing: str,
+           optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
+           **options: Any) -> TracedResult:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zeroshard
+    from zeroshard.checkpointing import apply_checkpointing
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group exists; trace with subprocess=True")
+    name, model = _meta_model(model_or_preset)
+    notes: list[str] = []
+    if mixed_precision == "fp16":  # see [Note: how a trace works]
+        mixed_precision = "bf16"
+        notes.append("fp16 traced as bf16 (same bytes; the loss-scale check reads values)")
+    phase = ["setup"]
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with FakeTensorMode():
+            if checkpointing != "none":
+                apply_checkpointing(model, checkpointing)
+            _fake_weights(model, params=stage < 3)  # stage 3: the engine does it per unit
+            phase[0] = "shard"
+            model, optim = zeroshard.shard(
+                model, optimizer, stage=stage, mixed_precision=mixed_precision,
+                param_init=_no_init if stage == 3 else None, **options)
+            engine = zeroshard.engine_of(model)
+            engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
+            tracker = zeroshard.memory_tracker(model, optim)
+            with tracker:
+                run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
+                          steps=steps, loss_fn=loss_fn, phase=phase)
+            now = {c.value: v for c, v in tracker.current().items()}
+            reduced = 0
+            if engine.policy.shard_optimizer and engine.policy.keep_full_grads:
+                reduced = sum(b.grad_shard.untyped_storage().nbytes() for b in engine.buckets
+                              if b.grad_shard is not None)
+            ledger = engine.comm.ledger
+            last = ledger.last_step()
+            zero = [r for r in last if r.phase in ("forward", "backward", "step")]
+            return TracedResult(
+                model=name, stage=stage, world_size=world_size, rank=rank,
+                mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
+                checkpointing=checkpointing, steps=steps,
+                params=sum(b.numel for b in engine.buckets),
+                current=now, peak={c.value: v for c, v in tracker.peak().items()},
+                max_per_category={c.value: v for c, v in tracker.max_per_category().items()},
+                peak_bytes=tracker.peak_total(),
+                model_state_bytes=now["params"] + now["grads"] + now["optim"] - reduced,
+                reduced_grad_bytes=reduced,
+                activation_peak_bytes=tracker.max_per_category()[Category.ACTIVATIONS],
+                peak_unsharded_bytes=engine.peak_unsharded_bytes,
+                comm_per_step=ledger.by("phase", last),
+                comm_logical_bytes=ledger.totals(zero)["logical_bytes"],
+                wall_s=time.perf_counter() - start,
+                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                notes=tuple(notes))
+    except Exception as exc:
+        raise TraceError(
+            f"tracing {name} at stage {stage}, world size {world_size} (rank {rank}, "
+            f"{mixed_precision or 'fp32'}, checkpointing {checkpointing!r}) failed in "
+            f"{phase[0]}: {type(exc).__name__}: {exc}{_hint(exc)}") from exc
+    finally:
+        dist.destroy_process_group()
+
+
+def _hint(exc: Exception) -> str:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        UnsupportedOperatorException,
+    )
+
+    if isinstance(exc, DataDependentOutputException):
+        return ("\n  An op read a tensor's value (.item(), a data-dependent branch or shape); "
+                "fake tensors have shapes only. Move that code out of the traced step or "
+                "make it shape-only.")
+    if isinstance(exc, UnsupportedOperatorException):
+        return ("\n  This op has no fake (meta) kernel; register one with "
+                "torch.library.register_fake, or trace without it.")
+    return ""
+
+
+def _meta_model(model_or_preset: Any) -> tuple[str, nn.Module]:
+    """(display name, a meta-device model the trace may modify)."""
+    from zeroshard.models import build_model
+
+    if isinstance(model_or_preset, nn.Module):
+        params = list(model_or_preset.parameters())
+        if not params or not all(p.is_meta for p in params):
+            raise ValueError(
+                f"{type(model_or_preset).__name__} must be built on the meta device to be "
+                "traced (with torch.device('meta'): model = ...); real weights would use "
+                "real memory")
+        return type(model_or_preset).__name__, copy.deepcopy(model_or_preset)
+    name = model_or_preset if isinstance(model_or_preset, str) else "custom config"
+    return name, build_model(model_or_preset, device="meta")
+
+
+def _fake_weights(model: nn.Module, params: bool) -> None:
+    """Fake CPU buffers (recomputed by ``reset_buffers()`` if the model has one) and, if
+    ``params``, parameters, keeping ties. Run under FakeTensorMode. ``to_empty`` cannot
+    swap a meta parameter for a fake one and would untie weights; ``torch.empty``, not
+    ``empty_like``: fake mode refuses real (meta) inputs."""
+    for m in model.modules():
+        for n, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+    if callable(reset := getattr(model, "reset_buffers", None)):
+        reset()
+    new: dict[int, nn.Parameter] = {}
+    for full, p in list(model.named_parameters(remove_duplicate=False)) if params else []:
+        if id(p) not in new:
+            fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+            new[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        owner, _, attr = full.rpartition(".")
+        setattr(model.get_submodule(owner), attr, new[id(p)])
+
+
+def _no_init(model: nn.Module, names: list[str]) -> None:
+    """Stage 3's per-unit init: fake tensors hold no values, so there is nothing to do."""
+
+
+def _all_used(engine: Any) -> Callable[[], list]:
+    """``Engine.unused_slots`` without reading the flags (see [Note: how a trace works]);
+    the control all-reduce is still issued so the ledger matches a real step."""
+
+    def unused_slots() -> list:
+        flags = torch.cat([b.used for b in engine.buckets])
+        engine.comm.all_reduce(flags, phase="control", unit="used").wait()
+        return []
+
+    return unused_slots
+
+
+_PRECISION = {"bf16-adamw": "bf16", "fp16-adamw": "fp16", "fp32-adamw": None}
+
+
+def trace_plan(p: Plan, *, steps: int = 2,
+               progress: Callable[[str], None] | None = None) -> Plan:
+    """``p`` with ``traced_model_state_bytes`` / ``traced_peak_bytes`` filled in.
+
+    [Note: traced plan]
+    Every row (N, stage, policy) is traced on its own: a policy changes what backward
+    recomputes and when the peak happens, which an activation delta on top of the
+    'none' trace would only approximate, and a trace costs seconds (llama-7b at N=8:
+    ~10-20 s per row). Rows zeroshard refuses to run (``sqrt`` segments at stage 3) stay
+    untraced, with a note saying why.
+    """
+    from dataclasses import replace
+
+    if p.recipe.name not in _PRECISION:
+        raise ValueError(f"recipe {p.recipe.name!r} cannot be traced; use {', '.join(_PRECISION)}")
+    rows, notes = [], list(p.notes)
+    for row in p.rows:
+        try:
+            r = trace_step(p.config, world_size=row.gpus, stage=row.stage, steps=steps,
+                           mixed_precision=_PRECISION[p.recipe.name], micro_batch=p.micro_batch,
+                           seq_len=p.seq_len, checkpointing=row.activation_checkpointing)
+        except TraceError as exc:
+            if not isinstance(exc.__cause__, ValueError):  # a refusal, not a broken trace
+                raise
+            notes.append(f"N={row.gpus} stage {row.stage} {row.activation_checkpointing}: "
+                         f"not traced ({exc.__cause__})")
+            rows.append(row)
+            continue
+        if progress is not None:
+            progress(f"traced N={row.gpus} stage {row.stage} {row.activation_checkpointing}: "
+                     f"{r.wall_s:.1f} s")
+        rows.append(replace(row, traced_model_state_bytes=r.model_state_bytes,
+                            traced_peak_bytes=r.peak_bytes))
+    return replace(p, rows=tuple(rows), notes=tuple(notes))
