@@ -41,6 +41,44 @@ def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert {"stage", "activation_checkpointing", "reason"} <= set(data["recommendation"])
 
 
+def test_plan_hybrid_on_4_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "llama-7b", "--gpus", "32", "--gpus-per-node", "8", "--seq",
+            "4096", "--intra", "nvlink", "--inter", "50"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for needle in ("hybrid", "xnode GB", "xnode s", "50 GB/s between nodes",
+                   "Recommendation (32 devices): hybrid sharding 4 x 8", "stage 3 on 32 devices"):
+        assert needle in out
+    assert out.count("\n  32 ") == 12 + 9  # 4 stages x 3 policies, + hybrid stages 1-3
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hyb = [r for r in data["rows"] if r["hybrid"]]
+    assert len(hyb) == 9 and {r["hybrid"] for r in hyb} == {"4 x 8"}
+    assert all(r["cross_node_bytes_per_step"] == hyb[0]["cross_node_bytes_per_step"] for r in hyb)
+    assert data["recommendation"]["hybrid"] == "4 x 8"
+    # --inter defaults to InfiniBand (45 GB/s) on several nodes.
+    assert main([*args[:-2], "--json"]) == 0
+    ib = json.loads(capsys.readouterr().out)["rows"][0]
+    assert ib["cross_node_time_s"] == pytest.approx(ib["comm_bytes_per_step"] * 31 / 32 / 45e9)
+
+
+def test_plan_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*BASE, "--offload", "--host-mem", "512GB", "--pcie", "32"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    psi = 6_738_415_616
+    for r in rows:
+        assert r["offload"] == (r["stage"] > 0)
+        assert r["host_bytes"] == (12 * psi // 8 if r["stage"] else 0)
+        if r["stage"]:
+            assert r["offload_time_s"] == pytest.approx(4 * psi / 8 / 32e9 + 12 * psi / 8 / 20e9)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for needle in ("host GB", "offl s", "PCIe 32 GB/s", "80.9 GB per node of 512.0 GB",
+                   "optimizer offloaded to the host"):
+        assert needle in out
+
+
 def test_params_and_gpu_ranges(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "13B", "--gpus", "8,16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -62,6 +100,12 @@ def test_params_and_gpu_ranges(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "--model", "llama-7b", "--seq", "8192"], ["8192", "4096"]),
         (["plan", "--model", "llama-7b", "--interconnect", "carrier-pigeon"],
          ["'carrier-pigeon'", "nvlink"]),
+        (["plan", "--model", "llama-7b", "--gpus", "12", "--gpus-per-node", "8"],
+         ["--gpus 12", "--gpus-per-node 8", "--gpus 8 or 16"]),
+        (["plan", "--model", "llama-7b", "--gpus", "32", "--inter", "ib"],
+         ["--inter 45", "--gpus-per-node"]),
+        (["plan", "--model", "llama-7b", "--host-mem", "512GB"], ["--host-mem", "--offload"]),
+        (["plan", "--model", "llama-7b", "--offload", "--pcie", "fast"], ["'fast'", "GB/s"]),
     ],
 )
 def test_bad_inputs_exit_2_naming_the_value(
@@ -83,3 +127,20 @@ def test_console_error_and_lazy_imports() -> None:
             "print(rc, 'zeroshard.memory.planner' in sys.modules)")
     ver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert ver.stdout.split()[-2:] == ["0", "False"]
+
+
+def test_plan_traced_hybrid_and_offload_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """--traced traces a hybrid row as plain sharding over G (the same memory per rank)
+    and leaves offloaded rows untraced, with a note."""
+    base = ["plan", "--model", "gpt2-tiny", "--gpus", "4", "--gpus-per-node", "2", "--seq", "64",
+            "--policies", "none", "--traced", "--json"]
+    assert main(base) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    hyb = [r for r in rows if r["hybrid"]]
+    assert len(hyb) == 3
+    for r in rows:
+        assert abs(r["traced_model_state_bytes"] / r["model_state_bytes"] - 1) < 1e-3, r
+    assert main([*base, "--offload"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all((r["traced_peak_bytes"] is None) == r["offload"] for r in data["rows"])
+    assert any("offloaded rows: not traced" in n for n in data["recommendation"]["notes"])

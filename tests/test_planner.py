@@ -162,3 +162,135 @@ def test_step_time_overlap_model() -> None:
     fwd = [analytic.Collective(op="all_gather", phase="forward", logical_bytes=6 * 10**9)]
     t = analytic.step_time(fwd, tokens=1000, flops_per_token=fpt, **kw)  # 3 s vs 1 s window
     assert t.exposed_comm_s == pytest.approx(2.0)
+
+
+def test_stage1_reduces_into_its_gradient_buffer() -> None:
+    """Stage 1 keeps its reduced slice inside the whole gradient buffer ([Note: buffer
+    lifetimes] in engine.py): no buffer beyond the (P+G)Ψ + KΨ/N of model state."""
+    p = _plan("llama-7b")
+    psi = p.params
+    for r in p.rows:
+        if r.stage == 1:
+            assert r.buffer_bytes == 0 and r.model_state_bytes == 4 * psi + 12 * psi // 8
+        if r.stage == 2:
+            assert r.buffer_bytes == 3 * 25 * 2**20
+
+
+def test_hybrid_collectives_and_group_bandwidths() -> None:
+    psi = 8_000_000
+    colls = analytic.hybrid_collectives_per_step(psi, stage=3, shard=8, replicate=4)
+    assert [(c.op, c.phase, c.group, c.ranks) for c in colls] == [
+        ("all_gather", "forward", "shard", 8), ("all_gather", "backward", "shard", 8),
+        ("reduce_scatter", "backward", "shard", 8), ("all_reduce", "backward", "replicate", 4)]
+    assert colls[-1].logical_bytes == 2 * psi * 2 // 8  # the Ψ/G slice, all-reduced
+    assert sum(c.logical_bytes for c in colls[:-1]) == 3 * psi * 2
+    assert len(analytic.hybrid_collectives_per_step(psi, stage=2, shard=8, replicate=1)) == 2
+    with pytest.raises(ValueError, match="stage=0"):
+        analytic.hybrid_collectives_per_step(psi, stage=0, shard=8, replicate=4)
+    # The replicate ring runs over its own ranks at its own bandwidth.
+    kw = {"tokens": 1000, "flops_per_token": 3e9, "mfu": 1.0, "peak_flops": 1e12}
+    t = analytic.step_time(colls[-1:], n=8, bus_GBps=100.0, bus_by_group={"replicate": 1.0}, **kw)
+    assert t.comm_s == pytest.approx(colls[-1].logical_bytes * 3 / 4 / 1e9)
+
+
+def test_hybrid_sharding_on_4_nodes_of_8() -> None:
+    """llama-7b, 4 nodes x 8 devices, 400 GB/s NVLink inside a node, 50 GB/s between.
+
+    Figures (estimates, seq 4096, micro-batch 1, MFU 0.4):
+      stage 3 full over 32:   comm 40.4 GB, all across nodes, 0.783 s; step 0.804 s
+      stage 3 hybrid 4 x 8:   comm 43.8 GB, 3.4 GB across nodes, 0.139 s; step 0.479 s
+      stage 2 full over 32:   comm 27.0 GB, 0.522 s; step 0.738 s
+      stage 2 hybrid 4 x 8:   comm 30.3 GB, 3.4 GB across nodes, 0.109 s; step 0.507 s
+    Hybrid stage 3 is only ~6% faster than hybrid stage 2 (under the 10% stage-3 bar), so
+    the pick is hybrid stage 2 without checkpointing (48.0 GB of 72 GB).
+    """
+    p = _plan("llama-7b", gpus=32, gpus_per_node=8, inter_GBps=50.0)
+    psi = p.params
+    row = {(r.stage, r.activation_checkpointing, r.hybrid): r for r in p.rows}
+    full, hyb = row[3, "none", None], row[3, "none", "4 x 8"]
+    assert {r.hybrid for r in p.rows} == {None, "4 x 8"}
+    assert not any(r.hybrid for r in p.rows if r.stage == 0)
+    # Full sharding: every collective crosses nodes, at the slower link.
+    assert full.cross_node_bytes_per_step == full.comm_bytes_per_step == 3 * psi * 2
+    assert full.comm_time_s == pytest.approx(3 * psi * 2 * 31 / 32 / 50e9)
+    assert full.cross_node_time_s == full.comm_time_s
+    # Hybrid: 3Ψ inside the node at 400 GB/s over 8, plus 2Ψ·2/8 across nodes over 4.
+    assert hyb.cross_node_bytes_per_step == 2 * psi * 2 // 8
+    assert hyb.comm_bytes_per_step == 3 * psi * 2 + 2 * psi * 2 // 8
+    assert hyb.cross_node_time_s == pytest.approx(2 * psi * 2 / 8 * 3 / 4 / 50e9)
+    assert hyb.comm_time_s == pytest.approx(3 * psi * 2 * 7 / 8 / 400e9 + hyb.cross_node_time_s)
+    assert (round(full.comm_time_s, 3), round(hyb.comm_time_s, 3)) == (0.783, 0.139)
+    # Memory: sharded over the 8 devices of a node, as stage 3 on 8.
+    assert hyb.model_state_bytes == _plan("llama-7b").rows[9].model_state_bytes == 16 * psi // 8
+    assert hyb.tokens_per_s == pytest.approx(32 * 4096 / hyb.step_time_s)
+    # The pick: hybrid, because its step time is better than any fitting full-sharding row.
+    rec = p.recommendation
+    best_full = min(r.step_time_s for r in p.rows if r.fits and r.hybrid is None)
+    best_hyb = min(r.step_time_s for r in p.rows if r.fits and r.hybrid)
+    assert best_hyb < best_full
+    assert (rec.hybrid, rec.stage, rec.activation_checkpointing, rec.action) == (
+        "4 x 8", 2, "none", "zero-2")
+    assert "hybrid sharding (4 x 8" in rec.reason.lower() and "instead of 2Ψ" in rec.reason
+    assert "0.109 s vs 0.522 s of communication" in rec.reason
+    assert any("stage 3 on 32 devices" in n and "0.783 s" in n and "0.139 s" in n
+               for n in p.notes)
+
+
+def test_single_node_rows_have_no_cross_node_traffic() -> None:
+    p = _plan("llama-7b", gpus=[8, 16], gpus_per_node=8, inter_GBps=50.0)
+    assert not any(r.hybrid or r.cross_node_bytes_per_step for r in p.rows if r.gpus == 8)
+    assert {r.hybrid for r in p.rows if r.gpus == 16} == {None, "2 x 8"}
+    # Without gpus_per_node every count is one node: the old plan, unchanged.
+    assert all(r.hybrid is None and r.cross_node_time_s == 0 for r in _plan("llama-7b").rows)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needles"),
+    [({"gpus": 12, "gpus_per_node": 8}, ["gpus=12", "gpus_per_node=8", "gpus=8 or 16"]),
+     ({"inter_GBps": 50.0}, ["inter_GBps=50.0", "gpus_per_node"]),
+     ({"gpus_per_node": 0}, ["gpus_per_node=0"]),
+     ({"host_mem_bytes": 10**12}, ["host_mem_bytes", "offload=True"]),
+     ({"offload": True, "pcie_GBps": 0}, ["pcie_GBps=0"])],
+)
+def test_hybrid_and_offload_reject_bad_inputs(kw: dict[str, object], needles: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        _plan("llama-7b", **kw)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_offload_moves_optimizer_state_to_the_host() -> None:
+    p = _plan("llama-7b", offload=True, pcie_GBps=25.0, host_GBps=20.0)
+    psi, n = p.params, 8
+    for r in p.rows:
+        if r.stage == 0:  # nothing to offload: plain data parallelism keeps it all
+            assert not r.offload and r.host_bytes == 0 and r.offload_time_s == 0
+            continue
+        assert r.offload and r.optim_bytes == 0
+        assert r.host_bytes == 12 * psi // n  # fp32 master + Adam m + v, exactly 12Ψ/N
+        device = {1: (2 + 2) * psi, 2: 2 * psi + 2 * psi // n, 3: (2 + 2) * psi // n}
+        assert r.model_state_bytes == device[r.stage]
+        transfer = (2 * psi // n + 2 * psi // n) / 25e9  # gradient slice down, weights up
+        assert r.offload_time_s == pytest.approx(transfer + 12 * psi // n / 20e9)
+        assert r.step_time_s == pytest.approx(
+            r.compute_time_s + r.exposed_comm_time_s + r.offload_time_s)
+    ot = analytic.offload_time_s(psi, n=n, pcie_GBps=25.0, host_GBps=20.0)
+    assert (ot.d2h_s, ot.h2d_s) == pytest.approx((2 * psi / n / 25e9,) * 2)
+    # fp32 AdamW: K = 8 (m, v) excludes the master, which the host keeps as a 4-byte copy.
+    assert analytic.host_optimizer_bytes(1000, n=8, recipe="fp32-adamw") == 125 * 12
+    # On 8 x 80 GB stage 2 fits without offload and is faster: the reason says so.
+    assert "Without offload" in p.recommendation.reason and p.recommendation.offload
+
+
+def test_offload_host_memory_check_and_single_device() -> None:
+    # llama-7b on one 80 GB device: only offload fits (16Ψ = 108 GB; (P+G)Ψ = 27 GB).
+    p = _plan("llama-7b", gpus=1, offload=True, host_mem_bytes=256 * GB)
+    rec = p.recommendation
+    assert (rec.action, rec.offload) == ("single-device", True)
+    assert any("80.9 GB per node of 256.0 GB" in n for n in p.notes)
+    # 8 ranks of a node share its host memory: 8 x 12Ψ/8 = 80.9 GB > 64 GB.
+    small = _plan("llama-7b", offload=True, host_mem_bytes=64 * GB)
+    assert not any(r.fits for r in small.rows if r.offload)
+    assert all(r.total_bytes <= r.usable_bytes for r in small.rows if r.offload)
+    assert small.recommendation.action == "more-devices"
+    assert "host memory" in small.recommendation.reason

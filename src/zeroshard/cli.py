@@ -100,6 +100,19 @@ def _interconnect(text: str) -> float:
     return value
 
 
+_PCIE_GBPS, _HOST_GBPS = 25.0, 20.0  # = analytic.PCIE_GBPS / HOST_MEM_GBPS (lazy import)
+
+
+def _gbps(text: str) -> float:
+    try:
+        value = float(re.sub(r"(?i)\s*GB/?s$", "", text))
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a bandwidth; write GB/s, e.g. 25")
+    return value
+
+
 def _mfu(text: str) -> float:
     try:
         value = float(text)
@@ -139,8 +152,26 @@ def _add_plan(subparsers: Any) -> None:
                    help="device memory with a unit: 80GB, 80GiB, 24GB (default 80GB)")
     p.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's)")
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per device")
-    p.add_argument("--interconnect", type=_interconnect, default=INTERCONNECTS["nvlink"],
-                   help="nvlink (400), ib (45), pcie (20) or a bus bandwidth in GB/s")
+    p.add_argument("--intra", "--interconnect", dest="intra", type=_interconnect,
+                   default=INTERCONNECTS["nvlink"], metavar="LINK",
+                   help="bus bandwidth inside a node: nvlink (400, default), ib (45), pcie (20) "
+                   "or GB/s; --interconnect is an alias")
+    p.add_argument("--gpus-per-node", type=_positive_int, metavar="G",
+                   help="devices per node; counts above it span several nodes and get hybrid "
+                   "sharding rows (R x G)")
+    p.add_argument("--inter", type=_interconnect, metavar="LINK",
+                   help="bus bandwidth between nodes: ib (45, default with --gpus-per-node), "
+                   "nvlink, pcie or GB/s")
+    p.add_argument("--offload", action="store_true",
+                   help="stages 1-3 keep the optimizer state and step on the host (ZeRO-Offload)")
+    p.add_argument("--host-mem", type=parse_bytes, metavar="SIZE",
+                   help="host memory per node with --offload, e.g. 512GB (default: unchecked)")
+    p.add_argument("--pcie", type=_gbps, metavar="GB/s",
+                   help=f"host<->device bandwidth per device with --offload (default "
+                   f"{_PCIE_GBPS:g})")
+    p.add_argument("--host-bw", type=_gbps, metavar="GB/s",
+                   help=f"host memory bandwidth per rank for the host optimizer step with "
+                   f"--offload (default {_HOST_GBPS:g}, a rough figure; docs/offload.md)")
     p.add_argument("--mfu", type=_mfu, default=0.4, help="model FLOPs utilisation (default 0.4)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense 16-bit peak per device")
     p.add_argument("--recipe", default="bf16-adamw",
@@ -179,22 +210,65 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         seq = args.seq or 4096
         config = config_from_params(args.params, seq_len=seq)
+    g = args.gpus_per_node
+    if args.inter is not None and g is None:
+        raise UsageError(f"--inter {args.inter:g} needs --gpus-per-node (devices per node) to "
+                         "know which collectives cross nodes; add e.g. --gpus-per-node 8")
+    for n in args.gpus:
+        if g is not None and n > g and n % g:
+            raise UsageError(f"--gpus {n} is not a multiple of --gpus-per-node {g}: several "
+                             f"nodes must be whole nodes; use --gpus {n // g * g} or "
+                             f"{(n // g + 1) * g}, or a --gpus-per-node that divides {n}")
+    for flag, value in (("--host-mem", args.host_mem), ("--pcie", args.pcie),
+                        ("--host-bw", args.host_bw)):
+        if value is not None and not args.offload:
+            raise UsageError(f"{flag} only matters with --offload; add --offload or drop {flag}")
+    multi = g is not None and max(args.gpus) > g
+    inter = args.inter or (INTERCONNECTS["ib"] if multi else None)
     try:
         result = plan(
             config, gpus=args.gpus, gpu_mem_bytes=args.gpu_mem, seq_len=seq,
-            micro_batch=args.micro_batch, interconnect_GBps=args.interconnect,
+            micro_batch=args.micro_batch, interconnect_GBps=args.intra,
             peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, policies=args.policies,
-            recipe=args.recipe)
+            recipe=args.recipe, gpus_per_node=g, inter_GBps=inter, offload=args.offload,
+            host_mem_bytes=args.host_mem, pcie_GBps=args.pcie or _PCIE_GBPS,
+            host_GBps=args.host_bw or _HOST_GBPS)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.traced:
-        from zeroshard.memory.traced import trace_plan
-
-        result = trace_plan(result, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        result = _trace(result)
     name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
                           f"--params {args.params / 1e9:g}B -> Llama-like shape")
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result, name))
     return 0
+
+
+def _trace(p: Plan) -> Plan:
+    """``trace_plan`` for the rows a trace can represent: a hybrid row is traced as plain
+    sharding over G ranks (the same memory per rank); offloaded rows stay untraced (a
+    trace runs on CPU fake tensors, where the host *is* the device)."""
+    from dataclasses import replace
+
+    from zeroshard.memory.traced import trace_plan
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if not any(x.hybrid or x.offload for x in p.rows):
+        return trace_plan(p, progress=progress)
+    todo = [i for i, x in enumerate(p.rows) if not x.offload]
+    as_plain = [replace(p.rows[i], gpus=int(p.rows[i].hybrid.split(" x ")[1]), hybrid=None)
+                if p.rows[i].hybrid else p.rows[i] for i in todo]
+    traced = trace_plan(replace(p, rows=tuple(as_plain), notes=()), progress=progress)
+    rows = list(p.rows)
+    for i, t in zip(todo, traced.rows):
+        rows[i] = replace(rows[i], traced_model_state_bytes=t.traced_model_state_bytes,
+                          traced_peak_bytes=t.traced_peak_bytes)
+    notes = list(p.notes) + list(traced.notes)
+    if len(todo) < len(rows):
+        notes.append("offloaded rows: not traced (a trace runs on CPU, where nothing is "
+                     "offloaded)")
+    return replace(p, rows=tuple(rows), notes=tuple(notes))
 
 
 def format_plan(p: Plan, name: str) -> str:
@@ -214,7 +288,11 @@ def format_plan(p: Plan, name: str) -> str:
         f"device  {mem / 1e9:.1f} GB ({mem / 2**30:.1f} GiB); usable {(mem - reserve) / 1e9:.1f} "
         f"GB after a {reserve / 1e9:.1f} GB reserve (max(10%, 1.5 GB): CUDA context, NCCL, "
         "fragmentation)",
-        f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device",
+        _links(p),
+        *([f"offload optimizer state and step on the host (stages 1-3): PCIe {p.pcie_GBps:g} "
+           f"GB/s per device, host step at {p.host_GBps:g} GB/s per rank; host memory "
+           + (f"{p.host_mem_bytes / 1e9:.1f} GB per node" if p.host_mem_bytes else
+              "not checked (--host-mem)")] if p.offload else []),
         "",
         f"Model state (ZeRO, Rajbhandari et al. 2020, sec. 3.1): {r.bytes_per_param} bytes "
         "per parameter",
@@ -225,38 +303,70 @@ def format_plan(p: Plan, name: str) -> str:
         "",
         "GB = 10^9 bytes, GiB = 2^30 bytes; per device. comm = ZeRO volume per step (2Ψ / 3Ψ);",
         "act = saved activations (fused attention) + backward's recompute working set;",
-        "buf = stage 1 reduced-gradient slice, stage 2 gradient buckets, stage 3 gathered units;",
+        "buf = stage 2 gradient buckets, stage 3 gathered units (stage 1 reduces in its gradients);",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
+    multi = p.gpus_per_node is not None
+    if multi:
+        lines += ["hybrid R x G = shard over the G devices of a node, replicate over R nodes;",
+                  "xnode = traffic crossing nodes: all of it without hybrid sharding, the "
+                  "2Ψ/G slice all-reduce with it."]
+    if p.offload:
+        lines += ["host = offloaded optimizer state per device (x devices per node per host); "
+                  "offl s = PCIe copies",
+                  "+ host optimizer step, not overlapped, included in step s; fits 'host' = "
+                  "fits the device, not the host."]
     traced = any(x.traced_peak_bytes is not None for x in p.rows)
     if traced:
         lines += ["trace st/pk = one real step of the engine on fake tensors at this N "
                   "(zeroshard.memory.traced): model state between steps / peak total."]
-    head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} {'state GB':>8} {'act GB':>7} {'buf GB':>6} "
-            f"{'total GB':>8} {'total GiB':>9} {'fits':<4} {'comm GB':>7} {'comm s':>6} "
-            f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
+    head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} " + (f"{'hybrid':<6} " if multi else "")
+            + f"{'state GB':>8} {'act GB':>7} {'buf GB':>6} {'total GB':>8} {'total GiB':>9} "
+            + (f"{'host GB':>7} " if p.offload else "")
+            + f"{'fits':<4} {'comm GB':>7} {'comm s':>6} "
+            + (f"{'xnode GB':>8} {'xnode s':>7} " if multi else "")
+            + (f"{'offl s':>6} " if p.offload else "")
+            + f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
             + (f" {'trace st GB':>11} {'trace pk GB':>11}" if traced else ""))
     for n in sorted({x.gpus for x in p.rows}):
         lines += ["", head, "-" * len(head)]
         for x in (x for x in p.rows if x.gpus == n):
+            fits = "yes" if x.fits else "host" if x.total_bytes <= x.usable_bytes else "no"
             lines.append(
                 f"{x.gpus:>4} {x.stage:>5} {x.activation_checkpointing:<9} "
-                f"{x.model_state_bytes / 1e9:>8.1f} {x.activation_bytes / 1e9:>7.1f} "
+                + (f"{(x.hybrid or '-').replace(' ', ''):<6} " if multi else "")
+                + f"{x.model_state_bytes / 1e9:>8.1f} {x.activation_bytes / 1e9:>7.1f} "
                 f"{x.buffer_bytes / 1e9:>6.1f} {x.total_bytes / 1e9:>8.1f} "
-                f"{x.total_bytes / 2**30:>9.1f} {'yes' if x.fits else 'no':<4} "
-                f"{x.comm_bytes_per_step / 1e9:>7.1f} {x.comm_time_s:>6.3f} {x.step_time_s:>6.3f} "
-                f"{x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}" + _traced_cols(x, traced))
+                f"{x.total_bytes / 2**30:>9.1f} "
+                + (f"{x.host_bytes / 1e9:>7.1f} " if p.offload else "")
+                + f"{fits:<4} {x.comm_bytes_per_step / 1e9:>7.1f} {x.comm_time_s:>6.3f} "
+                + (f"{x.cross_node_bytes_per_step / 1e9:>8.1f} {x.cross_node_time_s:>7.3f} "
+                   if multi else "")
+                + (f"{x.offload_time_s:>6.3f} " if p.offload else "")
+                + f"{x.step_time_s:>6.3f} {x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}"
+                + _traced_cols(x, traced))
     lines.append("")
     if len(p.by_gpus) > 1:
         lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
         lines += [f"  {note}" for note in p.notes] + [""]
-    elif traced and p.notes:  # rows left untraced, and why
+    elif p.notes:  # rows left untraced and why; hybrid vs full; host memory
         lines += [f"  {note}" for note in p.notes] + [""]
     rec = p.recommendation
     plural = "s" if rec.gpus > 1 else ""
     lines.append(f"Recommendation ({rec.gpus} device{plural}): {_rec_title(rec)}")
     lines += textwrap.wrap(rec.reason, width=96, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
+
+
+def _links(p: Plan) -> str:
+    if p.gpus_per_node is None:
+        return f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device"
+    if p.inter_GBps is None:
+        return (f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device inside a node "
+                f"of {p.gpus_per_node} (every count fits in one node)")
+    return (f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device inside a node of "
+            f"{p.gpus_per_node}, {p.inter_GBps:g} GB/s between nodes; a ring across nodes "
+            f"runs at {min(p.interconnect_GBps, p.inter_GBps):g}")
 
 
 def _traced_cols(x: Any, traced: bool) -> str:
@@ -272,8 +382,11 @@ def _rec_title(rec: Any) -> str:
         return rec.action.replace("-", " ")
     what = {"single-device": "one device", "data-parallel": "plain data parallelism (stage 0)"}
     title = what.get(rec.action, f"ZeRO stage {rec.stage}")
+    if rec.hybrid:
+        title = f"hybrid sharding {rec.hybrid} (shard in a node, replicate across), {title}"
     ckpt = rec.activation_checkpointing
-    return f"{title}, {'no' if ckpt == 'none' else ckpt} activation checkpointing"
+    off = ", optimizer offloaded to the host" if rec.offload else ""
+    return f"{title}, {'no' if ckpt == 'none' else ckpt} activation checkpointing{off}"
 
 
 def _add_bench(subparsers: Any) -> None:

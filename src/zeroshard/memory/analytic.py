@@ -27,11 +27,35 @@ weights in forward and again in backward and reduce-scatters gradients: 3Ψ (§7
 2Ψ when gathered weights are kept from forward to backward (reshard_after_forward=False).
 With a bandwidth-optimal ring each rank moves logical × (N-1)/N, so a collective takes
 logical × (N-1)/N ÷ bus bandwidth (nccl-tests' "busbw" convention).
+
+[Note: hybrid sharding, priced]
+See [Note: hybrid sharding] in hybrid.py. With R nodes of G ranks (N = R·G) the model
+state is sharded over G, so it costs what stage s costs at N = G; the shard group runs
+stage s's collectives over G ranks on the intra-node links, and the replicate group adds
+one all-reduce of each rank's reduced gradient slice (Ψ/G elements of the gradient
+dtype): 2·Ψ·grad_bytes/G logical bytes over R ranks on the inter-node links, in backward
+(the engine issues it as each bucket's reduce-scatter completes). Plain sharding over all
+N ranks of several nodes sends all of its 2Ψ or 3Ψ through rings that cross nodes, so it
+runs at the slower of the two links.
+
+[Note: offload, priced]
+See docs/offload.md. ``offload="optimizer"`` moves each rank's optimizer state (K·Ψ/N
+bytes; under the fp32 recipe also the fp32 master copy of the slice, since K = 8 there
+excludes it) to host memory. Per step the reduced gradient slice goes device -> host
+(G·Ψ/N bytes) and the updated weight slice host -> device (P·Ψ/N), over PCIe; the host
+runs the optimizer over its K·Ψ/N bytes of state. The engine issues the copies after
+backward and steps on the host before the next forward, so none of it overlaps with
+compute: step = compute + exposed communication + offload time. The host step is priced
+as the K·Ψ/N bytes touched at a host memory bandwidth per rank, 20 GB/s by default: a
+rough figure. benchmarks/host_adamw.txt measured torch's fused CPU AdamW on 100M fp32
+elements at 131 ms on 2 threads, i.e. 1.2 GB of (master, m, v) in 131 ms ≈ 9 GB/s in
+this count; a server with more cores and memory channels per rank does better.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zeroshard.models.config import GPT2Config, ModelConfig
@@ -41,6 +65,7 @@ __all__ = [
     "STAGES",
     "Collective",
     "ModelState",
+    "OffloadTime",
     "Recipe",
     "StepTime",
     "block_params",
@@ -51,13 +76,21 @@ __all__ = [
     "compute_time_s",
     "get_recipe",
     "grad_bucket_bytes",
+    "host_optimizer_bytes",
+    "hybrid_collectives_per_step",
     "model_state_bytes",
+    "offload_time_s",
     "recompute_flops_per_token",
     "step_time",
     "unit_buffer_bytes",
 ]
 
 STAGES = (0, 1, 2, 3)
+PCIE_GBPS = 25.0
+"""Default host <-> device bandwidth per device (PCIe Gen4 x16 moves ~25 GB/s each way)."""
+HOST_MEM_GBPS = 20.0
+"""Default host memory bandwidth per rank for the host optimizer step (a rough figure;
+see [Note: offload, priced])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +224,11 @@ class Collective:
     """When it runs: "forward" and "backward" can hide behind compute, "step" cannot."""
     logical_bytes: int
     """Per rank: 2S for an all-reduce of S bytes, S for a reduce-scatter/all-gather."""
+    group: str = "world"
+    """Who takes part, as the ledger names groups: "world" (all N ranks) or, under hybrid
+    sharding, "shard" (the G ranks of a node) or "replicate" (one rank per node)."""
+    ranks: int | None = None
+    """Ranks in the ring; None means the N passed to :func:`step_time`."""
 
 
 def collectives_per_step(
@@ -216,6 +254,31 @@ def collectives_per_step(
     return [*out, reduce]
 
 
+def hybrid_collectives_per_step(
+    psi: int, *, stage: int, shard: int, replicate: int, recipe: str | Recipe = "bf16-adamw",
+    reshard_after_forward: bool = True,
+) -> list[Collective]:
+    """Stage ``stage`` sharded over ``shard`` ranks (group "shard") plus the all-reduce of
+    each rank's reduced gradient slice over ``replicate`` ranks (group "replicate"); see
+    [Note: hybrid sharding, priced]."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"hybrid sharding needs stage 1, 2 or 3, got stage={stage!r} "
+                         "(stage 0 shards nothing)")
+    _check(stage, replicate)
+    r = get_recipe(recipe)
+    intra = [
+        Collective(op=c.op, phase=c.phase, logical_bytes=c.logical_bytes, group="shard",
+                   ranks=shard)
+        for c in collectives_per_step(psi, stage=stage, n=shard, recipe=r,
+                                      reshard_after_forward=reshard_after_forward)
+    ]
+    if replicate == 1:
+        return intra
+    slice_bytes = math.ceil(psi / shard) * r.grad_bytes
+    return [*intra, Collective(op="all_reduce", phase="backward", logical_bytes=2 * slice_bytes,
+                               group="replicate", ranks=replicate)]
+
+
 def comm_bytes_per_step(
     psi: int, *, stage: int, n: int = 2, recipe: str | Recipe = "bf16-adamw",
     reshard_after_forward: bool = True,
@@ -235,6 +298,51 @@ def collective_time_s(logical_bytes: float, *, n: int, bus_GBps: float) -> float
     if not bus_GBps > 0:
         raise ValueError(f"bus bandwidth {bus_GBps!r} GB/s must be > 0")
     return logical_bytes * (n - 1) / n / (bus_GBps * 1e9) if n > 1 else 0.0
+
+
+def host_optimizer_bytes(psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw") -> int:
+    """Host memory per rank with the optimizer offloaded: K·ceil(Ψ/N) bytes of optimizer
+    state, plus the fp32 master copy of the slice when K excludes it (fp32 recipe, where
+    the device weights are the master); see [Note: offload, priced]."""
+    _check(1, n)
+    r = get_recipe(recipe)
+    master = r.param_bytes if r.param_bytes >= 4 else 0
+    return math.ceil(psi / n) * (r.optim_bytes + master)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadTime:
+    """Per rank and step, none of it overlapped; see [Note: offload, priced]."""
+
+    d2h_s: float
+    """Reduced gradient slice, device -> host over PCIe."""
+    h2d_s: float
+    """Updated weight slice, host -> device over PCIe."""
+    host_step_s: float
+    """The optimizer step on the host CPU."""
+
+    @property
+    def total_s(self) -> float:
+        return self.d2h_s + self.h2d_s + self.host_step_s
+
+
+def offload_time_s(
+    psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw", pcie_GBps: float = PCIE_GBPS,
+    host_GBps: float = HOST_MEM_GBPS,
+) -> OffloadTime:
+    """PCIe copies (G·Ψ/N down, P·Ψ/N up at ``pcie_GBps``) and the host step (the state's
+    bytes at ``host_GBps``) of one optimizer step with offload."""
+    for name, v, eg in (("pcie_GBps", pcie_GBps, PCIE_GBPS),
+                        ("host_GBps", host_GBps, HOST_MEM_GBPS)):
+        if not v > 0:
+            raise ValueError(f"{name}={v!r} must be > 0 GB/s, e.g. {eg:g}")
+    r = get_recipe(recipe)
+    elems = math.ceil(psi / n)
+    return OffloadTime(
+        d2h_s=elems * r.grad_bytes / (pcie_GBps * 1e9),
+        h2d_s=elems * r.param_bytes / (pcie_GBps * 1e9),
+        host_step_s=host_optimizer_bytes(psi, n=n, recipe=r) / (host_GBps * 1e9),
+    )
 
 
 def compute_time_s(
@@ -267,6 +375,7 @@ def step_time(
     collectives: list[Collective], *, n: int, bus_GBps: float, tokens: int,
     flops_per_token: float, recompute_flops_per_token: float = 0.0, mfu: float = 0.4,
     peak_flops: float = 989e12, first_unit_bytes: int = 0,
+    bus_by_group: Mapping[str, float] | None = None,
 ) -> StepTime:
     """[Note: step time]
     compute = tokens × (flops_per_token + recompute) ÷ (MFU × peak). Forward is a third of
@@ -275,7 +384,9 @@ def step_time(
     forward or backward; only the excess shows, plus what has nothing to hide behind: the
     "step" phase (stages 1-2's post-step all-gather) and ``first_unit_bytes`` (stage 3's
     first unit, gathered in forward and again in backward before any compute). step =
-    compute + exposed communication.
+    compute + exposed communication. A collective runs over its own ``ranks`` (else
+    ``n``) at ``bus_by_group[c.group]`` (else ``bus_GBps``): hybrid sharding's replicate
+    all-reduce crosses the slower inter-node links.
     """
     fpt = flops_per_token + recompute_flops_per_token
     compute = compute_time_s(tokens, flops_per_token=fpt, mfu=mfu, peak_flops=peak_flops)
@@ -283,7 +394,8 @@ def step_time(
     window["backward"] = compute - window["forward"]
     comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     for c in collectives:
-        comm[c.phase] += collective_time_s(c.logical_bytes, n=n, bus_GBps=bus_GBps)
+        bus = (bus_by_group or {}).get(c.group, bus_GBps)
+        comm[c.phase] += collective_time_s(c.logical_bytes, n=c.ranks or n, bus_GBps=bus)
     exposed = comm["step"] + sum(max(0.0, comm[p] - window[p]) for p in window)
     exposed += 2 * collective_time_s(first_unit_bytes, n=n, bus_GBps=bus_GBps)
     return StepTime(

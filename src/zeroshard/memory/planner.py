@@ -9,37 +9,34 @@ A row fits when total = model state + activations + buffers <= usable memory, wh
 usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
-free but cannot be split for a larger request), commonly 5-10% at peak.
+free but cannot be split for a larger request), commonly 5-10% at peak. With offload and
+``host_mem_bytes`` given, a row also needs host bytes × ranks per node <= host memory.
 
 Step time: see [Note: step time] in analytic.py. tokens/s = N × micro_batch × seq / step,
 one optimizer step per micro-batch (gradient accumulation would amortise stages 0-2's
 reductions), the worst case for communication.
 
-[Note: recommendation]
-Among fitting rows of one N: the best estimated tokens/s; on a tie (stages 1 and 2 move
-the same bytes) the one using less memory, then the lower stage. Stage 3 must beat the
-best fitting stage <= 2 by more than 10%: its per-unit gathers cost launch latency,
-copies and compute-stream contention this model does not price (anchors.md: "Stage 3 by
-default is a common mistake"). Nothing fits: if one block's 16-bit weights, gradients and
-activations (micro-batch 1) exceed a device, no sharding helps -> tensor parallelism;
-else the device count at which stage 3 would fit. Over several N, the best tokens/s per
-device wins (more devices always add throughput; this asks what each one buys).
+Several nodes (``gpus_per_node`` given, N > G): plain rows' rings cross nodes and run at
+min(intra, inter) bandwidth, and hybrid rows (stages 1-3, R x G) are added; see
+[Note: hybrid sharding, priced] in analytic.py. ``offload=True`` moves stages 1-3's
+optimizer state to host memory and adds the PCIe copies and host step to the step time;
+see [Note: offload, priced]. The recommendation: [Note: recommendation] in recommend.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from zeroshard.memory import analytic
+from zeroshard.memory.recommend import Recommendation, describe, gb, ranks_per_node, recommend
 from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig, get_preset
 
 __all__ = ["Plan", "PlanRow", "Recommendation", "config_from_params", "plan", "reserve_bytes"]
 
 DEFAULT_POLICIES = ("none", "selective", "full")
 RESERVE_FRACTION, RESERVE_MIN_BYTES = 0.10, 1_500_000_000
-STAGE3_MARGIN = 0.10
 
 
 def reserve_bytes(gpu_mem_bytes: int) -> int:
@@ -90,7 +87,7 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
 
 @dataclass(frozen=True, kw_only=True)
 class PlanRow:
-    """One (N, stage, policy) estimate. Bytes are per device; times per optimizer step."""
+    """One (N, stage, policy[, hybrid]) estimate. Bytes are per device; times per step."""
 
     gpus: int
     stage: int
@@ -98,6 +95,7 @@ class PlanRow:
     params_bytes: int
     grads_bytes: int
     optim_bytes: int
+    """Optimizer state on the device: 0 when it is offloaded (see ``host_bytes``)."""
     model_state_bytes: int
     activation_bytes: int
     buffer_bytes: int
@@ -111,21 +109,23 @@ class PlanRow:
     step_time_s: float
     tokens_per_s: float
     break_even_tokens: float
+    hybrid: str | None = None
+    """"R x G": shard over the G devices of a node, replicate over R nodes; None: plain."""
+    cross_node_bytes_per_step: int = 0
+    """Logical bytes per device crossing nodes: all of them on several nodes without
+    hybrid sharding, the replicate all-reduce (2Ψ·grad_bytes/G) with it, 0 on one node."""
+    cross_node_time_s: float = 0.0
+    offload: bool = False
+    """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
+    host_bytes: int = 0
+    """Host memory per device for the offloaded optimizer state (× ranks per node per host)."""
+    offload_time_s: float = 0.0
+    """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
+    ``step_time_s`` (not overlapped)."""
     traced_model_state_bytes: int | None = None
     """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
     traced_peak_bytes: int | None = None
     """Peak total of a traced step, transients included; None unless traced."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recommendation:
-    gpus: int
-    stage: int | None
-    activation_checkpointing: str | None
-    action: str
-    """single-device | data-parallel | zero-1 | zero-2 | zero-3 | more-devices | tensor-parallel"""
-    reason: str
-    tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,10 +138,18 @@ class Plan:
     micro_batch: int
     gpu_mem_bytes: int
     interconnect_GBps: float
+    """Intra-node bus bandwidth (the only one on a single node)."""
     rows: tuple[PlanRow, ...]
     by_gpus: tuple[Recommendation, ...]
     recommendation: Recommendation
     notes: tuple[str, ...]
+    gpus_per_node: int | None = None
+    inter_GBps: float | None = None
+    """Inter-node bus bandwidth; None when no count spans several nodes."""
+    offload: bool = False
+    host_mem_bytes: int | None = None
+    pcie_GBps: float = analytic.PCIE_GBPS
+    host_GBps: float = analytic.HOST_MEM_GBPS
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready: ``{"rows": [...], "recommendation": {...}}``."""
@@ -149,15 +157,6 @@ class Plan:
         rec["by_gpus"] = [asdict(r) for r in self.by_gpus]
         rec["notes"] = list(self.notes)
         return {"rows": [asdict(r) for r in self.rows], "recommendation": rec}
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-def _with(x: PlanRow) -> str:
-    p = x.activation_checkpointing
-    return f"stage {x.stage} with {'no' if p == 'none' else p} activation checkpointing"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +171,13 @@ class _Setup:
     usable: int
     mfu: float
     peak_flops: float
-    bus_GBps: float
+    intra_GBps: float
+    inter_GBps: float
+    gpus_per_node: int | None
+    offload: bool
+    pcie_GBps: float
+    host_GBps: float
+    host_mem: int | None
     bucket_bytes: int
     prefetch: int
     act: dict[str, int]
@@ -186,103 +191,67 @@ class _Setup:
         block = analytic.block_params(self.cfg)
         return max(block, self.psi - self.cfg.n_layers * block)
 
+    def nodes(self, n: int) -> int:
+        g = self.gpus_per_node
+        return n // g if g and n > g else 1
 
-def _row(su: _Setup, *, n: int, stage: int, policy: str) -> PlanRow:
-    r, psi = su.recipe, su.psi
-    state = analytic.model_state_bytes(psi, stage=stage, n=n, recipe=r)
-    buffers = 0
-    if n > 1 and stage == 1:  # the engine's reduced-slice buffer, grad_shard (engine.py)
-        buffers = math.ceil(psi / n) * r.grad_bytes
-    elif n > 1 and stage == 2:
+
+def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
+    r, psi, nodes = su.recipe, su.psi, su.nodes(n)
+    shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
+    state = analytic.model_state_bytes(psi, stage=stage, n=shard, recipe=r)
+    off = su.offload and stage >= 1
+    host = analytic.host_optimizer_bytes(psi, n=shard, recipe=r) if off else 0
+    if off:
+        state = replace(state, optim=0)
+    buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
+    if shard > 1 and stage == 2:
         buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
-    elif n > 1 and stage == 3:
+    elif shard > 1 and stage == 3:
         buffers = analytic.unit_buffer_bytes(su.unit, prefetch=su.prefetch, recipe=r, psi=psi)
     total = state.total + su.act[policy] + buffers
+    if hybrid:
+        colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
+                                                     replicate=nodes, recipe=r)
+    else:
+        colls = analytic.collectives_per_step(psi, stage=stage, n=n, recipe=r)
+    bus = su.intra_GBps if hybrid or nodes == 1 else min(su.intra_GBps, su.inter_GBps)
     tokens = su.micro_batch * su.seq_len
-    colls = analytic.collectives_per_step(psi, stage=stage, n=n, recipe=r)
     t = analytic.step_time(
-        colls, n=n, bus_GBps=su.bus_GBps, tokens=tokens, mfu=su.mfu, peak_flops=su.peak_flops,
-        flops_per_token=su.cfg.flops_per_token(su.seq_len),
+        colls, n=shard, bus_GBps=bus, bus_by_group={"replicate": su.inter_GBps}, tokens=tokens,
+        mfu=su.mfu, peak_flops=su.peak_flops, flops_per_token=su.cfg.flops_per_token(su.seq_len),
         recompute_flops_per_token=analytic.recompute_flops_per_token(su.cfg, su.seq_len, policy),
         first_unit_bytes=su.unit * r.param_bytes if stage == 3 else 0,
     )
+    cross = [c for c in colls if nodes > 1 and (not hybrid or c.group == "replicate")]
+    cross_bytes = sum(c.logical_bytes for c in cross)
+    cross_s = sum(analytic.collective_time_s(c.logical_bytes, n=c.ranks or n,
+                                             bus_GBps=su.inter_GBps if hybrid else bus)
+                  for c in cross)
+    off_s = analytic.offload_time_s(psi, n=shard, recipe=r, pcie_GBps=su.pcie_GBps,
+                                    host_GBps=su.host_GBps).total_s if off else 0.0
+    host_ok = su.host_mem is None or host * ranks_per_node(su, n) <= su.host_mem
+    step = t.step_s + off_s
     return PlanRow(
         gpus=n, stage=stage, activation_checkpointing=policy,
         params_bytes=state.params, grads_bytes=state.grads, optim_bytes=state.optim,
         model_state_bytes=state.total, activation_bytes=su.act[policy], buffer_bytes=buffers,
-        total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable,
+        total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable and host_ok,
         comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s,
         exposed_comm_time_s=t.exposed_comm_s, compute_time_s=t.compute_s,
-        step_time_s=t.step_s, tokens_per_s=n * tokens / t.step_s,
-        break_even_tokens=t.break_even_tokens,
+        step_time_s=step, tokens_per_s=n * tokens / step, break_even_tokens=t.break_even_tokens,
+        hybrid=f"{nodes} x {shard}" if hybrid else None, cross_node_bytes_per_step=cross_bytes,
+        cross_node_time_s=cross_s, offload=off, host_bytes=host, offload_time_s=off_s,
     )
 
 
-def _nothing_fits(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
-    if su.layer_bytes > su.usable:
-        why = (f"One transformer block needs {_gb(su.layer_bytes)} (16-bit weights and "
-               f"gradients plus its activations at micro-batch 1) but a device has "
-               f"{_gb(su.usable)} usable, so no amount of sharding fits it: tensor "
-               "parallelism is needed.")
-        return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
-                              action="tensor-parallel", reason=why)
-    lean = min((x for x in rows if x.stage == 3), key=lambda x: x.total_bytes)
-    rest = lean.total_bytes - lean.model_state_bytes  # does not shrink with N
-    if su.usable > rest:
-        need = math.ceil(su.psi * su.recipe.bytes_per_param / (su.usable - rest))
-        fix = f"{_with(lean)} fits on {need}+ devices"
-    else:
-        fix = ("activations alone exceed a device: lower the micro-batch or sequence length, "
-               "or use tensor/sequence parallelism")
-    why = f"Nothing fits on {n} device(s) with {_gb(su.usable)} usable; {fix}."
-    return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
-                          action="more-devices", reason=why)
-
-
-def _recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
-    """[Note: recommendation]"""
-    fitting = [x for x in rows if x.fits]
-    if not fitting:
-        return _nothing_fits(su, rows, n)
-
-    def key(x: PlanRow) -> tuple[float, int, int]:  # equal speed: less memory, lower stage
-        return (x.tokens_per_s, -x.total_bytes, -x.stage)
-
-    best = max(fitting, key=key)
-    low = [x for x in fitting if x.stage <= 2]
-    alt = max(low, key=key) if low else None
-    if best.stage == 3 and alt and best.tokens_per_s <= (1 + STAGE3_MARGIN) * alt.tokens_per_s:
-        best = alt
-    how = (f"{_with(best)}: {_gb(best.total_bytes)} of {_gb(su.usable)} usable, "
-           f"~{best.tokens_per_s:,.0f} tokens/s")
-    s0 = _gb(min(x.total_bytes for x in rows if x.stage == 0))
-    if n == 1:
-        action, why = "single-device", f"It fits on one device ({how}): use one device."
-    elif best.stage == 0:
-        action = "data-parallel"
-        why = f"A full replica fits on each device: plain data parallelism is fastest ({how})."
-    elif best.stage in (1, 2):
-        action = f"zero-{best.stage}"
-        why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding optimizer "
-               f"state{' and gradients' if best.stage == 2 else ''} gives the best estimated "
-               f"throughput that fits ({how}).")
-    elif alt is None:
-        action = "zero-3"
-        s2 = _gb(min(x.total_bytes for x in rows if x.stage == 2))
-        why = (f"Stages 0-2 do not fit (stage 2 needs at least {s2}), so parameters must be "
-               f"sharded too ({how}); measure its throughput cost, don't assume it.")
-    else:
-        action = "zero-3"
-        gain = (f"sharding the weights leaves room to recompute less than "
-                f"{alt.activation_checkpointing} checkpointing does"
-                if best.activation_checkpointing != alt.activation_checkpointing else
-                f"stage {alt.stage}'s post-step all-gather cannot overlap")
-        why = (f"Stage 3 is estimated {best.tokens_per_s / alt.tokens_per_s - 1:.1%} faster than "
-               f"the best stage 0-2 option ({_with(alt)}, ~{alt.tokens_per_s:,.0f} tokens/s): "
-               f"{gain} ({how}); confirm by measuring.")
-    return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
-                          activation_checkpointing=best.activation_checkpointing,
-                          tokens_per_s=best.tokens_per_s)
+def _rows(su: _Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
+    """Stages 0-3 × policies at N, then hybrid stages 1-3 when N spans several nodes."""
+    out = [_row(su, n=n, stage=s, policy=p) for s in analytic.STAGES for p in policies]
+    if su.nodes(n) > 1 and (su.gpus_per_node or 0) > 1:
+        out += [_row(su, n=n, stage=s, policy=p, hybrid=True)
+                for s in analytic.STAGES[1:] for p in policies]
+    return out
 
 
 def _resolve(model: ModelConfig | str | float, seq_len: int) -> tuple[str, ModelConfig]:
@@ -292,6 +261,23 @@ def _resolve(model: ModelConfig | str | float, seq_len: int) -> tuple[str, Model
         return "custom", model
     cfg = config_from_params(model, seq_len=seq_len)
     return f"llama-like {cfg.param_count() / 1e9:.2f}B (L={cfg.n_layers}, h={cfg.hidden})", cfg
+
+
+def _check_nodes(counts: list[int], gpus_per_node: int | None, inter_GBps: float | None) -> None:
+    g = gpus_per_node
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        raise ValueError(f"gpus_per_node={g!r} must be a positive integer, e.g. 8")
+    if inter_GBps is not None and g is None:
+        raise ValueError(f"inter_GBps={inter_GBps!r} needs gpus_per_node (devices per node) to "
+                         "know which collectives cross nodes; pass gpus_per_node=8, say")
+    if inter_GBps is not None and not inter_GBps > 0:
+        raise ValueError(f"inter_GBps={inter_GBps!r} must be > 0, e.g. 50 (InfiniBand)")
+    for n in counts:
+        if g is not None and n > g and n % g:
+            raise ValueError(
+                f"gpus={n} is not a multiple of gpus_per_node={g}: several nodes must be whole "
+                f"nodes; use gpus={n // g * g} or {(n // g + 1) * g}, or a gpus_per_node that "
+                f"divides {n}")
 
 
 def plan(
@@ -308,12 +294,23 @@ def plan(
     recipe: str | analytic.Recipe = "bf16-adamw",
     bucket_bytes: int = 25 * 2**20,
     prefetch: int = 1,
+    gpus_per_node: int | None = None,
+    inter_GBps: float | None = None,
+    offload: bool = False,
+    host_mem_bytes: int | None = None,
+    pcie_GBps: float = analytic.PCIE_GBPS,
+    host_GBps: float = analytic.HOST_MEM_GBPS,
 ) -> Plan:
     """Estimate every (N in ``gpus``) × stage 0-3 × policy and recommend one.
 
     ``config_or_params``: a model config, a preset name, or a parameter count (shape from
     :func:`config_from_params`). ``gpus``: an int or any iterable of ints (e.g. a range).
-    ``interconnect_GBps``: all-reduce bus bandwidth per device in 10^9 B/s.
+    ``interconnect_GBps``: all-reduce bus bandwidth per device in 10^9 B/s inside a node.
+    ``gpus_per_node``: devices per node; an N above it spans N / gpus_per_node nodes (N
+    must be a multiple), linked at ``inter_GBps`` (default: ``interconnect_GBps``), and
+    gets hybrid rows for stages 1-3. ``offload``: stages 1-3 keep the optimizer state and
+    step on the host (``host_mem_bytes`` per node, if given, must hold it); copies run at
+    ``pcie_GBps`` per device and the host step at ``host_GBps`` per rank.
     """
     name, cfg = _resolve(config_or_params, seq_len)
     counts = sorted({gpus} if isinstance(gpus, int) else set(gpus))
@@ -328,16 +325,27 @@ def plan(
         raise ValueError(f"interconnect_GBps={interconnect_GBps!r} must be > 0, e.g. 400 (NVLink)")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu!r} must be in (0, 1], e.g. 0.4")
+    _check_nodes(counts, gpus_per_node, inter_GBps)
+    if host_mem_bytes is not None and not offload:
+        raise ValueError(f"host_mem_bytes={host_mem_bytes!r} only matters with offload=True; "
+                         "pass offload=True or drop host_mem_bytes")
+    if host_mem_bytes is not None and (isinstance(host_mem_bytes, bool) or
+                                       not isinstance(host_mem_bytes, int) or host_mem_bytes < 1):
+        raise ValueError(f"host_mem_bytes={host_mem_bytes!r} must be a positive integer")
+    analytic.offload_time_s(1, n=1, pcie_GBps=pcie_GBps, host_GBps=host_GBps)  # validates
     r = analytic.get_recipe(recipe)
 
     def act(p: str, b: int = micro_batch) -> tuple[int, int]:
         return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
                                  dtype_bytes=r.act_bytes)
 
+    multi = gpus_per_node is not None and counts[-1] > gpus_per_node
     su = _Setup(
         cfg=cfg, recipe=r, psi=cfg.param_count(), seq_len=seq_len, micro_batch=micro_batch,
         usable=gpu_mem_bytes - reserve_bytes(gpu_mem_bytes), mfu=mfu, peak_flops=peak_flops,
-        bus_GBps=interconnect_GBps, bucket_bytes=bucket_bytes, prefetch=prefetch,
+        intra_GBps=interconnect_GBps, inter_GBps=inter_GBps or interconnect_GBps,
+        gpus_per_node=gpus_per_node, offload=offload, pcie_GBps=pcie_GBps, host_GBps=host_GBps,
+        host_mem=host_mem_bytes, bucket_bytes=bucket_bytes, prefetch=prefetch,
         act={p: act(p)[0] for p in policies},
         layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
         + act("none", 1)[1],
@@ -345,20 +353,82 @@ def plan(
     rows: list[PlanRow] = []
     recs: list[Recommendation] = []
     for n in counts:
-        mine = [_row(su, n=n, stage=s, policy=p) for s in analytic.STAGES for p in policies]
+        mine = _rows(su, n, policies)
         rows += mine
-        recs.append(_recommend(su, mine, n))
+        recs.append(recommend(su, mine, n))
+        if offload:  # is offload needed at all?
+            recs[-1] = _versus_no_offload(recs[-1], replace(su, offload=False, host_mem=None),
+                                          n, policies)
     notes = []
     if len(counts) > 1:
         for s in analytic.STAGES:  # the fewest devices on which each policy fits
             first = {p: min((x.gpus for x in rows if (x.stage, x.activation_checkpointing,
-                                                     x.fits) == (s, p, True)), default=None)
+                                                     x.fits, x.hybrid) == (s, p, True, None)),
+                            default=None)
                      for p in policies}
             notes.append(f"stage {s} fits from (devices, by checkpointing): " + ", ".join(
                 f"{p} {n or 'never'}" for p, n in first.items()))
     ok = [x for x in recs if x.tokens_per_s] or recs[-1:]
     best = max(ok, key=lambda x: ((x.tokens_per_s or 0) / x.gpus, -x.gpus))
+    notes += _hybrid_notes(su, rows, counts)
+    if offload:
+        notes += _host_notes(su, rows, recs)
     return Plan(model=name, params=su.psi, config=cfg, recipe=r, seq_len=seq_len,
                 micro_batch=micro_batch, gpu_mem_bytes=gpu_mem_bytes,
                 interconnect_GBps=interconnect_GBps, rows=tuple(rows), by_gpus=tuple(recs),
-                recommendation=best, notes=tuple(notes))
+                recommendation=best, notes=tuple(notes), gpus_per_node=gpus_per_node,
+                inter_GBps=su.inter_GBps if multi else None, offload=offload,
+                host_mem_bytes=host_mem_bytes, pcie_GBps=pcie_GBps, host_GBps=host_GBps)
+
+
+def _versus_no_offload(rec: Recommendation, su: _Setup, n: int,
+                       policies: Sequence[str]) -> Recommendation:
+    """Say so when the same N runs faster without offload (the host step is slow)."""
+    alt = recommend(su, _rows(su, n, policies), n)
+    if alt.tokens_per_s is None or alt.tokens_per_s <= (rec.tokens_per_s or 0):
+        return rec
+    where = f"hybrid {alt.hybrid} " if alt.hybrid else ""
+    ckpt = alt.activation_checkpointing
+    more = (f" Without offload, {where}stage {alt.stage} with "
+            f"{'no' if ckpt == 'none' else ckpt} activation checkpointing fits, at "
+            f"~{alt.tokens_per_s:,.0f} tokens/s"
+            + (f" ({alt.tokens_per_s / rec.tokens_per_s - 1:.0%} faster)" if rec.tokens_per_s
+               else "") + ": offload only what does not fit.")
+    return replace(rec, reason=rec.reason + more)
+
+
+def _hybrid_notes(su: _Setup, rows: list[PlanRow], counts: list[int]) -> list[str]:
+    """Full vs hybrid sharding's communication per step, for each N spanning nodes."""
+    out = []
+    for n in (n for n in counts if su.nodes(n) > 1):
+        for stages in ((1, 2), (3,)):
+            full, hyb = (next((x for x in rows if x.gpus == n and x.stage == stages[-1] and
+                               (x.hybrid is not None) == h), None) for h in (False, True))
+            if full is None or hyb is None:
+                continue
+            which = "stages 1-2" if len(stages) == 2 else "stage 3"
+            out.append(
+                f"{which} on {n} devices, communication per step: full sharding "
+                f"{gb(full.comm_bytes_per_step)} ({gb(full.cross_node_bytes_per_step)} across "
+                f"nodes) in {full.comm_time_s:.3f} s; hybrid {hyb.hybrid} "
+                f"{gb(hyb.comm_bytes_per_step)} ({gb(hyb.cross_node_bytes_per_step)} across "
+                f"nodes) in {hyb.comm_time_s:.3f} s")
+    return out
+
+
+def _host_notes(su: _Setup, rows: list[PlanRow], recs: list[Recommendation]) -> list[str]:
+    """Host memory per node for each N's pick (or its leanest offloaded row)."""
+    out = []
+    for rec in recs:
+        mine = [x for x in rows if x.gpus == rec.gpus and x.offload]
+        pick = next((x for x in mine if (x.stage, x.activation_checkpointing, x.hybrid) ==
+                     (rec.stage, rec.activation_checkpointing, rec.hybrid)), None)
+        x = pick or min(mine, key=lambda x: x.host_bytes, default=None)
+        if x is None:
+            continue
+        rpn = ranks_per_node(su, rec.gpus)
+        limit = f" of {gb(su.host_mem)}" if su.host_mem is not None else ""
+        out.append(f"host memory on {rec.gpus} device{'s' if rec.gpus > 1 else ''}, {describe(x)}: {gb(x.host_bytes)} per "
+                   f"device x {rpn} device{'s' if rpn > 1 else ''} per node = "
+                   f"{gb(x.host_bytes * rpn)} per node{limit}")
+    return out
