@@ -143,20 +143,34 @@ def test_meta_init_llama_1b_world2_never_holds_the_model() -> None:
         assert r["rss_peak"] - r["shard_state"] < 0.5 * r["full_bytes"], r
 
 
-def _meta_small(rank: int, world: int) -> dict:
-    meta = build_model("llama-tiny", device="meta")
-    meta, _ = zeroshard.shard(meta, torch.optim.AdamW, stage=3, lr=1e-3)
-    real = build_model("llama-tiny")
-    real, _ = zeroshard.shard(real, torch.optim.AdamW, stage=3, lr=1e-3)
-    x = torch.randint(0, get_preset("llama-tiny").vocab, (2, 16))
+def _meta_small(rank: int, world: int, preset: str, mp: str | None) -> dict:
+    meta = build_model(preset, device="meta")
+    meta, opt_meta = zeroshard.shard(meta, torch.optim.AdamW, stage=3, lr=1e-3,
+                                     mixed_precision=mp)
+    real = build_model(preset)
+    real, opt_real = zeroshard.shard(real, torch.optim.AdamW, stage=3, lr=1e-3,
+                                     mixed_precision=mp)
+    x = torch.randint(0, get_preset(preset).vocab, (2, 16))
     with torch.no_grad():
         same_out = torch.equal(meta(x), real(x))
     a, b = zeroshard.full_state_dict(meta), zeroshard.full_state_dict(real)
-    return {"equal": all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys(),
-            "same_out": same_out, "loss": F.cross_entropy(meta(x).flatten(0, 1),
-                                                          x.flatten()).item()}
+    equal = all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    for model, opt in ((meta, opt_meta), (real, opt_real)):  # and they train alike
+        for _ in range(2):
+            F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    a, b = zeroshard.full_state_dict(meta), zeroshard.full_state_dict(real)
+    trained = all(torch.equal(a[k], b[k]) for k in a)
+    return {"equal": equal, "same_out": same_out, "trained_equal": trained}
+
+
+def _meta_all(rank: int, world: int) -> list:
+    grid = [{"preset": p, "mp": mp} for p in ("llama-tiny", "gpt2-tiny") for mp in (None, "bf16")]
+    return sweep(functools.partial(_meta_small, rank, world), grid)
 
 
 def test_meta_init_equals_normal_construction() -> None:
-    for r in run_ranks(_meta_small, 2, timeout=120):
-        assert r["equal"] and r["same_out"], r
+    for ranks in run_ranks(_meta_all, 2, timeout=120):
+        for r in ranks:
+            assert r["equal"] and r["same_out"] and r["trained_equal"], r

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # before the imports below: zeroshard.state reads it
+
 from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CommLedger, CommRecord
 from .config import ShardConfig
 from .join import join
-
-__version__ = "0.1.0"
+from .state import (
+    CheckpointError,
+    consolidate,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = [
     "__version__",
@@ -16,6 +23,11 @@ __all__ = [
     "engine_of",
     "memory_tracker",
     "join",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "consolidate",
+    "CheckpointError",
     "ShardConfig",
     "CommLedger",
     "CommRecord",

@@ -127,7 +127,12 @@ class FlatBucket:
         tied weights tied.
         """
         for i, (s, view) in enumerate(list(self.views(flat))):
-            new = nn.Parameter(view, requires_grad=s.param.requires_grad)
+            # Not nn.Parameter(view): that would share ``flat``'s version counter, so
+            # every later write into the buffer (a gather) would look to autograd like an
+            # in-place change of a saved weight. ``.data`` aliases memory only.
+            new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                               requires_grad=s.param.requires_grad)
+            new.data = view
             for name in s.names:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, new)

@@ -1,0 +1,109 @@
+"""Does a checkpoint fit this model and optimizer? One error listing every mismatch.
+
+Checked before any byte is read, on every rank identically (from the JSON manifest and
+the model), so a wrong checkpoint fails at once with names and shapes instead of halfway
+through a load with a size error from deep inside DCP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layout import ParamEntry
+from .manifest import CheckpointError
+
+__all__ = ["check_model", "check_optimizer"]
+
+_SHOW = 12
+
+
+def _listing(title: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return [f"  {title} ({len(items)}){more}:", *(f"    {x}" for x in items[:_SHOW])]
+
+
+def check_model(manifest: dict[str, Any], entries: list[ParamEntry], model: nn.Module,
+                path: Path) -> None:
+    """Raise listing parameters/buffers missing, unexpected or of another shape."""
+    saved = {p["name"]: tuple(p["shape"]) for p in manifest["params"]}
+    saved.update({b["name"]: tuple(b["shape"]) for b in manifest["buffers"]})
+    ours = {e.name: e.shape for e in entries}
+    pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    ours.update({k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()
+                 if k not in pnames})
+    missing = sorted(set(ours) - set(saved))
+    unexpected = sorted(set(saved) - set(ours))
+    shapes = sorted(f"{k}: checkpoint {list(saved[k])}, model {list(ours[k])}"
+                    for k in set(ours) & set(saved) if saved[k] != ours[k])
+    aliases = {p["name"]: sorted(p["aliases"]) for p in manifest["params"]}
+    tied = sorted(f"{e.name}: checkpoint ties {aliases[e.name]}, model ties {sorted(e.aliases)}"
+                  for e in entries if e.name in aliases and aliases[e.name] != sorted(e.aliases))
+    if missing or unexpected or shapes or tied:
+        lines = [f"checkpoint {str(path)!r} does not fit {type(model).__name__}:",
+                 *_listing("shape differs", shapes),
+                 *_listing("in the model but not in the checkpoint", missing),
+                 *_listing("in the checkpoint but not in the model", unexpected),
+                 *_listing("tied differently", tied),
+                 "build the model the checkpoint was saved from (same preset/config), or "
+                 "load into a model whose parameter names and shapes match"]
+        raise CheckpointError("\n".join(lines))
+
+
+def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry],
+                    inner: torch.optim.Optimizer, path: Path) -> dict[str, Any] | None:
+    """The manifest's optimizer section if it fits ``inner`` (None: nothing to load)."""
+    info = manifest.get("optimizer")
+    if info is None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved without an optimizer; call "
+            "load_checkpoint(path, model) without one to load the weights only")
+    mine = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    if info["class"] != mine:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds state of {info['class']}, but the optimizer is "
+            f"{mine}; build the same optimizer class, or pass optimizer=None to load only "
+            "the weights")
+    if len(info["param_groups"]) != len(inner.param_groups):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has {len(info['param_groups'])} optimizer param groups, "
+            f"the optimizer has {len(inner.param_groups)}; build it the same way")
+    states = info["params"]
+    if not states:
+        return info
+    trainable = {e.name for e in entries if e.trainable}
+    lacking = sorted(trainable - set(states))
+    frozen_now = sorted(set(states) - trainable)
+    if lacking or frozen_now:
+        lines = [f"checkpoint {str(path)!r}: optimizer state does not match the trainable "
+                 "parameters:",
+                 *_listing("trainable now, no optimizer state in the checkpoint", lacking),
+                 *_listing("optimizer state in the checkpoint, frozen now", frozen_now),
+                 "freeze the same parameters as when saving, or pass optimizer=None to load "
+                 "only the weights"]
+        raise CheckpointError("\n".join(lines))
+    return info
+
+
+def bucket_scalars(names: list[str], states: dict[str, Any], bucket: str,
+                   path: Path) -> tuple[list[str], list[str], dict[str, Any]]:
+    """State key order, per-element keys and scalar state shared by a bucket's parameters.
+
+    A flat bucket has one optimizer state (AdamW's ``step`` is per bucket), so the
+    parameters that now share a bucket must have saved the same keys and scalar values.
+    """
+    first = states[names[0]]
+    for n in names[1:]:
+        s = states[n]
+        if s["per_element"] != first["per_element"] or s["scalars"] != first["scalars"]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: parameters {names[0]!r} and {n!r} now share bucket "
+                f"{bucket!r} but were saved with different optimizer state "
+                f"({first['scalars']} vs {s['scalars']}); a flat bucket has one state. "
+                "Load at the stage/bucket size it was saved with")
+    return first["state_keys"], first["per_element"], first["scalars"]

@@ -1,0 +1,51 @@
+"""Whole per-parameter optimizer state, the optimizer's counterpart of ``full_state_dict``.
+
+Useful to inspect or compare state across world sizes and stages (the checkpoint tests
+do): ``{name: {"exp_avg": full fp32 tensor shaped like the parameter, "step": ...}}``.
+Collective; memory: one whole bucket of one state at a time on every rank, plus the
+result (the whole optimizer state, so use it on models that fit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..api import engine_of
+from .layout import param_entries
+
+__all__ = ["full_optimizer_state"]
+
+
+@torch.no_grad()
+def full_optimizer_state(model: nn.Module,
+                         optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """``{canonical parameter name: {state key: value}}`` on every rank (CPU tensors).
+
+    Per-element state (shaped like the flat master) comes back whole and shaped like the
+    parameter; scalar state (AdamW's ``step``, shared by a bucket) is repeated for each
+    parameter of the bucket.
+    """
+    engine = engine_of(model)
+    inner = getattr(optimizer, "optim", optimizer)
+    out: dict[str, dict[str, Any]] = {}
+    entries = param_entries(engine)
+    for b in engine.buckets:
+        state = inner.state.get(b.master, {})
+        flat: dict[str, torch.Tensor] = {}  # per-element state, whole padded bucket
+        scalars: dict[str, Any] = {}
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape:
+                flat[k] = v
+                if engine.policy.shard_optimizer:
+                    flat[k] = torch.empty(b.padded_numel, dtype=v.dtype, device=v.device)
+                    engine.comm.all_gather_into(flat[k], v, phase="state", unit=b.name)
+            else:
+                scalars[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+        for e in entries:
+            if e.bucket is b:
+                out[e.name] = {k: e.whole(v).view(e.shape).cpu().clone() for k, v in flat.items()}
+                out[e.name].update(scalars)
+    return out

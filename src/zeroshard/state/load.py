@@ -1,0 +1,203 @@
+"""``load_checkpoint``: each rank asks the checkpoint for exactly the ranges it owns now.
+
+Any world size and any stage can load any checkpoint (see [Note: checkpoint layout]):
+the targets handed to DCP are views into this rank's *current* buffers — its slice of
+each master bucket and of each optimizer state tensor (stages >= 1) or the whole buffers
+(stage 0) — so bytes land in place, with no whole-model staging copy. Afterwards the
+compute weights are re-derived from the masters (cast; stages 1-2 all-gather them, as
+after an optimizer step), then scalar optimizer state, hyperparameters, the loss scaler
+and RNG states are restored, and the caller's ``extra`` is returned.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..api import engine_of
+from ..engine.engine import Engine
+from ..engine.units import UnitState
+from . import rng
+from .compat import bucket_scalars, check_model, check_optimizer
+from .layout import (
+    ParamEntry,
+    bucket_tensor_views,
+    global_ranks,
+    model_key,
+    optim_key,
+    param_entries,
+    quiet,
+)
+from .manifest import CheckpointError, read_manifest
+from .reader import SafeReader, dcp_errors
+
+__all__ = ["load_checkpoint"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint manifest")
+    return dtype
+
+
+def _weights_target(engine: Engine, e: ParamEntry) -> Any:
+    comm = engine.comm
+    if e.bucket is None:  # frozen, stages 0-2: the parameter itself
+        return e.param.data.view(-1)
+    b = e.bucket
+    src = b.master.detach() if b.master is not None else b.shard16
+    return bucket_tensor_views(e, src, for_load=True, group=comm.group, peers=global_ranks(comm.group))
+
+
+def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim.Optimizer,
+                   info: dict[str, Any], path: Path) -> tuple[dict[str, Any], list]:
+    """Create/keep each bucket's state tensors; return DCP targets and scalar fix-ups."""
+    comm = engine.comm
+    states = info["params"]
+    by_bucket: dict[int, list[ParamEntry]] = {}
+    for e in entries:
+        if e.trainable:
+            by_bucket.setdefault(id(e.bucket), []).append(e)
+    targets: dict[str, Any] = {}
+    scalars: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor, dict]] = []
+    for b in engine.buckets:
+        mine = by_bucket.get(id(b), [])
+        if not states:  # saved before the first step: no state at all
+            inner.state.pop(b.master, None)
+            continue
+        order, per_element, scal = bucket_scalars([e.name for e in mine], states, b.name, path)
+        old = inner.state.get(b.master, {})
+        state = {}
+        for k in order:
+            if k in per_element:
+                t = old.get(k)
+                ok = isinstance(t, torch.Tensor) and t.shape == b.master.shape
+                state[k] = t if ok else torch.zeros_like(b.master.detach())
+            else:
+                state[k] = old.get(k)
+        inner.state[b.master] = state
+        group = next(g for g in inner.param_groups if any(p is b.master for p in g["params"]))
+        scalars.append((state, scal, b.master, group))
+        for e in mine:
+            for k in per_element:
+                targets[optim_key(e.name, k)] = bucket_tensor_views(
+                    e, state[k], for_load=True, group=comm.group, peers=global_ranks(comm.group))
+    return targets, scalars
+
+
+def _set_scalars(fixups: list) -> None:
+    for state, scal, master, group in fixups:
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        for k, v in scal.items():
+            if "dtype" in v:
+                dev = master.device if on_device else torch.device("cpu")
+                state[k] = torch.tensor(v["value"], dtype=_dtype(v["dtype"]),
+                                        device=dev).reshape(v["shape"])
+            else:
+                state[k] = v["value"]
+
+
+def _set_groups(inner: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    for group, values in zip(inner.param_groups, saved):
+        for k, v in values.items():
+            cur = group.get(k)
+            if isinstance(cur, torch.Tensor):
+                cur.fill_(v)
+            elif isinstance(cur, tuple) and isinstance(v, list):
+                group[k] = tuple(v)
+            else:
+                group[k] = v
+
+
+@torch.no_grad()
+def _sync_compute_weights(engine: Engine) -> None:
+    """Re-derive the compute-dtype weights from the loaded masters (see layout.py)."""
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # one buffer (fp32 without MP)
+        return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+    for b in engine.buckets:
+        master = b.master.detach()
+        if engine.policy.shard_params:
+            if not same(b.shard16, master):
+                b.shard16.copy_(master)
+        elif engine.policy.shard_optimizer:
+            own = b.shard_of(b.full)
+            if not same(own, master):
+                own.copy_(master)
+            engine.comm.all_gather(b.full, phase="state", unit=b.name).wait()
+        elif not same(b.full, master):
+            b.full.copy_(master)
+
+
+def _rebuild_extra(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return tensors[value["__tensor__"]]
+        return {k: _rebuild_extra(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebuild_extra(v, tensors) for v in value]
+    return value
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *,
+                    verify: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint`; collective. Returns ``extra``.
+
+    ``model`` (and ``optimizer``, if given) must come from ``zeroshard.shard`` at any world
+    size and stage. Weights, optimizer state and hyperparameters, the loss scaler and this
+    rank's RNG states are restored in place. ``verify`` checks each file this rank reads
+    against its CRC-32 (one extra read; ``False`` checks sizes only). A checkpoint of a
+    different model raises :class:`CheckpointError` listing the mismatched names/shapes.
+    """
+    engine = engine_of(model)
+    path = Path(path)
+    manifest = read_manifest(path)
+    entries = param_entries(engine)
+    check_model(manifest, entries, model, path)
+    if any(u.state is not UnitState.SHARDED for u in engine.units):
+        raise CheckpointError("load_checkpoint was called while stage-3 units are gathered "
+                              "(inside forward/backward); load between steps")
+    inner = getattr(optimizer, "optim", optimizer)
+    info = check_optimizer(manifest, entries, inner, path) if inner is not None else None
+    reader = SafeReader(path, manifest, verify=verify)
+    metadata = reader.read_metadata()
+    with quiet():
+        sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e) for e in entries}
+    pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for k, t in model.state_dict(keep_vars=True).items():
+        if k not in pnames:
+            sd[model_key(k)] = t.detach()
+    fixups: list = []
+    if info is not None:
+        with quiet():
+            targets, fixups = _prepare_optim(engine, entries, inner, info, path)
+        sd.update(targets)
+    extra_keys = [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
+    rng_keys = [k for k in manifest["rng"]["rows"] if k in metadata.state_dict_metadata]
+    loose: dict[str, torch.Tensor] = {}
+    for k in extra_keys + rng_keys:
+        md = metadata.state_dict_metadata[k]
+        loose[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    sd.update(loose)
+    missing = sorted(k for k in sd if k not in metadata.state_dict_metadata)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r}: .metadata lacks {missing[:8]} "
+                              "which the manifest promises; the checkpoint is damaged")
+    with quiet(), dcp_errors(f"loading {str(path)!r} failed"):
+        dcp.load(sd, storage_reader=reader, process_group=engine.comm.group)
+    _sync_compute_weights(engine)
+    if info is not None:
+        _set_scalars(fixups)
+        _set_groups(inner, info["param_groups"])
+    scaler = manifest.get("loss_scaler") or {}
+    if engine.scaler.enabled and scaler.get("enabled"):
+        engine.scaler.load_state_dict(scaler)
+    rng.restore({k: loose[k] for k in rng_keys}, engine.comm.rank)
+    return _rebuild_extra(manifest.get("extra") or {}, loose)

@@ -1,0 +1,262 @@
+"""``save_checkpoint``: every rank writes what it owns, rank 0 commits (see manifest.py).
+
+What goes where (see [Note: checkpoint layout] in layout.py):
+
+========================  ==============================================================
+DCP tensors               ``model.<name>`` fp32 master weights, 1-D, sharded by owner;
+                          ``optim.<name>.<key>`` per-element optimizer state, same
+                          ranges; ``model.<buffer>`` buffers and frozen parameters kept
+                          whole (written once); ``rng.*`` one row per rank;
+                          ``extra.<path>`` tensors found in ``extra``
+``zeroshard.json``        names, shapes, dtypes, flat layout; optimizer class,
+                          hyperparameters and scalar state (AdamW's ``step``) per
+                          parameter; loss scaler; JSON part of ``extra``; file list
+========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from .. import __version__
+from ..api import engine_of
+from ..engine.engine import Engine
+from . import rng
+from .layout import (
+    ParamEntry,
+    bucket_tensor_views,
+    global_ranks,
+    model_key,
+    optim_key,
+    param_entries,
+    quiet,
+    sharded_tensor,
+)
+from .manifest import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    commit,
+    file_record,
+    remove_stale,
+    write_manifest,
+)
+from .reader import dcp_errors
+
+__all__ = ["save_checkpoint"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _per_element(state: dict[str, Any], master: torch.Tensor) -> list[str]:
+    return [k for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == master.shape]
+
+
+def _scalars(state: dict[str, Any], master: torch.Tensor, owner: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if k in _per_element(state, master):
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            out[k] = {"value": v.item(), "dtype": _dtype_name(v.dtype), "shape": list(v.shape)}
+        elif isinstance(v, (bool, int, float)):
+            out[k] = {"value": v}
+        else:
+            raise CheckpointError(
+                f"optimizer state {k!r} of {owner!r} is a {type(v).__name__} of shape "
+                f"{getattr(v, 'shape', '?')}: neither per-element nor a scalar, so it cannot "
+                "be resharded. zeroshard checkpoints elementwise optimizers (AdamW, Adam, SGD, ...)")
+    return out
+
+
+def _jsonable(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` with tensors moved into ``tensors`` (as ``{"__tensor__": key}``)."""
+    if isinstance(value, torch.Tensor):
+        key = f"extra.{where}"
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise TypeError(f"extra{where and '.' + where}: key {k!r} is not a str; "
+                                "checkpoint extra must be a JSON-like dict with str keys")
+        return {k: _jsonable(v, f"{where}.{k}" if where else k, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, f"{where}.{i}", tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"extra.{where} is a {type(value).__name__}; checkpoint extra holds JSON "
+                    "values (dict, list, str, int, float, bool, None) and tensors only")
+
+
+def _groups_json(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for g in optim.param_groups:
+        out: dict[str, Any] = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if v is None or isinstance(v, (bool, int, float, str)):
+                out[k] = v
+            elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
+                out[k] = list(v)
+        groups.append(out)
+    return groups
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | None,
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(DCP state dict of what this rank writes, the layout part of the manifest)."""
+    comm = engine.comm
+    group, peers = comm.group, global_ranks(comm.group)
+    sd: dict[str, Any] = {}
+    params, optim_params = [], {}
+    inner = _inner(optim) if optim is not None else None
+    for e in param_entries(engine):
+        info: dict[str, Any] = {"name": e.name, "aliases": list(e.aliases), "shape": list(e.shape),
+                                "trainable": e.trainable, "offset": e.offset,
+                                "bucket": e.bucket.name if e.bucket is not None else None}
+        sd[model_key(e.name)], info["dtype"] = _weights(engine, e, group, peers)
+        params.append(info)
+        if inner is None or not e.trainable:
+            continue
+        master = e.bucket.master
+        state = inner.state.get(master, {})
+        if not state:
+            continue
+        keys = _per_element(state, master)
+        optim_params[e.name] = {"state_keys": list(state), "per_element": keys,
+                                "scalars": _scalars(state, master, e.name)}
+        for k in keys:
+            sd[optim_key(e.name, k)] = bucket_tensor_views(e, state[k], for_load=False,
+                                                           group=group, peers=peers)
+    pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = []
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key not in pnames:
+            sd[model_key(key)] = t.detach()
+            buffers.append({"name": key, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)})
+    layout = {
+        "params": params, "buffers": buffers,
+        "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
+        "buckets": [{"name": b.name, "numel": b.numel, "padded_numel": b.padded_numel,
+                     "shard_numel": b.shard_numel, "trainable": b.requires_grad}
+                    for b in engine.all_buckets],
+        "optimizer": None if inner is None else {
+            "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            "param_groups": _groups_json(inner), "params": optim_params},
+    }
+    return sd, layout
+
+
+def _weights(engine: Engine, e: ParamEntry, group, peers) -> tuple[Any, str]:
+    """What DCP writes for a parameter's weights, and its dtype name."""
+    if e.bucket is None:  # frozen, stages 0-2: whole on every rank, written once
+        t = e.param.detach().reshape(-1)
+        return t, _dtype_name(t.dtype)
+    b = e.bucket
+    src = b.master.detach() if b.master is not None else b.shard16
+    return bucket_tensor_views(e, src, for_load=False, group=group, peers=peers), \
+        _dtype_name(src.dtype)
+
+
+def _rng_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, list]]:
+    """Each generator state as a ``[world, L]`` table whose row r is rank r's (rng.py)."""
+    comm = engine.comm
+    states = rng.capture()
+    out = {}
+    for k, v in states.items():
+        rows = [(q, [q, 0], [1, v.numel()]) for q in range(comm.size)]
+        out[k] = sharded_tensor([comm.size, v.numel()], rows, v.reshape(1, -1), comm.rank,
+                                global_ranks(comm.group), comm.group, v.dtype, v.device)
+    return out, rng.row_lengths(states)
+
+
+def _agree_tmp(path: Path, engine: Engine) -> Path:
+    comm = engine.comm
+    name = [None]
+    if comm.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path)
+        name[0] = f"{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+        (path.parent / name[0]).mkdir()
+    if comm.size > 1:
+        dist.broadcast_object_list(name, src=global_ranks(comm.group)[0], group=comm.group)
+    return path.parent / str(name[0])
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Save a sharded checkpoint to the directory ``path``; collective (every rank calls).
+
+    Each rank writes only what it owns: its 1-D pieces of the fp32 master weights and of
+    the per-element optimizer state, its RNG states; buffers and frozen parameters are
+    written once. ``extra`` is a JSON-like dict (tensors allowed) that must be the same on
+    every rank — typically ``{"step": step, "data": loader.state_dict()}`` — and is what
+    :func:`load_checkpoint` returns. The checkpoint appears at ``path`` only once complete
+    (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
+    """
+    engine = engine_of(model)
+    path = Path(path)
+    t0 = time.perf_counter()
+    extra_tensors: dict[str, torch.Tensor] = {}
+    extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
+    with quiet():
+        sd, layout = _collect(engine, model, optimizer)
+        rng_sd, rng_rows = _rng_tables(engine)
+    sd.update(rng_sd)
+    sd.update(extra_tensors)
+    tmp = _agree_tmp(path, engine)
+    comm = engine.comm
+    what = (f"saving {str(path)!r} failed, nothing was committed (the previous "
+            "checkpoints are intact)")
+    with quiet(), dcp_errors(what):
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 process_group=comm.group)
+    mine = {p.name: file_record(p) for p in tmp.iterdir()
+            if p.name.startswith(f"__{comm.rank}_")}
+    gathered: list[Any] = [mine]
+    if comm.size > 1:
+        gathered = [None] * comm.size
+        dist.all_gather_object(gathered, mine, group=comm.group)
+    if comm.rank == 0:
+        files: dict[str, dict[str, int]] = {}
+        for part in gathered:
+            files.update(part)
+        for p in sorted(tmp.iterdir()):
+            if p.name not in files and p.is_file():
+                files[p.name] = file_record(p)
+        manifest = {
+            "format": FORMAT, "version": VERSION, "zeroshard": __version__,
+            "torch": torch.__version__, "world_size": comm.size,
+            "stage": engine.policy.stage, "mixed_precision": engine.config.mixed_precision,
+            **layout, "loss_scaler": {"enabled": engine.scaler.enabled,
+                                      **engine.scaler.state_dict()},
+            "rng": {"world_size": comm.size, "rows": rng_rows},
+            "extra": extra_json, "write_seconds": round(time.perf_counter() - t0, 3),
+            "files": files,
+        }
+        write_manifest(tmp, manifest)
+        commit(tmp, path)
+    if comm.size > 1:
+        dist.barrier(group=comm.group)
+    return path

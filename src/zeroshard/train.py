@@ -1,0 +1,360 @@
+"""``zeroshard train``: a fault-tolerant training entry point for ``torchrun``.
+
+Every rank runs the same loop: build a reference model, apply an activation-checkpointing
+policy, ``zeroshard.shard`` it at the chosen stage, and train AdamW on a deterministic,
+rank-sharded token stream (zeroshard.data) with warmup + cosine learning rate and
+global-norm clipping. Every ``--ckpt-every`` steps (and at the end) it saves a sharded
+checkpoint ``<ckpt-dir>/step-<n>`` (zeroshard.state), keeping the newest ``--keep``.
+
+Fault tolerance is torchrun's restart plus this loop's determinism: with
+``torchrun --max-restarts K ... zeroshard train --resume``, a killed rank makes torchrun
+stop the others and start all ranks again; they load the latest *complete* checkpoint
+(weights, optimizer state, loss scale, data position, RNG states) and replay the steps
+after it. Since the data of step k is a function of (seed, k) and every operation is
+deterministic on a fixed world size, the finished run's parameters are bitwise those of
+an uninterrupted run. Each rank writes its pid to ``<ckpt-dir>/rank<r>.pid``.
+
+Without torchrun's environment the command trains in one process (world size 1), or
+starts ``--nproc`` local ranks itself. Rank 0 prints a progress line and appends
+JSON records (``start``, ``resume``, ``step``, ``checkpoint``, ``done``) to the metrics
+file (``--metrics``, default ``<ckpt-dir>/metrics.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainConfig", "train", "add_arguments", "run"]
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What ``zeroshard train`` runs; every field is also a flag (``--global-batch``)."""
+
+    model: str = _opt("gpt2-tiny", "a preset of zeroshard.models, gpt2-tiny ... llama-13b")
+    text: str | None = _opt(None, "train on this local file's bytes (vocab 256); "
+                            "default: the synthetic language")
+    seq_len: int | None = _opt(None, "tokens per sample; default: the model's, at most 256")
+    global_batch: int = _opt(8, "samples per step over all ranks (multiple of world x accum)")
+    accum: int = _opt(1, "micro-batches per step on each rank (accumulated under no_sync)")
+    steps: int = _opt(100, "steps of the whole run; a resumed run continues up to it")
+    lr: float = _opt(3e-3, "peak learning rate, after warmup; then cosine to min_lr")
+    min_lr: float = _opt(3e-4, "final learning rate of the cosine schedule")
+    warmup: int = _opt(10, "steps of linear warmup")
+    weight_decay: float = _opt(0.1, "AdamW weight decay")
+    clip: float = _opt(1.0, "global gradient-norm clip; 0 disables it")
+    stage: int = _opt(2, "ZeRO stage 0-3")
+    mixed_precision: str = _opt("none", "none, bf16 or fp16 (dynamic loss scaling)")
+    activation_checkpointing: str = _opt("none", "none, full, every-<k>, selective or sqrt")
+    seed: int = _opt(0, "seed of model init, data and RNGs")
+    ckpt_dir: str | None = _opt(None, "directory of step-<n> checkpoints, pid files, metrics")
+    ckpt_every: int = _opt(0, "save every this many steps (0: only at the end)")
+    keep: int = _opt(2, "complete checkpoints to keep, the newest")
+    resume: bool = _opt(False, "start from the latest complete checkpoint in ckpt_dir, if any")
+    log_every: int = _opt(10, "log (loss averaged over ranks) every this many steps")
+    metrics: str | None = _opt(None, "JSONL metrics file; default <ckpt_dir>/metrics.jsonl")
+    step_sleep: float = _opt(0.0, "seconds to sleep after each step (fault-injection tests)")
+    nproc: int = _opt(1, "without torchrun: local ranks to start")
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "accum", "steps", "warmup", "keep", "log_every", "nproc"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer or None")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r}; use 0, 1, 2 or 3")
+        if self.mixed_precision not in ("none", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}; use none, bf16 or fp16")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"lr={self.lr!r}, min_lr={self.min_lr!r}: need 0 <= min_lr <= lr, lr > 0")
+        if self.clip < 0 or self.step_sleep < 0 or self.ckpt_every < 0:
+            raise ValueError("clip, step_sleep and ckpt_every must be >= 0")
+        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
+            raise ValueError("ckpt_every and resume need a ckpt_dir; pass --ckpt-dir DIR")
+        if self.text is not None and not Path(self.text).is_file():
+            raise ValueError(f"text={self.text!r} is not a file; pass a local text file")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to ``lr``, then cosine to ``min_lr`` at ``steps``."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def _init_group() -> bool:
+    """Join torchrun's group, or make a world of one; True if we created it.
+
+    [Note: restarts and torchrun's shared store]
+    torchrun (c10d rendezvous) lets the workers use its own TCP store, which outlives a
+    restart, so the keys a killed generation of workers left behind (their gloo/NCCL
+    addresses) are still there when the next generation connects, and a new rank can
+    dial a dead one (pytorch/pytorch#135712). On one node every worker shares one
+    agent and hence one restart count, so we namespace our process group's keys by it.
+    Across nodes restart counts can differ, so there we ask for the upstream workaround:
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every generation a fresh store.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.launch import under_torchrun
+
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not under_torchrun():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return True
+    env = os.environ
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and env.get("GROUP_WORLD_SIZE", "1") == "1":
+        store, rank, world = next(dist.rendezvous("env://"))
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"zeroshard/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        return True
+    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("RANK") == "0":
+        print("zeroshard train: warning: multi-node torchrun with --max-restarts shares its "
+              "rendezvous store with the workers; restarted ranks can then connect to dead "
+              "ones (pytorch#135712). Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+              flush=True)
+    dist.init_process_group(backend)
+    return True
+
+
+class _Log:
+    """Rank 0's progress lines and JSONL records."""
+
+    def __init__(self, rank: int, path: str | None) -> None:
+        self.rank, self.path = rank, Path(path) if path else None
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.path and rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, event: str, **values: Any) -> None:
+        if self.rank != 0 or self.path is None:
+            return
+        rec = {"event": event, "time": round(time.time(), 3), "restart": self.restart, **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def _peak_memory(device: Any) -> int:
+    import resource
+
+    import torch
+
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(config: TrainConfig) -> dict[str, Any] | None:
+    """Run the loop on this rank (see the module docstring); rank 0 returns a summary."""
+    import torch.distributed as dist
+
+    owned = _init_group()
+    try:
+        return _train(config)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _build(c: TrainConfig, rank: int, world: int, device: Any) -> tuple[Any, Any, Any, int]:
+    """Model (checkpointing policy applied, sharded), optimizer, loader, sequence length."""
+    import random
+
+    import torch
+
+    import zeroshard
+    from zeroshard.checkpointing import apply_checkpointing
+    from zeroshard.data import TokenLoader, make_source
+    from zeroshard.models import build_model, get_preset
+
+    torch.manual_seed(c.seed)
+    random.seed(c.seed)
+    cfg = get_preset(c.model)
+    seq = c.seq_len or min(cfg.seq_len, 256)
+    cfg.check_seq_len(seq)
+    model = build_model(cfg, device=device, seed=c.seed)
+    if c.activation_checkpointing != "none":
+        apply_checkpointing(model, c.activation_checkpointing)
+    mp = None if c.mixed_precision == "none" else c.mixed_precision
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=c.stage, mixed_precision=mp,
+                                   device=device, lr=c.lr, betas=(0.9, 0.95),
+                                   weight_decay=c.weight_decay)
+    source = make_source("bytes" if c.text else "synthetic", vocab=cfg.vocab, seq_len=seq,
+                         seed=c.seed, path=c.text)
+    loader = TokenLoader(source, global_batch=c.global_batch, rank=rank, world_size=world)
+    return model, optim, loader, seq
+
+
+def _step(c: TrainConfig, model: Any, optim: Any, loader: Any, device: Any) -> tuple[Any, float]:
+    """One optimizer step over ``c.accum`` micro-batches; (summed loss tensor, grad norm)."""
+    from contextlib import nullcontext
+
+    import torch
+    import torch.nn.functional as F
+
+    total = torch.zeros((), device=device or "cpu")
+    micro = loader.micro_batches(c.accum)
+    for i, (x, y) in enumerate(micro):
+        x, y = (x.to(device), y.to(device)) if device is not None else (x, y)
+        with model.no_sync() if i < len(micro) - 1 else nullcontext():
+            out = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / c.accum
+            out.backward()
+        total += out.detach()
+    norm = optim.clip_grad_norm_(c.clip).item() if c.clip else float("nan")
+    optim.step()
+    optim.zero_grad()
+    return total, norm
+
+
+def _train(c: TrainConfig) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.state import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+    from zeroshard.state.manifest import prune
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if c.global_batch % (world * c.accum):
+        raise ValueError(f"global_batch={c.global_batch} is not a multiple of world size "
+                         f"{world} x accum {c.accum}; use e.g. {world * c.accum * 4}")
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    model, optim, loader, seq = _build(c, rank, world, device)
+    log = _Log(rank, c.metrics or (str(Path(c.ckpt_dir) / "metrics.jsonl") if c.ckpt_dir else None))
+    if c.ckpt_dir:
+        Path(c.ckpt_dir).mkdir(parents=True, exist_ok=True)
+        (Path(c.ckpt_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    step = 0
+    found = latest_checkpoint(c.ckpt_dir) if c.resume else None
+    if found is not None:
+        t0 = time.perf_counter()
+        extra = load_checkpoint(found, model, optim)
+        loader.load_state_dict(extra["data"])
+        step = int(extra["step"])
+        log.record("resume", step=step, path=str(found), seconds=time.perf_counter() - t0)
+        log.say(f"resumed from {found} at step {step} ({time.perf_counter() - t0:.2f} s)")
+    log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
+    log.say(f"zeroshard train: {c.model} on {world} rank(s), stage {c.stage}, "
+            f"{c.mixed_precision}, checkpointing {c.activation_checkpointing}, "
+            f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
+    group = zeroshard.engine_of(model).comm.group
+    tokens, busy, loss = 0, 0.0, float("nan")
+    while step < c.steps:
+        t0 = time.perf_counter()
+        lr = c.lr_at(step)
+        for g in optim.param_groups:
+            g["lr"] = lr
+        total, norm = _step(c, model, optim, loader, device)
+        step += 1
+        busy += time.perf_counter() - t0
+        tokens += c.global_batch * seq
+        if step % c.log_every == 0 or step == c.steps:
+            dist.all_reduce(total, group=group)
+            loss, tok_s, mem = total.item() / world, tokens / busy, _peak_memory(device)
+            log.record("step", step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tok_s,
+                       peak_mem_bytes=mem, loss_scale=optim.loss_scale)
+            log.say(f"step {step:>6}/{c.steps}  loss {loss:.4f}  lr {lr:.2e}  "
+                    f"{tok_s:>9,.0f} tok/s  peak mem {mem / 2**20:,.0f} MiB")
+            tokens, busy = 0, 0.0
+        if c.ckpt_dir and ((c.ckpt_every and step % c.ckpt_every == 0) or step == c.steps):
+            t1 = time.perf_counter()
+            path = save_checkpoint(step_dir(c.ckpt_dir, step), model, optim,
+                                   extra={"step": step, "data": loader.state_dict(),
+                                          "config": dataclasses.asdict(c)})
+            if rank == 0:
+                prune(c.ckpt_dir, c.keep)
+            log.record("checkpoint", step=step, path=str(path), seconds=time.perf_counter() - t1)
+        if c.step_sleep:
+            time.sleep(c.step_sleep)
+    log.record("done", step=step, loss=loss)
+    return {"step": step, "loss": loss, "world_size": world} if rank == 0 else None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=argparse.SUPPRESS,
+                        help="a JSON or TOML file of these options (flags override it)")
+    for f in fields(TrainConfig):
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0])
+        if f.type == "bool":
+            parser.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS,
+                                help=f.metadata["help"])
+            continue
+        parser.add_argument(_flag(f.name), type=kind or str, default=argparse.SUPPRESS,
+                            metavar=f.name.upper(),
+                            help=f"{f.metadata['help']} (default {f.default!r})")
+
+
+def load_config(args: argparse.Namespace) -> TrainConfig:
+    """The file given by ``--config`` (if any), overridden by the flags given."""
+    values: dict[str, Any] = {}
+    path = getattr(args, "config", None)
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--config {path!r} is not a file")
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ValueError(f"--config {path!r}: TOML needs Python >= 3.11; use JSON") from None
+            values = tomllib.loads(p.read_text())
+        else:
+            values = json.loads(p.read_text())
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+    names = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"--config {path!r}: unknown option(s) {unknown}; known: {sorted(names)}")
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.cli import UsageError
+    from zeroshard.launch import run_ranks_local, under_torchrun
+
+    try:
+        config = load_config(args)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        if config.nproc > 1 and not under_torchrun():
+            summary = run_ranks_local(train, config.nproc, config, name="zeroshard-train")
+        else:
+            summary = train(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if summary:
+        print(f"done: {summary['step']} steps on {summary['world_size']} rank(s), "
+              f"final loss {summary['loss']:.4f}")
+    return 0

@@ -1,0 +1,129 @@
+"""``zeroshard train``: configuration, resume, and surviving a killed rank under torchrun.
+
+The fault test is the real thing: torchrun with ``--max-restarts 1`` runs two ranks, the
+test SIGKILLs rank 1 (its pid from ``<ckpt-dir>/rank1.pid``) once step 6 is logged,
+torchrun restarts both ranks, they resume from the latest complete checkpoint (step 4)
+and finish; the final checkpoint must equal an uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.cli import build_parser, main
+from zeroshard.launch import free_port
+from zeroshard.state import CheckpointReader, step_dir
+from zeroshard.train import TrainConfig, load_config
+
+TINY = ["--model", "gpt2-tiny", "--seq-len", "16", "--global-batch", "4", "--lr", "1e-2",
+        "--warmup", "2", "--log-every", "1"]
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    """Every weight and per-element optimizer state of two checkpoints, bitwise."""
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert ra.keys() == rb.keys()
+    for key in ra.keys():
+        assert torch.equal(ra.tensor(key), rb.tensor(key)), key
+    oa, ob = ra.manifest["optimizer"]["params"], rb.manifest["optimizer"]["params"]
+    assert oa == ob  # per-parameter state keys and scalar state (AdamW's step)
+    for name, info in oa.items():
+        for k in info["per_element"]:
+            assert torch.equal(ra.optimizer_state(name, k), rb.optimizer_state(name, k)), (name, k)
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_config_file_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model = "llama-tiny"\nstage = 3\nglobal-batch = 16\n')
+    args = build_parser().parse_args(["train", "--config", str(cfg), "--stage", "1"])
+    c = load_config(args)
+    assert (c.model, c.stage, c.global_batch, c.steps) == ("llama-tiny", 1, 16, 100)
+    assert c.lr_at(0) == c.lr / c.warmup and c.lr_at(c.steps) == pytest.approx(c.min_lr)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"stgae": 3}')
+    assert main(["train", "--config", str(bad)]) == 2  # names the unknown key
+    assert main(["train", "--stage", "5"]) == 2
+    assert main(["train", "--ckpt-every", "5"]) == 2  # needs --ckpt-dir
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        TrainConfig(mixed_precision="fp8")
+
+
+def test_standalone_resume_equals_straight_run(tmp_path: Path, capsys) -> None:
+    """World size 1 without torchrun: 3 steps, then resume to 6 == 6 straight."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", *TINY, "--steps", "6", "--ckpt-dir", str(straight)]) == 0
+    assert main(["train", *TINY, "--steps", "3", "--ckpt-dir", str(split)]) == 0
+    assert main(["train", *TINY, "--steps", "6", "--ckpt-dir", str(split), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step      6/6" in out
+    events = [r["event"] for r in _records(split / "metrics.jsonl")]
+    assert events.count("resume") == 1 and events[-1] == "done"
+    _same_checkpoint(step_dir(straight, 6), step_dir(split, 6))
+
+
+def _torchrun(ckpt: Path, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "zeroshard.cli", "train", *TINY,
+           "--stage", "2", "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", str(ckpt),
+           "--resume", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = ckpt.with_suffix(".log")  # a file, not a pipe: nobody reads while it runs
+    with open(log, "w") as f:
+        # Own session: on a failure the test kills torchrun *and* its workers at once.
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True), log
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tail(log: Path) -> str:
+    return "\n".join(log.read_text().splitlines()[-60:])
+
+
+def test_torchrun_restart_after_sigkill_matches_uninterrupted_run(tmp_path: Path) -> None:
+    ref, log = _torchrun(tmp_path / "ref", free_port())
+    try:
+        assert ref.wait(timeout=240) == 0, _tail(log)
+    finally:
+        _stop(ref)
+    ckpt = tmp_path / "faulty"
+    run, log = _torchrun(ckpt, free_port(), "--step-sleep", "0.3")
+    killed = None
+    try:
+        deadline = time.monotonic() + 180
+        while killed is None and time.monotonic() < deadline and run.poll() is None:
+            steps = [r["step"] for r in _records(ckpt / "metrics.jsonl") if r["event"] == "step"]
+            if steps and steps[-1] >= 6:
+                killed = int((ckpt / "rank1.pid").read_text())
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        run.wait(timeout=240)
+    finally:
+        _stop(run)
+    assert killed is not None, f"never saw step 6 logged:\n{_tail(log)}"
+    assert run.returncode == 0, _tail(log)
+    records = _records(ckpt / "metrics.jsonl")
+    resumed = [r for r in records if r["event"] == "resume"]
+    assert [(r["restart"], r["step"]) for r in resumed] == [(1, 4)], records
+    assert int((ckpt / "rank1.pid").read_text()) != killed  # a new process finished the run
+    _same_checkpoint(step_dir(tmp_path / "ref", 12), step_dir(ckpt, 12))
