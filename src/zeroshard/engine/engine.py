@@ -478,12 +478,28 @@ class Engine:
             b.reduced = True
         else:
             b.grad_shard.add_(out)
+        if self.offload:
+            self._start_host_copy(b)
         b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes]
         if self.policy.keep_full_grads:
             for s in b.slots:
                 s.param.grad = None  # the next gradient is copied in, not added
         else:
             b.grad = None
+
+    def _start_host_copy(self, b: FlatBucket) -> None:
+        """Offload: start copying the bucket's reduced slice to the host now, while
+        backward goes on (non-blocking from pinned memory). A later reduction of the
+        same bucket before the step (accumulation) simply copies again."""
+        g = self._reduced_slice(b) if b.grad_shard is None or not self._in_place(b) else None
+        if g is None:  # stage 1 with a stash: the sum is formed at the step
+            b.host_fresh = False
+            return
+        if b.host_grad is None:
+            b.host_grad = torch.empty(g.shape, dtype=g.dtype,
+                                      pin_memory=torch.cuda.is_available())
+        b.host_grad.copy_(g, non_blocking=True)
+        b.host_fresh = True
 
     def _divisor(self) -> int:
         """Ranks whose gradients are averaged: all, or those with data inside join()."""
@@ -540,14 +556,17 @@ class Engine:
             return self._overflow
         grads = []
         for b in self.buckets:
-            g = b.grad if self.policy.reduce_op == "all_reduce" else self._reduced_slice(b)
-            if self.offload:  # device -> pinned host, all buckets in flight, then one sync
-                if b.host_grad is None:
-                    b.host_grad = torch.empty(g.shape, dtype=g.dtype,
-                                              pin_memory=torch.cuda.is_available())
-                b.host_grad.copy_(g, non_blocking=True)
-                g = b.host_grad
-            grads.append(g)
+            if self.offload:  # copies started in backward; buckets without one go now
+                if not b.host_fresh:
+                    g = self._reduced_slice(b)
+                    if b.host_grad is None:
+                        b.host_grad = torch.empty(g.shape, dtype=g.dtype,
+                                                  pin_memory=torch.cuda.is_available())
+                    b.host_grad.copy_(g, non_blocking=True)
+                grads.append(b.host_grad)
+                continue
+            grads.append(b.grad if self.policy.reduce_op == "all_reduce"
+                         else self._reduced_slice(b))
         if self.offload and self.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.current_stream(self.device).synchronize()
         for b, g in zip(self.buckets, grads):
@@ -647,6 +666,7 @@ class Engine:
                 else:
                     b.grad_shard.zero_()
             b.reduced = False
+            b.host_fresh = False
             b.master.grad = None
             b.used.zero_()
             b.valid = [False] * len(b.slots)
