@@ -56,6 +56,10 @@ def _case(name: str):
         model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2)
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
         return model(torch.zeros(1, 4))
+    if name == "optimizer_instance":
+        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=2)
+    if name == "misspelled_optimizer_kwarg":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=1, lrr=1e-3)
     if name == "bucket_bytes":
         return zeroshard.shard(model, torch.optim.AdamW, bucket_bytes=0)
     if name == "meta_custom":
@@ -83,6 +87,8 @@ EXPECT = {
     "twice": (ValueError, "already sharded"),
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
     "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
+    "optimizer_instance": (TypeError, "AdamW instance; pass the class"),
+    "misspelled_optimizer_kwarg": (TypeError, "unknown option 'lrr'.*did you mean 'lr'"),
     "meta_custom": (ValueError, "pass param_init="),
     "meta_stage1": (ValueError, "meta device; stages 0-2 need real weights"),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"  # before the imports below: zeroshard.state reads it
 
+from . import models
 from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CommLedger, CommRecord
 from .config import ShardConfig
@@ -18,6 +19,7 @@ from .state import (
 
 __all__ = [
     "__version__",
+    "models",
     "shard",
     "full_state_dict",
     "engine_of",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -73,7 +74,8 @@ def _split_options(
     for k in theirs:
         if accepts_any or k in accepted:
             continue
-        guess = suggest_option(k, ["process_group"])
+        guess = suggest_option(k, ["process_group", "units", "param_init", "device", "hybrid",
+                                   "mesh", *sorted(accepted)])
         hint = f"; did you mean {guess!r}?" if guess else ""
         raise TypeError(
             f"unknown option {k!r}: it is neither a zeroshard option "
@@ -146,6 +148,13 @@ def shard(
             "torch.distributed.init_process_group('gloo' or 'nccl') first, or launch with "
             "torchrun"
         )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__} instance; pass the class and its "
+            f"keywords instead, e.g. zeroshard.shard(model, torch.optim."
+            f"{type(optimizer).__name__}, stage={stage}, lr=1e-3): zeroshard builds the "
+            "optimizer over this rank's shard"
+        )
     ours, optim_kwargs = _split_options(optimizer, options)
     config = ShardConfig(stage=stage, **ours)
     _check_model(model, stage)
@@ -184,6 +193,7 @@ def shard(
             f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
         )
     check_elementwise(inner)
+    _destroy_group_at_exit()
     comm.ledger.mark_step()  # the initial broadcast is not part of any step
     comm.ledger.step = 0
     names = [b.name for b in engine.all_buckets] + [u.name for u in engine.units]
@@ -193,6 +203,30 @@ def shard(
     model._zeroshard_engine = engine
     _swap_class(model)
     return model, ShardedOptimizer(engine, inner)
+
+
+_EXIT_HOOK = False
+
+
+def _destroy_group_at_exit() -> None:
+    """Tear the default process group down at interpreter exit if the script did not.
+
+    Exiting with a live gloo group can abort the process ("terminate called without an
+    active exception") after all the work is done; torchrun then reports the rank failed.
+    """
+    global _EXIT_HOOK
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK = True
+
+    def _cleanup() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    atexit.register(_cleanup)
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
