@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "in_flight", "CollectiveTimeout",
+__all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "CollectiveTimeout",
            "CollectiveMismatch", "CollectiveError"]
 
 
@@ -110,28 +110,18 @@ class CommLedger:
         return {k: self.totals(v) for k, v in groups.items()}
 
 
-# What each thread is currently blocked in, so a watchdog can say where a rank hung.
-_in_flight = threading.local()
-
-
-def in_flight() -> str | None:
-    """Description of the collective this thread is waiting in, or None."""
-    return getattr(_in_flight, "desc", None)
+# What each thread is blocked in, readable from other threads so a watchdog (the test
+# harness's) can say where a rank hung: thread id -> (description, since).
+_IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
 
 
 @contextmanager
 def _waiting_in(desc: str) -> Iterator[None]:
-    _in_flight.desc = desc
     _IN_FLIGHT_GLOBAL[threading.get_ident()] = (desc, time.monotonic())
     try:
         yield
     finally:
-        _in_flight.desc = None
         _IN_FLIGHT_GLOBAL.pop(threading.get_ident(), None)
-
-
-# Readable from other threads (the test harness's watchdog): thread id -> (desc, since).
-_IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
 
 
 def _decompose_for(group: dist.ProcessGroup | None) -> bool:
