@@ -62,6 +62,12 @@ def _case(name: str):
         return zeroshard.shard(model, torch.optim.AdamW, stage=1, lrr=1e-3)
     if name == "bucket_bytes":
         return zeroshard.shard(model, torch.optim.AdamW, bucket_bytes=0)
+    if name == "offload_unknown":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=3, offload="params")
+    if name == "offload_params_stage2":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=2, offload="optimizer+params")
+    if name == "offload_stage0":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=0, offload="optimizer")
     if name == "meta_custom":
         model.to("meta")
         return zeroshard.shard(model, torch.optim.AdamW, stage=3)
@@ -89,6 +95,9 @@ EXPECT = {
     "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
     "optimizer_instance": (TypeError, "AdamW instance; pass the class"),
     "misspelled_optimizer_kwarg": (TypeError, "unknown option 'lrr'.*did you mean 'lr'"),
+    "offload_unknown": (ValueError, "offload='params' is not supported.*'optimizer\\+params'"),
+    "offload_params_stage2": (ValueError, "'optimizer\\+params' needs stage=3.*use stage=3"),
+    "offload_stage0": (ValueError, "offload='optimizer' needs stage 1, 2 or 3"),
     "meta_custom": (ValueError, "pass param_init="),
     "meta_stage1": (ValueError, "meta device; stages 0-2 need real weights"),
 }

@@ -197,6 +197,34 @@ def test_add_source_priority_over_saved() -> None:
     del loss
 
 
+def test_host_sources_and_compute_device_split_device_from_host() -> None:
+    # What a host source lists is host memory even where host and device are one (CPU).
+    master, state = torch.zeros(100), torch.zeros(50)
+    weights = torch.zeros(30, dtype=torch.bfloat16)
+    tracker = (MemoryTracker()
+               .add_source(lambda: {Category.OPTIM: [master, state], Category.PARAMS: [weights]})
+               .add_host_source(lambda: [master, state]))
+    with tracker:
+        where = tracker.current_by_location()
+        grown = torch.zeros(1000)  # a new device allocation: the device's peak moves
+        del grown
+    assert where["host"][Category.OPTIM] == 150 * F32 and where["host"][Category.PARAMS] == 0
+    assert where["device"][Category.PARAMS] == 60 and where["device"][Category.OPTIM] == 0
+    report = tracker.report()
+    assert report["host"]["current_total"] == 600 and report["device"]["current_total"] == 60
+    assert tracker.peak_total_by_location() == {"device": 60 + 4000, "host": 600}
+    # Computing on an accelerator, every CPU storage is host memory (fake: no real CUDA).
+    with FakeTensorMode():
+        gpu = torch.empty(256, device="cuda")
+        cpu = torch.empty(64)
+        tracker = MemoryTracker(compute_device="cuda").add_source(
+            lambda: {Category.PARAMS: [gpu], Category.OPTIM: [cpu]})
+        with tracker:
+            where = tracker.current_by_location()
+    assert where["device"][Category.PARAMS] == 256 * F32 and where["device"][Category.OPTIM] == 0
+    assert where["host"][Category.OPTIM] == 64 * F32 and where["host"][Category.PARAMS] == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_matches_formula() -> None:
     model = mlp().cuda()

@@ -1,77 +1,169 @@
-"""ZeRO-Offload (offload="optimizer"): parity, no needless copies on CPU, fused host step.
+"""ZeRO-Offload: parity, no needless copies on CPU, fused host step, device vs host bytes.
 
 On this CPU-only machine the device *is* the host, so the engine copies nothing
 (asserted). The copy path itself — masters in host memory, gradients copied to host
-buffers, updated weights copied back — is exercised by forcing it on CPU
+buffers, updated weights copied back, and with offload="optimizer+params" the weight
+slices on the host, copied up for each gather — is exercised by forcing it on CPU
 (``engine._FORCE_HOST_COPIES``) and must give the same training as no offload.
+
+Memory (notation of test_accounting.py: S = this rank's slice of the padded trainable
+buckets, c = compute-dtype bytes, n_b = trainable buckets), between steps, forced copies,
+AdamW (fp32 master + 2 moments + a 4-byte step per bucket; without mixed precision the
+master of stages 1-2 is its own copy once offloaded):
+
+    where   stages 1-2 ("optimizer")           stage 3 ("optimizer")   ("optimizer+params")
+    device  params c·P, grads c·P | c·S        params c·S, grads c·S   grads c·S
+    host    optim 12·S + 4·n_b, grads c·S      the same                + params c·S
+
+(fp32 "optimizer+params": the host weight slice is the master itself, so optim 8·S + 4·n_b.)
 """
 
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import torch
 from _training import loader, loss_of, make_model
 
 import zeroshard
 import zeroshard.engine.engine as engine_mod
+from zeroshard.state import full_optimizer_state, load_checkpoint, save_checkpoint
 from zeroshard.testing import run_ranks, sweep
 
 
-def _train(rank: int, world: int, stage: int, mp: str | None, offload: str | None,
+def _shard(stage: int, mp: str | None, offload: str | None, kwargs: dict, seed: int = 0):
+    return zeroshard.shard(make_model("gpt2-tiny", seed=seed), torch.optim.AdamW, stage=stage,
+                           lr=1e-2, weight_decay=0.1, mixed_precision=mp, offload=offload,
+                           **kwargs)
+
+
+def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload: str | None,
            force: bool, default_optim: bool = False) -> dict:
     engine_mod._FORCE_HOST_COPIES = force
     # Parity runs pin fused=False so that they compare the offload path alone; the
     # default (fused host AdamW) is checked separately.
     kwargs = {} if default_optim else {"fused": False}
-    model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=stage,
-                                   lr=1e-2, weight_decay=0.1, mixed_precision=mp,
-                                   offload=offload, **kwargs)
+    model, optim = _shard(stage, mp, offload, kwargs)
     engine = zeroshard.engine_of(model)
     data = loader("gpt2-tiny", rank, world)
-    for _ in range(3):
-        x, y = next(data)
-        loss_of(model, x, y).backward()
-        optim.clip_grad_norm_(1.0)
-        optim.step()
-        optim.zero_grad()
+    tracker = zeroshard.memory_tracker(model, optim)
+    with tracker:
+        for _ in range(3):
+            x, y = next(data)
+            loss_of(model, x, y).backward()
+            optim.clip_grad_norm_(1.0)
+            optim.step()
+            optim.zero_grad()
+        del x, y
+    where = {w: {c.value: v for c, v in d.items() if v}
+             for w, d in tracker.current_by_location().items()}
     masters_shared = [
         engine._same_memory(b.master, b.shard_of(b.full)) if stage < 3
         else engine._same_memory(b.master, b.shard16) for b in engine.buckets
     ]
-    return {"state": zeroshard.full_state_dict(model), "offload": engine.offload,
-            "fused": optim.param_groups[0].get("fused"),
-            "host_grads": [b.host_grad is not None for b in engine.buckets],
-            "masters_shared": masters_shared}
+    out = {"state": zeroshard.full_state_dict(model), "offload": engine.offload,
+           "fused": optim.param_groups[0].get("fused"),
+           "host_grads": [b.host_grad is not None for b in engine.buckets],
+           "masters_shared": masters_shared, "where": where,
+           "P": sum(b.padded_numel for b in engine.buckets),
+           "S": sum(b.shard_numel for b in engine.buckets), "n_b": len(engine.buckets)}
+    if force:  # checkpoints from and into offloaded (host) masters and state
+        path = Path(root) / f"s{stage}-{mp}-{offload}"
+        save_checkpoint(path, model, optim)
+        want = full_optimizer_state(model, optim)
+        model2, optim2 = _shard(stage, mp, offload, kwargs, seed=5)
+        load_checkpoint(path, model2, optim2)
+        got = full_optimizer_state(model2, optim2)
+        out["reloaded"] = zeroshard.full_state_dict(model2)
+        out["optim_equal"] = got.keys() == want.keys() and all(
+            torch.equal(torch.as_tensor(got[n][k]), torch.as_tensor(want[n][k]))
+            for n in want for k in want[n])
+    engine_mod._FORCE_HOST_COPIES = False
+    return out
 
 
+MODES = ((None, False), ("optimizer", False), ("optimizer", True))
+PARAM_MODES = (("optimizer+params", False), ("optimizer+params", True))
 GRID = [{"stage": s, "mp": mp, "offload": off, "force": force}
         for s in (1, 2, 3) for mp in (None, "bf16")
-        for off, force in ((None, False), ("optimizer", False), ("optimizer", True))]
+        for off, force in MODES + (PARAM_MODES if s == 3 else ())]
 GRID.append({"stage": 2, "mp": "bf16", "offload": "optimizer", "force": False,
              "default_optim": True})
 
 
-def _all(rank: int, world: int) -> list:
-    return sweep(functools.partial(_train, rank, world), GRID)
+def _all(rank: int, world: int, root: str) -> list:
+    return sweep(functools.partial(_train, rank, world, root), GRID)
+
+
+@functools.cache
+def _results() -> list:
+    with tempfile.TemporaryDirectory() as root:
+        return run_ranks(_all, 2, root, timeout=300)[0]
 
 
 def test_offload_parity_and_no_needless_copies() -> None:
-    results = run_ranks(_all, 2, timeout=300)[0]
+    results = _results()
     by = {tuple(p.values()): r for p, r in zip(GRID, results)}
     assert by[(2, "bf16", "optimizer", False, True)]["fused"] is True  # fast host AdamW
     for stage in (1, 2, 3):
         for mp in (None, "bf16"):
             base = by[(stage, mp, None, False)]
-            cpu = by[(stage, mp, "optimizer", False)]
-            forced = by[(stage, mp, "optimizer", True)]
-            # CPU run: host == device, nothing is copied; fp32 masters stay views
-            assert cpu["offload"] is False and not any(cpu["host_grads"])
-            assert cpu["masters_shared"] == base["masters_shared"]
-            # forced copy path: separate host masters and host gradient buffers
-            assert forced["offload"] is True and all(forced["host_grads"])
-            assert not any(forced["masters_shared"])
-            for kind, other in (("cpu", cpu), ("forced", forced)):
-                for name, ref in base["state"].items():
-                    # copies are exact and the operations the same: equal bit for bit
-                    assert torch.equal(other["state"][name], ref), (kind, stage, mp, name)
+            modes = ("optimizer", "optimizer+params") if stage == 3 else ("optimizer",)
+            for mode in modes:
+                cpu, forced = by[(stage, mp, mode, False)], by[(stage, mp, mode, True)]
+                # CPU run: host == device, nothing is copied; fp32 masters stay views
+                assert cpu["offload"] is False and not any(cpu["host_grads"])
+                assert cpu["masters_shared"] == base["masters_shared"]
+                assert _state(cpu["where"]) == _state(base["where"]) and not cpu["where"]["host"]
+                # forced copy path: separate host masters and host gradient buffers
+                assert forced["offload"] is True and all(forced["host_grads"])
+                if stage < 3 or mp == "bf16" or mode == "optimizer":
+                    assert not any(forced["masters_shared"])
+                else:  # fp32 optimizer+params: the host slice is the master, one copy
+                    assert all(forced["masters_shared"])
+                # a checkpoint of offloaded state reloads exactly (into offloaded state)
+                assert forced["optim_equal"], (stage, mp, mode)
+                for name, ref in forced["state"].items():
+                    assert torch.equal(forced["reloaded"][name], ref), (stage, mp, mode, name)
+                for kind, other in (("cpu", cpu), ("forced", forced)):
+                    for name, ref in base["state"].items():
+                        # copies are exact and the operations the same: equal bit for bit
+                        assert torch.equal(other["state"][name], ref), (kind, stage, mp, mode,
+                                                                        name)
+
+
+def _state(where: dict) -> dict:
+    """Model state by location: without "other" (the per-parameter "got a gradient" flags,
+    4 bytes each, counted only when an in-place op on them happens to be seen)."""
+    return {w: {k: v for k, v in d.items() if k != "other"} for w, d in where.items()}
+
+
+def _expected_split(stage: int, mp: str | None, mode: str, r: dict) -> dict:
+    """Bytes by location and category between steps (module docstring's table)."""
+    c = 2 if mp else 4
+    P, S, n_b = r["P"], r["S"], r["n_b"]
+    device = {"params": c * (S if stage == 3 else P), "grads": c * (P if stage == 1 else S)}
+    if mode == "optimizer+params":
+        device.pop("params")  # between steps no unit is gathered: nothing on the device
+    host = {"optim": 12 * S + 4 * n_b, "grads": c * S}
+    if mode == "optimizer+params":
+        host["params"] = c * S
+        if not mp:  # fp32: the host weight slice *is* the master (filed as params)
+            host["optim"] -= 4 * S
+    return {"device": device, "host": host}
+
+
+def test_tracker_reports_offloaded_state_on_the_host() -> None:
+    """Exact bytes: master weights and optimizer state move from device to host."""
+    results = _results()
+    by = {tuple(p.values()): r for p, r in zip(GRID, results)}
+    for stage in (1, 2, 3):
+        for mp in (None, "bf16"):
+            modes = ("optimizer", "optimizer+params") if stage == 3 else ("optimizer",)
+            for mode in modes:
+                forced = by[(stage, mp, mode, True)]
+                where = _state(forced["where"])
+                assert where == _expected_split(stage, mp, mode, forced), (stage, mp, mode,
+                                                                           where)

@@ -281,13 +281,27 @@ def memory_tracker(
 
     Parameters, gradients (whole buffers, reduced slices, fp32 copies), fp32 master
     weights (filed under optimizer state, as in ZeRO's K) and optimizer state are
-    attributed to their categories; use it as ``with tracker: ...`` around steps.
+    attributed to their categories; use it as ``with tracker: ...`` around steps. With
+    offload, what lives in host memory is reported under "host", the rest under
+    "device" (``current_by_location()``, ``peak_by_location()``, ``report()``).
     """
-    tracker = MemoryTracker()
+    engine = getattr(model, "_zeroshard_engine", None)
+    device = engine.device if engine is not None else next(model.parameters()).device
+    tracker = MemoryTracker(compute_device=device)
     tracker.track_module(model)
     if optimizer is not None:
         tracker.track_optimizer(optimizer)
-    engine = getattr(model, "_zeroshard_engine", None)
     if engine is not None:
         tracker.add_source(engine.memory_sources())
+        tracker.add_host_source(lambda: _host_tensors(engine, optimizer))
     return tracker
+
+
+def _host_tensors(engine: Engine, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Offload: the engine's host buffers and the optimizer state of host masters."""
+    out = engine.host_tensors()
+    if optimizer is not None and engine.offload:
+        for b in engine.buckets:
+            state = optimizer.state.get(b.master, {})
+            out += [v for v in state.values() if torch.is_tensor(v)]
+    return out

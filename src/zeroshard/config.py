@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["ShardConfig", "MIXED_PRECISION", "suggest_option"]
+__all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "suggest_option"]
 
 #: Supported mixed-precision recipes: the compute (and communication) dtype of weights
 #: and gradients. Master weights and optimizer state are always fp32.
@@ -20,6 +20,9 @@ MIXED_PRECISION: dict[str | None, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+
+#: Offload modes (docs/offload.md): what moves to host memory.
+OFFLOAD = (None, "optimizer", "optimizer+params")
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -58,7 +61,8 @@ class ShardConfig:
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
     #: "optimizer": fp32 master weights, optimizer state and the step live in host memory
-    #: (ZeRO-Offload); stages 1-3. On a CPU-only run host and device coincide: no copies.
+    #: (ZeRO-Offload); stages 1-3. "optimizer+params" (stage 3): the compute-dtype weight
+    #: slices too. On a CPU-only run host and device coincide: no copies.
     offload: str | None = None
     #: Seconds any collective may take before raising CollectiveTimeout (None: wait forever).
     timeout: float | None = None
@@ -92,14 +96,21 @@ class ShardConfig:
             self.prefetch < 0
         ):
             raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (0 disables it)")
-        if self.offload not in (None, "optimizer"):
+        if self.offload not in OFFLOAD:
             raise ValueError(
-                f"offload={self.offload!r} is not supported; use None or 'optimizer'"
+                f"offload={self.offload!r} is not supported; use None, 'optimizer' or "
+                "'optimizer+params' (stage 3)"
             )
         if self.offload is not None and self.stage == 0:
             raise ValueError(
-                "offload='optimizer' needs stage 1, 2 or 3 (each rank offloads its slice); "
-                "use stage=1 or higher"
+                f"offload={self.offload!r} needs stage 1, 2 or 3 (each rank offloads its "
+                "slice); use stage=1 or higher"
+            )
+        if self.offload == "optimizer+params" and self.stage != 3:
+            raise ValueError(
+                f"offload='optimizer+params' needs stage=3 (stage={self.stage} keeps whole "
+                "weights on every device, which cannot live on the host); use stage=3, or "
+                "offload='optimizer'"
             )
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float)

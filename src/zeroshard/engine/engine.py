@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..comm import Comm
 from ..config import ShardConfig
 from .flat import FlatBucket, cut_buckets
+from .offload import Offload
 from .policy import StagePolicy
 from .precision import LossScaler
 from .units import Unit, UnitSpec, UnitState, build_units, iter_buckets
@@ -155,12 +156,10 @@ class Engine:
         self._last_clip: tuple[float, float] | None = None
         self._replaying = False
         self.device = device or next(model.parameters()).device
-        # ZeRO-Offload (docs/offload.md): masters and optimizer state on the host. Where
-        # the device *is* the host (a CPU run) nothing moves and nothing is copied.
-        self.host = torch.device("cpu")
-        self.offload = config.offload == "optimizer" and (
-            self.device.type != "cpu" or _FORCE_HOST_COPIES
-        )
+        # ZeRO-Offload (see [Note: offload] in offload.py). Where the device *is* the
+        # host (a CPU run) nothing moves and nothing is copied.
+        self.offloader = Offload(config.offload, self.device, _FORCE_HOST_COPIES)
+        self.offload = self.offloader.enabled
         meta = next(model.parameters()).is_meta
         if meta:
             _materialize_buffers(model, self.device)
@@ -229,12 +228,8 @@ class Engine:
             )
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
-        """With offload, a pinned host copy of ``t`` (pinned: copies to and from the device
-        can run asynchronously); otherwise ``t`` itself."""
-        if not self.offload:
-            return t
-        t = t.detach().to(self.host, copy=True)
-        return t.pin_memory() if torch.cuda.is_available() else t
+        """With offload, a pinned host copy of ``t``; otherwise ``t`` itself."""
+        return self.offloader.to_host(t) if self.offload else t
 
     def _in_place(self, b: FlatBucket) -> bool:
         """Stage 1: the reduced slice stays in the whole buffer (see [Note: buffer
@@ -259,8 +254,13 @@ class Engine:
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
-        if b.master is not None and b.master.dtype == b.full.dtype and not self.offload:
+        params_on_host = self.offloader.params
+        if b.master is not None and b.master.dtype == b.full.dtype and (
+            params_on_host or not self.offload
+        ):
             b.shard16 = b.master.detach()  # fp32 without mixed precision: one copy only
+        elif params_on_host:
+            b.shard16 = self.offloader.to_host(b.shard_of(b.full))
         else:
             b.shard16 = b.shard_of(b.full).clone()
         b.full.untyped_storage().resize_(0)
@@ -495,11 +495,7 @@ class Engine:
         if g is None:  # stage 1 with a stash: the sum is formed at the step
             b.host_fresh = False
             return
-        if b.host_grad is None:
-            b.host_grad = torch.empty(g.shape, dtype=g.dtype,
-                                      pin_memory=torch.cuda.is_available())
-        b.host_grad.copy_(g, non_blocking=True)
-        b.host_fresh = True
+        self.offloader.start_grad_copy(b, g)
 
     def _divisor(self) -> int:
         """Ranks whose gradients are averaged: all, or those with data inside join()."""
@@ -558,17 +554,13 @@ class Engine:
         for b in self.buckets:
             if self.offload:  # copies started in backward; buckets without one go now
                 if not b.host_fresh:
-                    g = self._reduced_slice(b)
-                    if b.host_grad is None:
-                        b.host_grad = torch.empty(g.shape, dtype=g.dtype,
-                                                  pin_memory=torch.cuda.is_available())
-                    b.host_grad.copy_(g, non_blocking=True)
+                    self.offloader.start_grad_copy(b, self._reduced_slice(b))
                 grads.append(b.host_grad)
                 continue
             grads.append(b.grad if self.policy.reduce_op == "all_reduce"
                          else self._reduced_slice(b))
-        if self.offload and self.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.offload:
+            self.offloader.wait_copies()
         for b, g in zip(self.buckets, grads):
             if g.dtype == b.master.dtype and not self.scaler.enabled:
                 b.master.grad = g
@@ -739,7 +731,8 @@ class Engine:
             return b.full  # fp32 without mixed precision: already whole and current
         src = (b.master if b.master is not None else b.shard16).detach()
         full = torch.empty(b.padded_numel, dtype=torch.float32, device=b.device)
-        self.comm.all_gather_into(full, src.float(), phase="state", unit=b.name)
+        # Offloaded slices are on the host; collectives run on the device (NCCL needs it).
+        self.comm.all_gather_into(full, src.float().to(b.device), phase="state", unit=b.name)
         return full
 
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
@@ -749,7 +742,7 @@ class Engine:
             params, grads, optim = [], [], []
             for b in self.all_buckets:
                 params += [t for t in (b.full, b.shard16) if t is not None]
-                grads += [t for t in (b.grad, b.grad_shard) if t is not None]
+                grads += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
                 if b.master is None:
                     continue
                 if not self._shares(b.master, b.full) and not (
@@ -762,6 +755,10 @@ class Engine:
             return {"params": params, "grads": grads, "optim": optim}
 
         return sources
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Engine tensors in host memory by design (offload); see [Note: device and host]."""
+        return self.offloader.host_tensors(self.all_buckets)
 
     @staticmethod
     def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -85,7 +85,9 @@ class Unit:
             full = b.full
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
             b.point_params_at(full)
-            b.shard_of(full).copy_(b.shard16)
+            # From the host with offload="optimizer+params": non-blocking, on the stream
+            # the all-gather waits for (see [Note: offload] in offload.py).
+            b.shard_of(full).copy_(b.shard16, non_blocking=True)
             self.pending.append(comm.all_gather(full, phase=phase, unit=self.name,
                                                 async_op=async_op))
         self.state = UnitState.GATHERING

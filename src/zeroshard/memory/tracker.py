@@ -33,6 +33,16 @@ So ``peak()`` (the breakdown at the moment the *total* was highest) is exact, wh
 ``max_per_category()`` is the maximum of the cached running totals: a storage that becomes
 optimizer state during ``step()`` counts as ``other`` until the next re-classification.
 
+[Note: device and host]
+Every record also has a *location*, "device" or "host", kept as a second breakdown beside
+the by-category one (``current_by_location()``, ``peak_by_location()``, ``report()``). A
+storage is host memory when it is on the CPU while the model computes on an accelerator
+(``compute_device``), or when a host source (``add_host_source``) lists it: ZeRO-Offload's
+masters, optimizer state and gradient copies live in host memory *by design*, which must
+show even on a CPU-only machine, where host and device are one memory (there the engine
+copies nothing unless forced, and the split is what the layout would be on a GPU).
+Each location has its own peak: the device's is what decides whether a run fits.
+
 Fake tensors: enter the tracker inside ``with FakeTensorMode():`` or outside it; both
 orders see every op (both are tested). A storage that was once saved for backward stays
 ``activations`` until it is freed (e.g. an input batch the caller still holds).
@@ -80,13 +90,27 @@ class _Record:
 
     ref: weakref.ref[torch.UntypedStorage]
     nbytes: int
+    key: int  # id() of the storage
+    cpu: bool  # the storage is in CPU memory
     category: Category = Category.OTHER  # cached; see [Note: categories are resolved late]
     label: Category | None = None
     saved: bool = False
+    host: bool = False  # cached location; see [Note: device and host]
+
+    @property
+    def where(self) -> str:
+        return "host" if self.host else "device"
 
 
 def _zero() -> dict[Category, int]:
     return dict.fromkeys(Category, 0)
+
+
+LOCATIONS = ("device", "host")
+
+
+def _plain(d: dict[Category, int]) -> dict[str, int]:
+    return {c.value: v for c, v in d.items()}
 
 
 def _as_category(value: Category | str) -> Category:
@@ -103,6 +127,9 @@ class MemoryTracker(TorchDispatchMode):
     Args:
         device: count only storages on this device (``"cuda"``, ``"cuda:1"``, ``"cpu"``);
             None counts all. Fake tensors report the device they pretend to be on.
+        compute_device: where the model computes; when it is an accelerator, CPU storages
+            count as host memory (see [Note: device and host]). None: all is "device"
+            except what host sources list.
 
     Example::
 
@@ -116,13 +143,23 @@ class MemoryTracker(TorchDispatchMode):
         tracker.peak()  # {Category.PARAMS: ..., Category.GRADS: ..., ...}
     """
 
-    def __init__(self, *, device: str | torch.device | None = None) -> None:
+    def __init__(self, *, device: str | torch.device | None = None,
+                 compute_device: str | torch.device | None = None) -> None:
         super().__init__()
         self._device = torch.device(device) if device is not None else None
+        compute = torch.device(compute_device) if compute_device is not None else None
+        self._cpu_is_host = compute is not None and compute.type not in ("cpu", "meta")
         self._live: dict[int, _Record] = {}  # id(storage) -> record
         self._total = 0
         self._current, self._peak, self._max = _zero(), _zero(), _zero()
         self._peak_total = 0
+        # The same, per location (see [Note: device and host]).
+        self._loc = {w: _zero() for w in LOCATIONS}
+        self._loc_total = dict.fromkeys(LOCATIONS, 0)
+        self._loc_peak = {w: _zero() for w in LOCATIONS}
+        self._loc_peak_total = dict.fromkeys(LOCATIONS, 0)
+        self._host_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
+        self._host_ids: set[int] = set()
         self._snapshots: dict[str, dict[Category, int]] = {}
         self._sources: list[Source] = []
         self._source_ids: dict[int, Category] = {}  # last source scan, by id(storage)
@@ -177,6 +214,16 @@ class MemoryTracker(TorchDispatchMode):
         self._sources.append(fn)
         return self
 
+    def add_host_source(self, fn: Callable[[], Iterable[torch.Tensor]]) -> MemoryTracker:
+        """Register ``fn() -> tensors`` that live in host memory by design (offload).
+
+        Evaluated with the other sources; see [Note: device and host].
+        """
+        if not callable(fn):
+            raise TypeError(f"add_host_source expects a callable returning tensors, got {fn!r}")
+        self._host_sources.append(fn)
+        return self
+
     def label(
         self, tensors: torch.Tensor | Iterable[torch.Tensor], category: Category | str
     ) -> None:
@@ -208,6 +255,18 @@ class MemoryTracker(TorchDispatchMode):
     def peak_total(self) -> int:
         return self._peak_total
 
+    def current_by_location(self) -> dict[str, dict[Category, int]]:
+        """``{"device": {category: bytes}, "host": {...}}`` now (re-classifies first)."""
+        self._after_change(reclassify=True)
+        return {w: dict(d) for w, d in self._loc.items()}
+
+    def peak_by_location(self) -> dict[str, dict[Category, int]]:
+        """Per location, the breakdown at the moment *that location's* total was highest."""
+        return {w: dict(d) for w, d in self._loc_peak.items()}
+
+    def peak_total_by_location(self) -> dict[str, int]:
+        return dict(self._loc_peak_total)
+
     def max_per_category(self) -> dict[Category, int]:
         """Each category's own maximum (may occur at different moments; see notes)."""
         return dict(self._max)
@@ -216,6 +275,8 @@ class MemoryTracker(TorchDispatchMode):
         """Restart peak and per-category maxima from the current state."""
         self._reclassify()
         self._peak, self._max, self._peak_total = dict(self._current), _zero(), self._total
+        self._loc_peak = {w: dict(d) for w, d in self._loc.items()}
+        self._loc_peak_total = dict(self._loc_total)
         self._after_change()
 
     def snapshot(self, label: str) -> dict[Category, int]:
@@ -230,9 +291,7 @@ class MemoryTracker(TorchDispatchMode):
     def report(self) -> dict[str, Any]:
         """JSON-ready summary: bytes by category (current, peak, max) and process stats."""
 
-        def plain(d: dict[Category, int]) -> dict[str, int]:
-            return {c.value: v for c, v in d.items()}
-
+        plain = _plain
         return {
             "current": plain(self.current()),
             "current_total": self._total,
@@ -240,6 +299,9 @@ class MemoryTracker(TorchDispatchMode):
             "peak_total": self._peak_total,
             "max_per_category": plain(self._max),
             "snapshots": {k: plain(v) for k, v in self._snapshots.items()},
+            **{w: {"current": plain(self._loc[w]), "current_total": self._loc_total[w],
+                   "peak": plain(self._loc_peak[w]), "peak_total": self._loc_peak_total[w]}
+               for w in LOCATIONS},
             **_process_memory(),
         }
 
@@ -293,10 +355,10 @@ class MemoryTracker(TorchDispatchMode):
         if (rec := self._live.get(key)) is not None:
             self._resize(rec, st.nbytes())  # in-place resize_/set_ may have grown it
             return rec
-        rec = _Record(ref=weakref.ref(st, self._on_free_callback(key)), nbytes=st.nbytes())
+        rec = _Record(ref=weakref.ref(st, self._on_free_callback(key)), nbytes=st.nbytes(),
+                      key=key, cpu=t.device.type == "cpu")
         self._live[key] = rec
-        self._total += rec.nbytes
-        self._current[rec.category] += rec.nbytes
+        self._add(rec, rec.nbytes)
         self._file(rec, self._source_ids.get(key))
         return rec
 
@@ -306,16 +368,20 @@ class MemoryTracker(TorchDispatchMode):
             if rec is not None and rec.ref is ref:  # not a newer storage at a reused id
                 del self._live[key]
                 self._source_ids.pop(key, None)
-                self._total -= rec.nbytes
-                self._current[rec.category] -= rec.nbytes
+                self._add(rec, -rec.nbytes)
 
         return on_free
+
+    def _add(self, rec: _Record, delta: int) -> None:
+        self._total += delta
+        self._current[rec.category] += delta
+        self._loc_total[rec.where] += delta
+        self._loc[rec.where][rec.category] += delta
 
     def _resize(self, rec: _Record, nbytes: int) -> None:
         delta = nbytes - rec.nbytes
         rec.nbytes = nbytes
-        self._total += delta
-        self._current[rec.category] += delta
+        self._add(rec, delta)
 
     def _file(self, rec: _Record, source: Category | None) -> None:
         """Set a record's category: label > source category > saved for backward > other."""
@@ -325,10 +391,11 @@ class MemoryTracker(TorchDispatchMode):
             category = source
         else:
             category = Category.ACTIVATIONS if rec.saved else Category.OTHER
-        if category is not rec.category:
-            self._current[rec.category] -= rec.nbytes
-            self._current[category] += rec.nbytes
-            rec.category = category
+        host = (rec.cpu and self._cpu_is_host) or rec.key in self._host_ids
+        if category is not rec.category or host != rec.host:
+            self._add(rec, -rec.nbytes)
+            rec.category, rec.host = category, host
+            self._add(rec, rec.nbytes)
 
     def _reclassify(self) -> None:
         """Re-scan sources and re-file every live storage: O(live + source tensors)."""
@@ -344,12 +411,15 @@ class MemoryTracker(TorchDispatchMode):
                         # _track also registers storages created outside dispatch.
                         if (rec := self._track(t)) is None:
                             continue
-                        key = id(rec.ref())
+                        key = rec.key
                         if key not in ids or _RANK[cat] < _RANK[ids[key]]:
                             ids[key] = cat
+            host: set[int] = set()
+            for fn in self._host_sources:
+                host.update(rec.key for t in fn() if (rec := self._track(t)) is not None)
         finally:
             self._busy = False
-        self._source_ids = ids
+        self._source_ids, self._host_ids = ids, host
         for key, rec in list(self._live.items()):
             self._file(rec, ids.get(key))
 
@@ -359,6 +429,9 @@ class MemoryTracker(TorchDispatchMode):
             self._reclassify()
         if self._total > self._peak_total:
             self._peak_total, self._peak = self._total, dict(self._current)
+        for w, total in self._loc_total.items():
+            if total > self._loc_peak_total[w]:
+                self._loc_peak_total[w], self._loc_peak[w] = total, dict(self._loc[w])
         for cat, v in self._current.items():
             if v > self._max[cat]:
                 self._max[cat] = v
@@ -375,7 +448,7 @@ class MemoryTracker(TorchDispatchMode):
     def _on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: file the new ``.grad`` as grads at once."""
         if param.grad is not None and (rec := self._track(param.grad)) is not None:
-            self._source_ids[id(rec.ref())] = Category.GRADS
+            self._source_ids[rec.key] = Category.GRADS
             self._file(rec, Category.GRADS)
             self._after_change()
 
@@ -383,7 +456,7 @@ class MemoryTracker(TorchDispatchMode):
         """Saved-tensors hook callback (see zeroshard.memory.saved)."""
         if (rec := self._track(t)) is not None:
             rec.saved = True
-            self._file(rec, self._source_ids.get(id(rec.ref())))
+            self._file(rec, self._source_ids.get(rec.key))
             self._after_change()
 
     def _patch_resize(self) -> None:

@@ -1,0 +1,83 @@
+"""ZeRO-Offload: what lives in host memory, and the copies between host and device.
+
+[Note: offload]
+``offload="optimizer"`` (stages 1-3) keeps each bucket's ``master`` (fp32 weights, which
+the optimizer steps) and so the optimizer state and the step itself in host memory; the
+device keeps the compute-dtype weights and runs forward and backward. Per step:
+
+* backward: as soon as a bucket's reduction completes, its reduced slice is copied
+  device -> host into ``host_grad`` (non-blocking, from pinned memory), while backward
+  goes on; ``prepare_grads`` copies the buckets that had no copy started yet and then
+  synchronises once with the device;
+* step: on the host (a fused, multi-threaded AdamW by default: api.py);
+* after the step: the updated slice is cast and copied host -> device (stages 1-2: into
+  the whole buffer, then all-gathered; stage 3: into ``shard16``).
+
+``offload="optimizer+params"`` (stage 3 only) also keeps ``shard16`` — the compute-dtype
+slice each rank holds between uses — on the host: a unit's gather first copies the slice
+host -> device (non-blocking: on the same stream, so ordered before the all-gather that
+reads it), and the step writes the updated slice straight into host memory. The device
+then holds no model state between uses at all, only the gathered units, the reduced
+gradient slices and activations (DeepSpeed's ZeRO-Infinity offload_param, to CPU).
+
+Where the device *is* the host (a CPU run) nothing moves and nothing is copied; tests
+force the copy path there (``_FORCE_HOST_COPIES`` in engine.py) to check it trains bit
+for bit like no offload. Host tensors are pinned when CUDA is available, so the copies
+can be asynchronous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .flat import FlatBucket
+
+__all__ = ["Offload"]
+
+
+class Offload:
+    """The offload mode of one engine, and the host side of its copies."""
+
+    def __init__(self, mode: str | None, device: torch.device, force: bool) -> None:
+        self.mode = mode
+        # Host and device coincide on a CPU run: nothing to move unless forced (tests).
+        self.enabled = mode is not None and (device.type != "cpu" or force)
+        self.params = self.enabled and mode == "optimizer+params"
+        self.device = device
+        self.host = torch.device("cpu")
+        self._pin = torch.cuda.is_available()
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A (pinned) host copy of ``t``; pinned, so copies to the device can overlap."""
+        t = t.detach().to(self.host, copy=True)
+        return t.pin_memory() if self._pin else t
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=self.host, pin_memory=self._pin)
+
+    def start_grad_copy(self, b: FlatBucket, g: torch.Tensor) -> None:
+        """Start copying a reduced slice into the bucket's host buffer (non-blocking)."""
+        if b.host_grad is None:
+            b.host_grad = self.empty_like(g)
+        b.host_grad.copy_(g, non_blocking=True)
+        b.host_fresh = True
+
+    def wait_copies(self) -> None:
+        """Before the host reads what the device copied: one synchronisation."""
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def host_tensors(self, buckets: Iterable[FlatBucket]) -> list[torch.Tensor]:
+        """What lives in host memory by design (for the memory tracker)."""
+        if not self.enabled:
+            return []
+        out: list[torch.Tensor] = []
+        for b in buckets:
+            out += [t for t in (b.master, b.host_grad) if t is not None]
+            if b.master is not None and b.master.grad is not None:
+                out.append(b.master.grad)
+            if self.params and b.shard16 is not None:
+                out.append(b.shard16)
+        return out
