@@ -7,13 +7,14 @@ slices on the host, copied up for each gather — is exercised by forcing it on 
 (``engine._FORCE_HOST_COPIES``) and must give the same training as no offload.
 
 Memory (notation of test_accounting.py: S = this rank's slice of the padded trainable
-buckets, c = compute-dtype bytes, n_b = trainable buckets), between steps, forced copies,
-AdamW (fp32 master + 2 moments + a 4-byte step per bucket; without mixed precision the
-master of stages 1-2 is its own copy once offloaded):
+buckets, P = N·S, c = compute-dtype bytes, n_b = trainable buckets), between steps, forced
+copies, AdamW (fp32 master + 2 moments + a 4-byte step per bucket; without mixed
+precision the master of stages 1-2 is its own copy once offloaded). The reduced gradient
+slices live on the host only (stage 1 keeps its slice inside the whole gradient buffer):
 
-    where   stages 1-2 ("optimizer")           stage 3 ("optimizer")   ("optimizer+params")
-    device  params c·P, grads c·P | c·S        params c·S, grads c·S   grads c·S
-    host    optim 12·S + 4·n_b, grads c·S      the same                + params c·S
+    where   stage 1 ("optimizer")   stage 2          stage 3          stage 3, "optimizer+params"
+    device  params c·P, grads c·P   params c·P       params c·S       (nothing)
+    host    optim 12·S + 4·n_b, grads c·S (all)                       + params c·S
 
 (fp32 "optimizer+params": the host weight slice is the master itself, so optim 8·S + 4·n_b.)
 """
@@ -40,7 +41,7 @@ def _shard(stage: int, mp: str | None, offload: str | None, kwargs: dict, seed: 
 
 
 def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload: str | None,
-           force: bool, default_optim: bool = False) -> dict:
+           force: bool, default_optim: bool = False, accum: int = 1) -> dict:
     engine_mod._FORCE_HOST_COPIES = force
     # Parity runs pin fused=False so that they compare the offload path alone; the
     # default (fused host AdamW) is checked separately.
@@ -50,9 +51,12 @@ def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload
     data = loader("gpt2-tiny", rank, world)
     tracker = zeroshard.memory_tracker(model, optim)
     with tracker:
+        optim.step()  # no backward yet: zero gradients (weight decay still applies)
+        optim.zero_grad()
         for _ in range(3):
-            x, y = next(data)
-            loss_of(model, x, y).backward()
+            for _ in range(accum):  # accumulation without no_sync: slices add up
+                x, y = next(data)
+                loss_of(model, x, y).backward()
             optim.clip_grad_norm_(1.0)
             optim.step()
             optim.zero_grad()
@@ -91,6 +95,11 @@ GRID = [{"stage": s, "mp": mp, "offload": off, "force": force}
         for off, force in MODES + (PARAM_MODES if s == 3 else ())]
 GRID.append({"stage": 2, "mp": "bf16", "offload": "optimizer", "force": False,
              "default_optim": True})
+ACCUM = [{"stage": s, "mp": "bf16", "offload": off, "force": off is not None,
+          "default_optim": False, "accum": 2}
+         for s, off in ((1, None), (1, "optimizer"), (2, None), (2, "optimizer"), (3, None),
+                        (3, "optimizer+params"))]
+GRID += ACCUM
 
 
 def _all(rank: int, world: int, root: str) -> list:
@@ -134,6 +143,16 @@ def test_offload_parity_and_no_needless_copies() -> None:
                                                                         name)
 
 
+def test_offload_accumulation_adds_on_the_host() -> None:
+    by = {tuple(p.values()): r for p, r in zip(GRID, _results())}
+    for stage, mode in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer+params")):
+        base = by[(stage, "bf16", None, False, False, 2)]
+        forced = by[(stage, "bf16", mode, True, False, 2)]
+        assert forced["offload"]
+        for name, ref in base["state"].items():
+            assert torch.equal(forced["state"][name], ref), (stage, name)
+
+
 def _state(where: dict) -> dict:
     """Model state by location: without "other" (the per-parameter "got a gradient" flags,
     4 bytes each, counted only when an in-place op on them happens to be seen)."""
@@ -144,7 +163,9 @@ def _expected_split(stage: int, mp: str | None, mode: str, r: dict) -> dict:
     """Bytes by location and category between steps (module docstring's table)."""
     c = 2 if mp else 4
     P, S, n_b = r["P"], r["S"], r["n_b"]
-    device = {"params": c * (S if stage == 3 else P), "grads": c * (P if stage == 1 else S)}
+    device = {"params": c * (S if stage == 3 else P)}
+    if stage == 1:
+        device["grads"] = c * P  # the whole gradient buffer
     if mode == "optimizer+params":
         device.pop("params")  # between steps no unit is gathered: nothing on the device
     host = {"optim": 12 * S + 4 * n_b, "grads": c * S}

@@ -267,8 +267,9 @@ def test_offload_moves_optimizer_state_to_the_host() -> None:
             assert not r.offload and r.host_bytes == 0 and r.offload_time_s == 0
             continue
         assert r.offload and r.optim_bytes == 0
-        assert r.host_bytes == 12 * psi // n  # fp32 master + Adam m + v, exactly 12Ψ/N
-        device = {1: (2 + 2) * psi, 2: 2 * psi + 2 * psi // n, 3: (2 + 2) * psi // n}
+        # fp32 master + Adam m + v (12Ψ/N), the bf16 gradient slice and its fp32 cast (6Ψ/N)
+        assert r.host_bytes == 18 * psi // n
+        device = {1: (2 + 2) * psi, 2: 2 * psi, 3: 2 * psi // n}  # no gradient at stages 2-3
         assert r.model_state_bytes == device[r.stage]
         transfer = (2 * psi // n + 2 * psi // n) / 25e9  # gradient slice down, weights up
         assert r.offload_time_s == pytest.approx(transfer + 12 * psi // n / 20e9)
@@ -278,8 +279,30 @@ def test_offload_moves_optimizer_state_to_the_host() -> None:
     assert (ot.d2h_s, ot.h2d_s) == pytest.approx((2 * psi / n / 25e9,) * 2)
     # fp32 AdamW: K = 8 (m, v) excludes the master, which the host keeps as a 4-byte copy.
     assert analytic.host_optimizer_bytes(1000, n=8, recipe="fp32-adamw") == 125 * 12
+    assert analytic.host_grad_bytes(1000, n=8, recipe="fp32-adamw") == 125 * 4  # no cast
     # On 8 x 80 GB stage 2 fits without offload and is faster: the reason says so.
     assert "Without offload" in p.recommendation.reason and p.recommendation.offload
+
+
+def test_offload_params_moves_stage3_weights_to_the_host() -> None:
+    # llama-13b on one 80 GB device: "optimizer" still keeps 2Ψ of weights (26 GB) at
+    # stage 3; "optimizer+params" keeps no model state there, only a gathered unit or two.
+    p = _plan("llama-13b", gpus=1, offload="optimizer+params", pcie_GBps=25.0)
+    psi = p.params
+    for r in p.rows:
+        if r.stage != 3:
+            assert not r.offload_params
+            continue
+        assert r.offload_params and r.model_state_bytes == 0 and r.buffer_bytes > 0
+        assert r.host_bytes == 12 * psi + 6 * psi + 2 * psi  # state, gradient, weights
+        ot = analytic.offload_time_s(psi, n=1, pcie_GBps=25.0, params=True)
+        assert ot.h2d_s == pytest.approx(2 * 2 * psi / 25e9)  # up once per gather, twice
+    assert p.offload_mode == "optimizer+params"
+    plain = _plan("llama-13b", gpus=1, offload=True)
+    s3 = next(r for r in plain.rows if r.stage == 3)
+    assert s3.model_state_bytes == 2 * psi and not s3.offload_params
+    with pytest.raises(ValueError, match="offload='params' is not an offload mode"):
+        _plan("llama-7b", offload="params")
 
 
 def test_offload_host_memory_check_and_single_device() -> None:
@@ -287,8 +310,8 @@ def test_offload_host_memory_check_and_single_device() -> None:
     p = _plan("llama-7b", gpus=1, offload=True, host_mem_bytes=256 * GB)
     rec = p.recommendation
     assert (rec.action, rec.offload) == ("single-device", True)
-    assert any("80.9 GB per node of 256.0 GB" in n for n in p.notes)
-    # 8 ranks of a node share its host memory: 8 x 12Ψ/8 = 80.9 GB > 64 GB.
+    assert any("121.3 GB per node of 256.0 GB" in n for n in p.notes)
+    # 8 ranks of a node share its host memory: 8 x 18Ψ/8 = 121.3 GB > 64 GB.
     small = _plan("llama-7b", offload=True, host_mem_bytes=64 * GB)
     assert not any(r.fits for r in small.rows if r.offload)
     assert all(r.total_bytes <= r.usable_bytes for r in small.rows if r.offload)

@@ -162,8 +162,10 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--inter", type=_interconnect, metavar="LINK",
                    help="bus bandwidth between nodes: ib (45, default with --gpus-per-node), "
                    "nvlink, pcie or GB/s")
-    p.add_argument("--offload", action="store_true",
-                   help="stages 1-3 keep the optimizer state and step on the host (ZeRO-Offload)")
+    p.add_argument("--offload", nargs="?", const="optimizer",
+                   choices=["optimizer", "optimizer+params"],
+                   help="stages 1-3 keep the optimizer state and step on the host "
+                   "(ZeRO-Offload); 'optimizer+params': stage 3's weight slices too")
     p.add_argument("--host-mem", type=parse_bytes, metavar="SIZE",
                    help="host memory per node with --offload, e.g. 512GB (default: unchecked)")
     p.add_argument("--pcie", type=_gbps, metavar="GB/s",
@@ -289,7 +291,9 @@ def format_plan(p: Plan, name: str) -> str:
         f"GB after a {reserve / 1e9:.1f} GB reserve (max(10%, 1.5 GB): CUDA context, NCCL, "
         "fragmentation)",
         _links(p),
-        *([f"offload optimizer state and step on the host (stages 1-3): PCIe {p.pcie_GBps:g} "
+        *(["offload optimizer state and step on the host (stages 1-3)"
+           + (", weight slices too (stage 3)" if p.offload_mode == "optimizer+params" else "")
+           + f": PCIe {p.pcie_GBps:g} "
            f"GB/s per device, host step at {p.host_GBps:g} GB/s per rank; host memory "
            + (f"{p.host_mem_bytes / 1e9:.1f} GB per node" if p.host_mem_bytes else
               "not checked (--host-mem)")] if p.offload else []),
@@ -385,7 +389,8 @@ def _rec_title(rec: Any) -> str:
     if rec.hybrid:
         title = f"hybrid sharding {rec.hybrid} (shard in a node, replicate across), {title}"
     ckpt = rec.activation_checkpointing
-    off = ", optimizer offloaded to the host" if rec.offload else ""
+    off = (", optimizer and weight slices offloaded to the host" if rec.offload_params
+           else ", optimizer offloaded to the host" if rec.offload else "")
     return f"{title}, {'no' if ckpt == 'none' else ckpt} activation checkpointing{off}"
 
 

@@ -21,6 +21,8 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   if another backward is about to reuse the buffer before the step is the reduced slice
   moved to a ``grad_shard`` stash (``_stash``), where later reductions add up. With a
   ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
+  With offload there is no device ``grad_shard``: each reduced slice goes straight to the
+  bucket's ``host_grad`` (see [Note: offload] in offload.py).
 
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
@@ -222,7 +224,7 @@ class Engine:
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
-        if self.policy.shard_optimizer and not self._in_place(b):
+        if self.policy.shard_optimizer and not self._in_place(b) and not self.offload:
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
@@ -251,9 +253,10 @@ class Engine:
             src = b.shard_of(flat)
             master = src.float().clone() if self.compute_dtype else src.clone()
             b.master = nn.Parameter(self._on_host(master))
-            b.grad_shard = torch.zeros(
-                b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
-            )
+            if not self.offload:  # offloaded slices go straight to the host
+                b.grad_shard = torch.zeros(
+                    b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
+                )
         params_on_host = self.offloader.params
         if b.master is not None and b.master.dtype == b.full.dtype and (
             params_on_host or not self.offload
@@ -476,10 +479,12 @@ class Engine:
             if not self._same_memory(out, own):
                 own.copy_(out)
             b.reduced = True
+            if self.offload:
+                self._start_host_copy(b)
+        elif self.offload:
+            self._add_to_host(b, out)
         else:
             b.grad_shard.add_(out)
-        if self.offload:
-            self._start_host_copy(b)
         b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes]
         if self.policy.keep_full_grads:
             for s in b.slots:
@@ -488,14 +493,22 @@ class Engine:
             b.grad = None
 
     def _start_host_copy(self, b: FlatBucket) -> None:
-        """Offload: start copying the bucket's reduced slice to the host now, while
-        backward goes on (non-blocking from pinned memory). A later reduction of the
-        same bucket before the step (accumulation) simply copies again."""
-        g = self._reduced_slice(b) if b.grad_shard is None or not self._in_place(b) else None
-        if g is None:  # stage 1 with a stash: the sum is formed at the step
+        """Offload, stage 1: start copying the reduced slice (inside the whole gradient
+        buffer) to the host now. A later reduction before the step (accumulation) copies
+        again."""
+        if b.grad_shard is not None:  # a stash: the sum is formed at the step
             b.host_fresh = False
             return
-        self.offloader.start_grad_copy(b, g)
+        self.offloader.start_grad_copy(b, self._reduced_slice(b))
+
+    def _add_to_host(self, b: FlatBucket, out: torch.Tensor) -> None:
+        """Offload, stages 2-3: the reduced slice goes to the host at once (non-blocking,
+        overlapping the rest of backward); the device keeps no copy. A second reduction
+        before the step (accumulation without no_sync) adds on the host, synchronously."""
+        if b.host_fresh:
+            b.host_grad.add_(out.to(b.host_grad.device))
+        else:
+            self.offloader.start_grad_copy(b, out)
 
     def _divisor(self) -> int:
         """Ranks whose gradients are averaged: all, or those with data inside join()."""
@@ -553,8 +566,10 @@ class Engine:
         grads = []
         for b in self.buckets:
             if self.offload:  # copies started in backward; buckets without one go now
-                if not b.host_fresh:
+                if not b.host_fresh and self._in_place(b):
                     self.offloader.start_grad_copy(b, self._reduced_slice(b))
+                elif not b.host_fresh:  # no backward since zero_grad: a zero gradient
+                    self.offloader.zero_grad(b, self.reduce_dtype_of(b))
                 grads.append(b.host_grad)
                 continue
             grads.append(b.grad if self.policy.reduce_op == "all_reduce"

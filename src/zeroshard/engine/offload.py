@@ -6,9 +6,11 @@ the optimizer steps) and so the optimizer state and the step itself in host memo
 device keeps the compute-dtype weights and runs forward and backward. Per step:
 
 * backward: as soon as a bucket's reduction completes, its reduced slice is copied
-  device -> host into ``host_grad`` (non-blocking, from pinned memory), while backward
-  goes on; ``prepare_grads`` copies the buckets that had no copy started yet and then
-  synchronises once with the device;
+  device -> host into ``host_grad`` (non-blocking, into pinned memory), while backward
+  goes on; at stages 2-3 the device keeps no copy of it (ZeRO-Offload: gradients live
+  on the host), at stage 1 it stays inside the whole gradient buffer. ``prepare_grads``
+  copies the buckets that had no copy started yet, then synchronises once with the
+  device;
 * step: on the host (a fused, multi-threaded AdamW by default: api.py);
 * after the step: the updated slice is cast and copied host -> device (stages 1-2: into
   the whole buffer, then all-gathered; stage 3: into ``shard16``).
@@ -17,8 +19,8 @@ device keeps the compute-dtype weights and runs forward and backward. Per step:
 slice each rank holds between uses — on the host: a unit's gather first copies the slice
 host -> device (non-blocking: on the same stream, so ordered before the all-gather that
 reads it), and the step writes the updated slice straight into host memory. The device
-then holds no model state between uses at all, only the gathered units, the reduced
-gradient slices and activations (DeepSpeed's ZeRO-Infinity offload_param, to CPU).
+then holds no model state between uses at all, only the gathered units, the reductions
+in flight and activations (DeepSpeed's ZeRO-Infinity offload_param, to CPU).
 
 Where the device *is* the host (a CPU run) nothing moves and nothing is copied; tests
 force the copy path there (``_FORCE_HOST_COPIES`` in engine.py) to check it trains bit
@@ -62,6 +64,14 @@ class Offload:
         if b.host_grad is None:
             b.host_grad = self.empty_like(g)
         b.host_grad.copy_(g, non_blocking=True)
+        b.host_fresh = True
+
+    def zero_grad(self, b: FlatBucket, dtype: torch.dtype) -> None:
+        """A zero host gradient (a step with no backward since ``zero_grad``)."""
+        if b.host_grad is None:
+            b.host_grad = torch.empty(b.shard_numel, dtype=dtype, device=self.host,
+                                      pin_memory=self._pin)
+        b.host_grad.zero_()
         b.host_fresh = True
 
     def wait_copies(self) -> None:

@@ -41,7 +41,9 @@ runs at the slower of the two links.
 [Note: offload, priced]
 See docs/offload.md. ``offload="optimizer"`` moves each rank's optimizer state (K·Ψ/N
 bytes; under the fp32 recipe also the fp32 master copy of the slice, since K = 8 there
-excludes it) to host memory. Per step the reduced gradient slice goes device -> host
+excludes it) to host memory, and the reduced gradient slice too (G·Ψ/N, plus its fp32
+cast for the step under a 16-bit recipe): stages 2-3 keep no gradient on the device
+between steps (stage 1 keeps its whole gradient buffer). Per step the reduced gradient slice goes device -> host
 (G·Ψ/N bytes) and the updated weight slice host -> device (P·Ψ/N), over PCIe; the host
 runs the optimizer over its K·Ψ/N bytes of state. The engine issues the copies after
 backward and steps on the host before the next forward, so none of it overlaps with
@@ -50,6 +52,12 @@ as the K·Ψ/N bytes touched at a host memory bandwidth per rank, 20 GB/s by def
 rough figure. benchmarks/host_adamw.txt measured torch's fused CPU AdamW on 100M fp32
 elements at 131 ms on 2 threads, i.e. 1.2 GB of (master, m, v) in 131 ms ≈ 9 GB/s in
 this count; a server with more cores and memory channels per rank does better.
+
+``offload="optimizer+params"`` (stage 3) also keeps the compute-dtype weight slice
+(P·Ψ/N) on the host — under the fp32 recipe that slice *is* the master, already counted —
+and the device none between uses. The weight slice then goes host -> device before each
+of a unit's two gathers (forward, backward) instead of once after the step: 2·P·Ψ/N over
+PCIe per step; the step writes the host slice in place.
 """
 
 from __future__ import annotations
@@ -76,7 +84,9 @@ __all__ = [
     "compute_time_s",
     "get_recipe",
     "grad_bucket_bytes",
+    "host_grad_bytes",
     "host_optimizer_bytes",
+    "host_param_bytes",
     "hybrid_collectives_per_step",
     "model_state_bytes",
     "offload_time_s",
@@ -326,12 +336,29 @@ class OffloadTime:
         return self.d2h_s + self.h2d_s + self.host_step_s
 
 
+def host_grad_bytes(psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw") -> int:
+    """Host memory per rank for the offloaded gradient slice: G·ceil(Ψ/N) as reduced, plus
+    its fp32 cast for the step under a 16-bit recipe (the optimizer steps fp32 masters)."""
+    _check(1, n)
+    r = get_recipe(recipe)
+    return math.ceil(psi / n) * (r.grad_bytes + (4 if r.grad_bytes < 4 else 0))
+
+
+def host_param_bytes(psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw") -> int:
+    """Extra host memory per rank for offload="optimizer+params": the compute-dtype weight
+    slice, unless it is the master already counted (fp32 recipe)."""
+    _check(1, n)
+    r = get_recipe(recipe)
+    return 0 if r.param_bytes >= 4 else math.ceil(psi / n) * r.param_bytes
+
+
 def offload_time_s(
     psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw", pcie_GBps: float = PCIE_GBPS,
-    host_GBps: float = HOST_MEM_GBPS,
+    host_GBps: float = HOST_MEM_GBPS, params: bool = False,
 ) -> OffloadTime:
-    """PCIe copies (G·Ψ/N down, P·Ψ/N up at ``pcie_GBps``) and the host step (the state's
-    bytes at ``host_GBps``) of one optimizer step with offload."""
+    """PCIe copies (G·Ψ/N down, P·Ψ/N up at ``pcie_GBps``; with ``params``, 2·P·Ψ/N up:
+    one per gather) and the host step (the state's bytes at ``host_GBps``) of one
+    optimizer step with offload."""
     for name, v, eg in (("pcie_GBps", pcie_GBps, PCIE_GBPS),
                         ("host_GBps", host_GBps, HOST_MEM_GBPS)):
         if not v > 0:
@@ -340,7 +367,7 @@ def offload_time_s(
     elems = math.ceil(psi / n)
     return OffloadTime(
         d2h_s=elems * r.grad_bytes / (pcie_GBps * 1e9),
-        h2d_s=elems * r.param_bytes / (pcie_GBps * 1e9),
+        h2d_s=(2 if params else 1) * elems * r.param_bytes / (pcie_GBps * 1e9),
         host_step_s=host_optimizer_bytes(psi, n=n, recipe=r) / (host_GBps * 1e9),
     )
 

@@ -117,8 +117,10 @@ class PlanRow:
     cross_node_time_s: float = 0.0
     offload: bool = False
     """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
+    offload_params: bool = False
+    """Stage 3 with offload="optimizer+params": the weight slices on the host too."""
     host_bytes: int = 0
-    """Host memory per device for the offloaded optimizer state (× ranks per node per host)."""
+    """Host memory per device for what is offloaded (× ranks per node per host)."""
     offload_time_s: float = 0.0
     """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
     ``step_time_s`` (not overlapped)."""
@@ -147,6 +149,8 @@ class Plan:
     inter_GBps: float | None = None
     """Inter-node bus bandwidth; None when no count spans several nodes."""
     offload: bool = False
+    offload_mode: str | None = None
+    """None, "optimizer" or "optimizer+params" (the latter applies to stage 3 rows)."""
     host_mem_bytes: int | None = None
     pcie_GBps: float = analytic.PCIE_GBPS
     host_GBps: float = analytic.HOST_MEM_GBPS
@@ -175,6 +179,7 @@ class _Setup:
     inter_GBps: float
     gpus_per_node: int | None
     offload: bool
+    offload_params: bool
     pcie_GBps: float
     host_GBps: float
     host_mem: int | None
@@ -201,13 +206,19 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
     state = analytic.model_state_bytes(psi, stage=stage, n=shard, recipe=r)
     off = su.offload and stage >= 1
-    host = analytic.host_optimizer_bytes(psi, n=shard, recipe=r) if off else 0
+    offp = su.offload_params and stage == 3
+    host = 0
     if off:
-        state = replace(state, optim=0)
+        host = (analytic.host_optimizer_bytes(psi, n=shard, recipe=r)
+                + analytic.host_grad_bytes(psi, n=shard, recipe=r))
+        state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
+    if offp:
+        host += analytic.host_param_bytes(psi, n=shard, recipe=r)
+        state = replace(state, params=0)
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     if shard > 1 and stage == 2:
         buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
-    elif shard > 1 and stage == 3:
+    elif (shard > 1 or offp) and stage == 3:  # offloaded weights are gathered even at N=1
         buffers = analytic.unit_buffer_bytes(su.unit, prefetch=su.prefetch, recipe=r, psi=psi)
     total = state.total + su.act[policy] + buffers
     if hybrid:
@@ -229,7 +240,7 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
                                              bus_GBps=su.inter_GBps if hybrid else bus)
                   for c in cross)
     off_s = analytic.offload_time_s(psi, n=shard, recipe=r, pcie_GBps=su.pcie_GBps,
-                                    host_GBps=su.host_GBps).total_s if off else 0.0
+                                    host_GBps=su.host_GBps, params=offp).total_s if off else 0.0
     host_ok = su.host_mem is None or host * ranks_per_node(su, n) <= su.host_mem
     step = t.step_s + off_s
     return PlanRow(
@@ -241,7 +252,8 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
         exposed_comm_time_s=t.exposed_comm_s, compute_time_s=t.compute_s,
         step_time_s=step, tokens_per_s=n * tokens / step, break_even_tokens=t.break_even_tokens,
         hybrid=f"{nodes} x {shard}" if hybrid else None, cross_node_bytes_per_step=cross_bytes,
-        cross_node_time_s=cross_s, offload=off, host_bytes=host, offload_time_s=off_s,
+        cross_node_time_s=cross_s, offload=off, offload_params=offp, host_bytes=host,
+        offload_time_s=off_s,
     )
 
 
@@ -296,7 +308,7 @@ def plan(
     prefetch: int = 1,
     gpus_per_node: int | None = None,
     inter_GBps: float | None = None,
-    offload: bool = False,
+    offload: bool | str | None = False,
     host_mem_bytes: int | None = None,
     pcie_GBps: float = analytic.PCIE_GBPS,
     host_GBps: float = analytic.HOST_MEM_GBPS,
@@ -308,10 +320,13 @@ def plan(
     ``interconnect_GBps``: all-reduce bus bandwidth per device in 10^9 B/s inside a node.
     ``gpus_per_node``: devices per node; an N above it spans N / gpus_per_node nodes (N
     must be a multiple), linked at ``inter_GBps`` (default: ``interconnect_GBps``), and
-    gets hybrid rows for stages 1-3. ``offload``: stages 1-3 keep the optimizer state and
-    step on the host (``host_mem_bytes`` per node, if given, must hold it); copies run at
-    ``pcie_GBps`` per device and the host step at ``host_GBps`` per rank.
+    gets hybrid rows for stages 1-3. ``offload`` (True = "optimizer"): stages 1-3 keep
+    the optimizer state and step on the host (``host_mem_bytes`` per node, if given, must
+    hold it); copies run at ``pcie_GBps`` per device and the host step at ``host_GBps``
+    per rank. "optimizer+params" also moves stage 3's weight slices to the host.
     """
+    mode = _offload_mode(offload)
+    offload = mode is not None
     name, cfg = _resolve(config_or_params, seq_len)
     counts = sorted({gpus} if isinstance(gpus, int) else set(gpus))
     for label, v in (("gpus", counts[0] if counts else 0), ("seq_len", seq_len),
@@ -344,7 +359,8 @@ def plan(
         cfg=cfg, recipe=r, psi=cfg.param_count(), seq_len=seq_len, micro_batch=micro_batch,
         usable=gpu_mem_bytes - reserve_bytes(gpu_mem_bytes), mfu=mfu, peak_flops=peak_flops,
         intra_GBps=interconnect_GBps, inter_GBps=inter_GBps or interconnect_GBps,
-        gpus_per_node=gpus_per_node, offload=offload, pcie_GBps=pcie_GBps, host_GBps=host_GBps,
+        gpus_per_node=gpus_per_node, offload=offload,
+        offload_params=mode == "optimizer+params", pcie_GBps=pcie_GBps, host_GBps=host_GBps,
         host_mem=host_mem_bytes, bucket_bytes=bucket_bytes, prefetch=prefetch,
         act={p: act(p)[0] for p in policies},
         layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
@@ -357,8 +373,9 @@ def plan(
         rows += mine
         recs.append(recommend(su, mine, n))
         if offload:  # is offload needed at all?
-            recs[-1] = _versus_no_offload(recs[-1], replace(su, offload=False, host_mem=None),
-                                          n, policies)
+            recs[-1] = _versus_no_offload(
+                recs[-1], replace(su, offload=False, offload_params=False, host_mem=None), n,
+                policies)
     notes = []
     if len(counts) > 1:
         for s in analytic.STAGES:  # the fewest devices on which each policy fits
@@ -378,7 +395,18 @@ def plan(
                 interconnect_GBps=interconnect_GBps, rows=tuple(rows), by_gpus=tuple(recs),
                 recommendation=best, notes=tuple(notes), gpus_per_node=gpus_per_node,
                 inter_GBps=su.inter_GBps if multi else None, offload=offload,
-                host_mem_bytes=host_mem_bytes, pcie_GBps=pcie_GBps, host_GBps=host_GBps)
+                offload_mode=mode, host_mem_bytes=host_mem_bytes, pcie_GBps=pcie_GBps, host_GBps=host_GBps)
+
+
+def _offload_mode(offload: bool | str | None) -> str | None:
+    if offload is True:
+        return "optimizer"
+    if offload is False or offload is None:
+        return None
+    if offload in ("optimizer", "optimizer+params"):
+        return str(offload)
+    raise ValueError(f"offload={offload!r} is not an offload mode; use True/'optimizer', "
+                     "'optimizer+params' (stage 3 weights too) or False")
 
 
 def _versus_no_offload(rec: Recommendation, su: _Setup, n: int,

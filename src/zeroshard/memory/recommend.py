@@ -42,6 +42,8 @@ class Recommendation:
     """"R x G" when the pick is hybrid sharding (shard over G, replicate over R); else None."""
     offload: bool = False
     """Whether the pick keeps the optimizer state and step on the host."""
+    offload_params: bool = False
+    """Whether it keeps the (stage 3) weight slices on the host too."""
 
 
 def gb(n: float) -> str:
@@ -52,7 +54,8 @@ def describe(x: PlanRow) -> str:
     """"stage 2 with no activation checkpointing", "hybrid stage 3 (4 x 8) with full ..."."""
     p = x.activation_checkpointing
     where = f"hybrid stage {x.stage} ({x.hybrid})" if x.hybrid else f"stage {x.stage}"
-    off = ", optimizer offloaded," if x.offload else ""
+    off = (", optimizer and weights offloaded," if x.offload_params
+           else ", optimizer offloaded," if x.offload else "")
     return f"{where}{off} with {'no' if p == 'none' else p} activation checkpointing"
 
 
@@ -89,7 +92,8 @@ def _nothing_fits(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
     rest = lean.total_bytes - lean.model_state_bytes  # does not shrink with N
     if su.usable > rest:
         r = su.recipe
-        per_param = r.bytes_per_param - (r.optim_bytes if su.offload else 0)
+        per_param = (r.bytes_per_param - (r.optim_bytes if su.offload else 0)
+                     - (r.param_bytes if su.offload_params else 0))
         need = math.ceil(su.psi * per_param / (su.usable - rest))
         fix = f"{describe(lean)} fits on {need}+ devices"
     else:
@@ -128,7 +132,9 @@ def _offload_note(su: _Setup, best: PlanRow, n: int) -> str:
     if not best.offload:
         return ""
     rpn = ranks_per_node(su, n)
-    return (f" The optimizer state lives in host memory: {gb(best.host_bytes)} per device, "
+    what = "optimizer state and weight slices live" if best.offload_params else (
+        "optimizer state lives")
+    return (f" The {what} in host memory: {gb(best.host_bytes)} per device, "
             f"{gb(best.host_bytes * rpn)} for the {devices(rpn)} of a node; PCIe copies and "
             f"the host step add {best.offload_time_s:.3f} s per step.")
 
@@ -181,4 +187,4 @@ def recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
     return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
                           activation_checkpointing=best.activation_checkpointing,
                           tokens_per_s=best.tokens_per_s, hybrid=best.hybrid,
-                          offload=best.offload)
+                          offload=best.offload, offload_params=best.offload_params)
