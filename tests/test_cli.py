@@ -69,12 +69,12 @@ def test_plan_offload(capsys: pytest.CaptureFixture[str]) -> None:
     psi = 6_738_415_616
     for r in rows:
         assert r["offload"] == (r["stage"] > 0)
-        assert r["host_bytes"] == (18 * psi // 8 if r["stage"] else 0)
+        assert r["host_bytes"] == (20 * psi // 8 if r["stage"] else 0)
         if r["stage"]:
             assert r["offload_time_s"] == pytest.approx(4 * psi / 8 / 32e9 + 12 * psi / 8 / 20e9)
     assert main(args) == 0
     out = capsys.readouterr().out
-    for needle in ("host GB", "offl s", "PCIe 32 GB/s", "121.3 GB per node of 512.0 GB",
+    for needle in ("host GB", "offl s", "PCIe 32 GB/s", "134.8 GB per node of 512.0 GB",
                    "optimizer offloaded to the host"):
         assert needle in out
     assert main([*BASE, "--offload", "optimizer+params"]) == 0

@@ -15,6 +15,8 @@ slices live on the host only (stage 1 keeps its slice inside the whole gradient 
     where   stage 1 ("optimizer")   stage 2          stage 3          stage 3, "optimizer+params"
     device  params c·P, grads c·P   params c·P       params c·S       (nothing)
     host    optim 12·S + 4·n_b, grads c·S (all)                       + params c·S
+            + params c·S under bf16 (the pinned staging slice the updated weights are
+              cast into, so they cross PCIe in 16 bits)
 
 (fp32 "optimizer+params": the host weight slice is the master itself, so optim 8·S + 4·n_b.)
 """
@@ -170,9 +172,11 @@ def _expected_split(stage: int, mp: str | None, mode: str, r: dict) -> dict:
         device.pop("params")  # between steps no unit is gathered: nothing on the device
     host = {"optim": 12 * S + 4 * n_b, "grads": c * S}
     if mode == "optimizer+params":
-        host["params"] = c * S
+        host["params"] = c * S  # the weight slices themselves
         if not mp:  # fp32: the host weight slice *is* the master (filed as params)
             host["optim"] -= 4 * S
+    elif mp:
+        host["params"] = c * S  # the pinned staging slice: weights cross PCIe in 16 bits
     return {"device": device, "host": host}
 
 

@@ -506,6 +506,7 @@ class Engine:
         overlapping the rest of backward); the device keeps no copy. A second reduction
         before the step (accumulation without no_sync) adds on the host, synchronously."""
         if b.host_fresh:
+            self.offloader.wait_copies()  # the first slice's copy into host_grad has landed
             b.host_grad.add_(out.to(b.host_grad.device))
         else:
             self.offloader.start_grad_copy(b, out)
@@ -651,11 +652,15 @@ class Engine:
         """Return updated weights to the compute buffers (and to every rank)."""
         for b in self.buckets:
             if self.policy.shard_params:
-                if not self._same_memory(b.shard16, b.master):
+                if self.offload and not self.offloader.params:
+                    self.offloader.upload(b, b.shard16)
+                elif not self._same_memory(b.shard16, b.master):
                     b.shard16.copy_(b.master.detach())
                 continue
             target = b.shard_of(b.full) if self.policy.shard_optimizer else b.full
-            if not self._same_memory(target, b.master):
+            if self.offload:
+                self.offloader.upload(b, target)
+            elif not self._same_memory(target, b.master):
                 target.copy_(b.master.detach())
             if self.policy.gather_after_step:
                 self.comm.all_gather(b.full, phase="step", unit=b.name).wait()
@@ -756,7 +761,7 @@ class Engine:
         def sources() -> dict[str, list[torch.Tensor]]:
             params, grads, optim = [], [], []
             for b in self.all_buckets:
-                params += [t for t in (b.full, b.shard16) if t is not None]
+                params += [t for t in (b.full, b.shard16, b.host_weights) if t is not None]
                 grads += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
                 if b.master is None:
                     continue

@@ -77,6 +77,7 @@ class FlatBucket:
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
         self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
         self.host_fresh = False  # offload: host_grad already holds the reduced slice
+        self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
         self.launched = False  # its reduction was started this backward

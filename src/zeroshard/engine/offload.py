@@ -12,8 +12,10 @@ device keeps the compute-dtype weights and runs forward and backward. Per step:
   copies the buckets that had no copy started yet, then synchronises once with the
   device;
 * step: on the host (a fused, multi-threaded AdamW by default: api.py);
-* after the step: the updated slice is cast and copied host -> device (stages 1-2: into
-  the whole buffer, then all-gathered; stage 3: into ``shard16``).
+* after the step: the updated slice is cast on the host (into a pinned compute-dtype
+  staging buffer, ``host_weights``, so only 2 bytes per element cross PCIe under a
+  16-bit recipe) and copied host -> device (stages 1-2: into the whole buffer, then
+  all-gathered; stage 3: into ``shard16``).
 
 ``offload="optimizer+params"`` (stage 3 only) also keeps ``shard16`` — the compute-dtype
 slice each rank holds between uses — on the host: a unit's gather first copies the slice
@@ -71,8 +73,22 @@ class Offload:
         if b.host_grad is None:
             b.host_grad = torch.empty(b.shard_numel, dtype=dtype, device=self.host,
                                       pin_memory=self._pin)
+        self.wait_copies()  # nothing in flight reads or writes it
         b.host_grad.zero_()
         b.host_fresh = True
+
+    def upload(self, b: FlatBucket, target: torch.Tensor) -> None:
+        """Updated master slice -> the device's compute-dtype slice ``target``. Cast on the
+        host first, into a pinned staging buffer, so only the compute dtype's bytes cross
+        PCIe, asynchronously (the next step's ``wait_copies`` comes before the staging
+        buffer is written again)."""
+        src = b.master.detach()
+        if src.dtype != target.dtype:
+            if b.host_weights is None:
+                b.host_weights = self.empty_like(target)
+            b.host_weights.copy_(src)
+            src = b.host_weights
+        target.copy_(src, non_blocking=True)
 
     def wait_copies(self) -> None:
         """Before the host reads what the device copied: one synchronisation."""
@@ -85,7 +101,7 @@ class Offload:
             return []
         out: list[torch.Tensor] = []
         for b in buckets:
-            out += [t for t in (b.master, b.host_grad) if t is not None]
+            out += [t for t in (b.master, b.host_grad, b.host_weights) if t is not None]
             if b.master is not None and b.master.grad is not None:
                 out.append(b.master.grad)
             if self.params and b.shard16 is not None:

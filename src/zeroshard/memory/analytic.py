@@ -43,7 +43,9 @@ See docs/offload.md. ``offload="optimizer"`` moves each rank's optimizer state (
 bytes; under the fp32 recipe also the fp32 master copy of the slice, since K = 8 there
 excludes it) to host memory, and the reduced gradient slice too (G·Ψ/N, plus its fp32
 cast for the step under a 16-bit recipe): stages 2-3 keep no gradient on the device
-between steps (stage 1 keeps its whole gradient buffer). Per step the reduced gradient slice goes device -> host
+between steps (stage 1 keeps its whole gradient buffer). Under a 16-bit recipe the host
+also keeps a P·Ψ/N staging slice: updated weights are cast there, so 16-bit values cross
+PCIe. Per step the reduced gradient slice goes device -> host
 (G·Ψ/N bytes) and the updated weight slice host -> device (P·Ψ/N), over PCIe; the host
 runs the optimizer over its K·Ψ/N bytes of state. The engine issues the copies after
 backward and steps on the host before the next forward, so none of it overlaps with
@@ -345,8 +347,10 @@ def host_grad_bytes(psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw") ->
 
 
 def host_param_bytes(psi: int, *, n: int, recipe: str | Recipe = "bf16-adamw") -> int:
-    """Extra host memory per rank for offload="optimizer+params": the compute-dtype weight
-    slice, unless it is the master already counted (fp32 recipe)."""
+    """Host memory per rank for a compute-dtype weight slice (P·ceil(Ψ/N)): the staging
+    buffer the updated weights are cast into before they cross PCIe (offload="optimizer"),
+    or the slices themselves ("optimizer+params"); 0 under the fp32 recipe, where the
+    weights are the master, already counted."""
     _check(1, n)
     r = get_recipe(recipe)
     return 0 if r.param_bytes >= 4 else math.ceil(psi / n) * r.param_bytes

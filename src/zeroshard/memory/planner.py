@@ -210,10 +210,10 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
     host = 0
     if off:
         host = (analytic.host_optimizer_bytes(psi, n=shard, recipe=r)
-                + analytic.host_grad_bytes(psi, n=shard, recipe=r))
+                + analytic.host_grad_bytes(psi, n=shard, recipe=r)
+                + analytic.host_param_bytes(psi, n=shard, recipe=r))
         state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
     if offp:
-        host += analytic.host_param_bytes(psi, n=shard, recipe=r)
         state = replace(state, params=0)
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     if shard > 1 and stage == 2:
