@@ -316,7 +316,8 @@ def format_plan(p: Plan, name: str) -> str:
                   "xnode = traffic crossing nodes: all of it without hybrid sharding, the "
                   "2Ψ/G slice all-reduce with it."]
     if p.offload:
-        lines += ["host = offloaded optimizer state per device (x devices per node per host); "
+        lines += ["host = offloaded optimizer state, gradient and weight slices per device "
+                  "(x devices per node per host);",
                   "offl s = PCIe copies",
                   "+ host optimizer step, not overlapped, included in step s; fits 'host' = "
                   "fits the device, not the host."]

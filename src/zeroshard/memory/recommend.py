@@ -132,9 +132,9 @@ def _offload_note(su: _Setup, best: PlanRow, n: int) -> str:
     if not best.offload:
         return ""
     rpn = ranks_per_node(su, n)
-    what = "optimizer state and weight slices live" if best.offload_params else (
-        "optimizer state lives")
-    return (f" The {what} in host memory: {gb(best.host_bytes)} per device, "
+    what = "weight slices" if best.offload_params else "a staging copy of the weights"
+    return (f" The optimizer state, the gradient slices and {what} live in host memory: "
+            f"{gb(best.host_bytes)} per device, "
             f"{gb(best.host_bytes * rpn)} for the {devices(rpn)} of a node; PCIe copies and "
             f"the host step add {best.offload_time_s:.3f} s per step.")
 
