@@ -218,7 +218,7 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     if shard > 1 and stage == 2:
         buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
-    elif (shard > 1 or offp) and stage == 3:  # offloaded weights are gathered even at N=1
+    elif stage == 3:  # units are gathered into whole buffers even at N=1
         buffers = analytic.unit_buffer_bytes(su.unit, prefetch=su.prefetch, recipe=r, psi=psi)
     total = state.total + su.act[policy] + buffers
     if hybrid:
