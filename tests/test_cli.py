@@ -137,7 +137,7 @@ def test_console_error_and_lazy_imports() -> None:
 
 def test_plan_traced_hybrid_and_offload_rows(capsys: pytest.CaptureFixture[str]) -> None:
     """--traced traces a hybrid row as plain sharding over G (the same memory per rank)
-    and leaves offloaded rows untraced, with a note."""
+    and an offloaded row with device and host memory apart."""
     base = ["plan", "--model", "gpt2-tiny", "--gpus", "4", "--gpus-per-node", "2", "--seq", "64",
             "--policies", "none", "--traced", "--json"]
     assert main(base) == 0
@@ -146,7 +146,14 @@ def test_plan_traced_hybrid_and_offload_rows(capsys: pytest.CaptureFixture[str])
     assert len(hyb) == 3
     for r in rows:
         assert abs(r["traced_model_state_bytes"] / r["model_state_bytes"] - 1) < 1e-3, r
-    assert main([*base, "--offload"]) == 0
+    assert main([*base, "--offload", "optimizer+params"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert all((r["traced_peak_bytes"] is None) == r["offload"] for r in data["rows"])
-    assert any("offloaded rows: not traced" in n for n in data["recommendation"]["notes"])
+    for r in data["rows"]:  # offloaded rows are traced with the copy path forced
+        if r["offload_params"]:  # stage 3: nothing on the device between steps
+            assert r["model_state_bytes"] == r["traced_model_state_bytes"] == 0, r
+        else:
+            assert abs(r["traced_model_state_bytes"] / r["model_state_bytes"] - 1) < 1e-3, r
+        if r["offload"]:  # the host's share: state, gradient slice + fp32 cast, weights
+            assert abs(r["traced_host_bytes"] / r["host_bytes"] - 1) < 1e-3, r
+        else:
+            assert r["traced_host_bytes"] is None

@@ -246,9 +246,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _trace(p: Plan) -> Plan:
-    """``trace_plan`` for the rows a trace can represent: a hybrid row is traced as plain
-    sharding over G ranks (the same memory per rank); offloaded rows stay untraced (a
-    trace runs on CPU fake tensors, where the host *is* the device)."""
+    """``trace_plan`` for every row: a hybrid row is traced as plain sharding over G ranks
+    (the same memory per rank); an offloaded row with the engine's copy path forced, so
+    that device and host memory come apart (memory/traced.py)."""
     from dataclasses import replace
 
     from zeroshard.memory.traced import trace_plan
@@ -256,21 +256,15 @@ def _trace(p: Plan) -> Plan:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if not any(x.hybrid or x.offload for x in p.rows):
+    if not any(x.hybrid for x in p.rows):
         return trace_plan(p, progress=progress)
-    todo = [i for i, x in enumerate(p.rows) if not x.offload]
-    as_plain = [replace(p.rows[i], gpus=int(p.rows[i].hybrid.split(" x ")[1]), hybrid=None)
-                if p.rows[i].hybrid else p.rows[i] for i in todo]
+    as_plain = [replace(x, gpus=int(x.hybrid.split(" x ")[1]), hybrid=None) if x.hybrid else x
+                for x in p.rows]
     traced = trace_plan(replace(p, rows=tuple(as_plain), notes=()), progress=progress)
-    rows = list(p.rows)
-    for i, t in zip(todo, traced.rows):
-        rows[i] = replace(rows[i], traced_model_state_bytes=t.traced_model_state_bytes,
-                          traced_peak_bytes=t.traced_peak_bytes)
-    notes = list(p.notes) + list(traced.notes)
-    if len(todo) < len(rows):
-        notes.append("offloaded rows: not traced (a trace runs on CPU, where nothing is "
-                     "offloaded)")
-    return replace(p, rows=tuple(rows), notes=tuple(notes))
+    rows = [replace(x, traced_model_state_bytes=t.traced_model_state_bytes,
+                    traced_peak_bytes=t.traced_peak_bytes, traced_host_bytes=t.traced_host_bytes)
+            for x, t in zip(p.rows, traced.rows)]
+    return replace(p, rows=tuple(rows), notes=tuple(list(p.notes) + list(traced.notes)))
 
 
 def format_plan(p: Plan, name: str) -> str:
@@ -324,7 +318,8 @@ def format_plan(p: Plan, name: str) -> str:
     traced = any(x.traced_peak_bytes is not None for x in p.rows)
     if traced:
         lines += ["trace st/pk = one real step of the engine on fake tensors at this N "
-                  "(zeroshard.memory.traced): model state between steps / peak total."]
+                  "(zeroshard.memory.traced): model state between steps / peak total"
+                  + (" on the device; trace host = peak host memory." if p.offload else ".")]
     head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} " + (f"{'hybrid':<6} " if multi else "")
             + f"{'state GB':>8} {'act GB':>7} {'buf GB':>6} {'total GB':>8} {'total GiB':>9} "
             + (f"{'host GB':>7} " if p.offload else "")
@@ -332,7 +327,8 @@ def format_plan(p: Plan, name: str) -> str:
             + (f"{'xnode GB':>8} {'xnode s':>7} " if multi else "")
             + (f"{'offl s':>6} " if p.offload else "")
             + f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
-            + (f" {'trace st GB':>11} {'trace pk GB':>11}" if traced else ""))
+            + (f" {'trace st GB':>11} {'trace pk GB':>11}" if traced else "")
+            + (f" {'trace host GB':>13}" if traced and p.offload else ""))
     for n in sorted({x.gpus for x in p.rows}):
         lines += ["", head, "-" * len(head)]
         for x in (x for x in p.rows if x.gpus == n):
@@ -349,7 +345,7 @@ def format_plan(p: Plan, name: str) -> str:
                    if multi else "")
                 + (f"{x.offload_time_s:>6.3f} " if p.offload else "")
                 + f"{x.step_time_s:>6.3f} {x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}"
-                + _traced_cols(x, traced))
+                + _traced_cols(x, traced, p.offload))
     lines.append("")
     if len(p.by_gpus) > 1:
         lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
@@ -374,12 +370,17 @@ def _links(p: Plan) -> str:
             f"runs at {min(p.interconnect_GBps, p.inter_GBps):g}")
 
 
-def _traced_cols(x: Any, traced: bool) -> str:
+def _traced_cols(x: Any, traced: bool, offload: bool) -> str:
     if not traced:
         return ""
+    host = ""
+    if offload:
+        host = f" {x.traced_host_bytes / 1e9:>13.1f}" if x.traced_host_bytes is not None else (
+            f" {'-':>13}")
     if x.traced_peak_bytes is None:
-        return f" {'-':>11} {'-':>11}"
-    return f" {x.traced_model_state_bytes / 1e9:>11.1f} {x.traced_peak_bytes / 1e9:>11.1f}"
+        return f" {'-':>11} {'-':>11}{host}"
+    return (f" {x.traced_model_state_bytes / 1e9:>11.1f} {x.traced_peak_bytes / 1e9:>11.1f}"
+            + host)
 
 
 def _rec_title(rec: Any) -> str:

@@ -127,7 +127,9 @@ class PlanRow:
     traced_model_state_bytes: int | None = None
     """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
     traced_peak_bytes: int | None = None
-    """Peak total of a traced step, transients included; None unless traced."""
+    """Peak total of a traced step on the device, transients included; None unless traced."""
+    traced_host_bytes: int | None = None
+    """Offloaded rows: peak host memory of a traced step; None otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,12 @@ its collectives return at once, so one process plays rank ``rank`` of N. The ste
    model state between steps (params + grads + optimizer state after ``zero_grad``),
    the engine's stage-3 unsharded peak and the communication ledger of the last step.
 
+Offload (``offload=`` in the options): a trace runs on CPU, where host and device are one
+memory and the engine would copy nothing, so the trace forces the engine's copy path
+(as tests do) and the tracker splits device from host (see [Note: device and host] in
+tracker.py): ``device_*`` fields are what the accelerator would hold, ``host_*`` the
+host's share per rank.
+
 What fake tensors cannot do is read a value. Two places in a step do: the engine's
 "which parameters got no gradient on any rank" check (so the trace assumes all did, as
 in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
@@ -127,6 +133,12 @@ class TracedResult:
     """The largest amount of saved-for-backward memory seen."""
     peak_unsharded_bytes: int
     """Stage 3: most gathered unit weights alive at once (engine); 0 otherwise."""
+    device_model_state_bytes: int
+    """``model_state_bytes`` on the device alone: less than it only with offload."""
+    device_peak_bytes: int
+    """The highest total of device memory (= ``peak_bytes`` without offload)."""
+    host_peak_bytes: int
+    """The highest total of host memory (offloaded state); 0 without offload."""
     comm_per_step: dict[str, dict[str, int]]
     """The last step's ledger by phase: {phase: {logical_bytes, wire_bytes, calls}}."""
     comm_logical_bytes: int
@@ -180,6 +192,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zeroshard
+    import zeroshard.engine.engine as engine_mod
     from zeroshard.checkpointing import apply_checkpointing
 
     if dist.is_initialized():
@@ -192,6 +205,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
     phase = ["setup"]
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    forced = engine_mod._FORCE_HOST_COPIES
+    engine_mod._FORCE_HOST_COPIES = options.get("offload") is not None  # see the note above
     try:
         with FakeTensorMode():
             if checkpointing != "none":
@@ -208,6 +223,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
                           steps=steps, loss_fn=loss_fn, phase=phase)
             now = {c.value: v for c, v in tracker.current().items()}
+            dev_now = tracker.current_by_location()["device"]
             reduced = 0
             if engine.policy.shard_optimizer and engine.policy.keep_full_grads:
                 reduced = sum(b.grad_shard.untyped_storage().nbytes() for b in engine.buckets
@@ -227,6 +243,10 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 reduced_grad_bytes=reduced,
                 activation_peak_bytes=tracker.max_per_category()[Category.ACTIVATIONS],
                 peak_unsharded_bytes=engine.peak_unsharded_bytes,
+                device_model_state_bytes=dev_now[Category.PARAMS] + dev_now[Category.GRADS]
+                + dev_now[Category.OPTIM] - reduced,
+                device_peak_bytes=tracker.peak_total_by_location()["device"],
+                host_peak_bytes=tracker.peak_total_by_location()["host"],
                 comm_per_step=ledger.by("phase", last),
                 comm_logical_bytes=ledger.totals(zero)["logical_bytes"],
                 wall_s=time.perf_counter() - start,
@@ -238,6 +258,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
             f"{mixed_precision or 'fp32'}, checkpointing {checkpointing!r}) failed in "
             f"{phase[0]}: {type(exc).__name__}: {exc}{_hint(exc)}") from exc
     finally:
+        engine_mod._FORCE_HOST_COPIES = forced
         dist.destroy_process_group()
 
 
@@ -314,7 +335,8 @@ _PRECISION = {"bf16-adamw": "bf16", "fp16-adamw": "fp16", "fp32-adamw": None}
 
 def trace_plan(p: Plan, *, steps: int = 2,
                progress: Callable[[str], None] | None = None) -> Plan:
-    """``p`` with ``traced_model_state_bytes`` / ``traced_peak_bytes`` filled in.
+    """``p`` with ``traced_model_state_bytes`` / ``traced_peak_bytes`` (device) and, for
+    offloaded rows, ``traced_host_bytes`` filled in.
 
     [Note: traced plan]
     Every row (N, stage, policy) is traced on its own: a policy changes what backward
@@ -329,10 +351,13 @@ def trace_plan(p: Plan, *, steps: int = 2,
         raise ValueError(f"recipe {p.recipe.name!r} cannot be traced; use {', '.join(_PRECISION)}")
     rows, notes = [], list(p.notes)
     for row in p.rows:
+        offload = ("optimizer+params" if row.offload_params else "optimizer" if row.offload
+                   else None)
         try:
             r = trace_step(p.config, world_size=row.gpus, stage=row.stage, steps=steps,
                            mixed_precision=_PRECISION[p.recipe.name], micro_batch=p.micro_batch,
-                           seq_len=p.seq_len, checkpointing=row.activation_checkpointing)
+                           seq_len=p.seq_len, checkpointing=row.activation_checkpointing,
+                           offload=offload)
         except TraceError as exc:
             if not isinstance(exc.__cause__, ValueError):  # a refusal, not a broken trace
                 raise
@@ -343,6 +368,7 @@ def trace_plan(p: Plan, *, steps: int = 2,
         if progress is not None:
             progress(f"traced N={row.gpus} stage {row.stage} {row.activation_checkpointing}: "
                      f"{r.wall_s:.1f} s")
-        rows.append(replace(row, traced_model_state_bytes=r.model_state_bytes,
-                            traced_peak_bytes=r.peak_bytes))
+        rows.append(replace(row, traced_model_state_bytes=r.device_model_state_bytes,
+                            traced_peak_bytes=r.device_peak_bytes,
+                            traced_host_bytes=r.host_peak_bytes if offload else None))
     return replace(p, rows=tuple(rows), notes=tuple(notes))
