@@ -58,6 +58,8 @@ class TrainConfig:
     stage: int = _opt(2, "ZeRO stage 0-3")
     mixed_precision: str = _opt("none", "none, bf16 or fp16 (dynamic loss scaling)")
     activation_checkpointing: str = _opt("none", "none, full, every-<k>, selective or sqrt")
+    offload: str = _opt("none", "none, optimizer (stages 1-3) or optimizer+params (stage 3): "
+                        "ZeRO-Offload, docs/offload.md")
     seed: int = _opt(0, "seed of model init, data and RNGs")
     ckpt_dir: str | None = _opt(None, "directory of step-<n> checkpoints, pid files, metrics")
     ckpt_every: int = _opt(0, "save every this many steps (0: only at the end)")
@@ -79,6 +81,14 @@ class TrainConfig:
             raise ValueError(f"stage={self.stage!r}; use 0, 1, 2 or 3")
         if self.mixed_precision not in ("none", "bf16", "fp16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}; use none, bf16 or fp16")
+        if self.offload not in ("none", "optimizer", "optimizer+params"):
+            raise ValueError(f"offload={self.offload!r}; use none, optimizer or "
+                             "optimizer+params")
+        if self.offload != "none" and self.stage == 0 or (
+                self.offload == "optimizer+params" and self.stage != 3):
+            need = "3" if self.offload == "optimizer+params" else "1, 2 or 3"
+            raise ValueError(f"offload={self.offload!r} needs stage {need}, not "
+                             f"stage={self.stage}; pass --stage {need[-1]} or --offload none")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"lr={self.lr!r}, min_lr={self.min_lr!r}: need 0 <= min_lr <= lr, lr > 0")
         if self.clip < 0 or self.step_sleep < 0 or self.ckpt_every < 0:
@@ -199,7 +209,9 @@ def _build(c: TrainConfig, rank: int, world: int, device: Any) -> tuple[Any, Any
     if c.activation_checkpointing != "none":
         apply_checkpointing(model, c.activation_checkpointing)
     mp = None if c.mixed_precision == "none" else c.mixed_precision
+    offload = None if c.offload == "none" else c.offload
     model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=c.stage, mixed_precision=mp,
+                                   offload=offload,
                                    device=device, lr=c.lr, betas=(0.9, 0.95),
                                    weight_decay=c.weight_decay)
     source = make_source("bytes" if c.text else "synthetic", vocab=cfg.vocab, seq_len=seq,
@@ -262,7 +274,8 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
     log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
     log.say(f"zeroshard train: {c.model} on {world} rank(s), stage {c.stage}, "
             f"{c.mixed_precision}, checkpointing {c.activation_checkpointing}, "
-            f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
+            + (f"offload {c.offload}, " if c.offload != "none" else "")
+            + f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
     group = zeroshard.engine_of(model).comm.group
     tokens, busy, loss = 0, 0.0, float("nan")
     while step < c.steps:
