@@ -27,6 +27,7 @@ import functools
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from _training import loader, loss_of, make_model
 
@@ -143,6 +144,30 @@ def test_offload_parity_and_no_needless_copies() -> None:
                         # copies are exact and the operations the same: equal bit for bit
                         assert torch.equal(other["state"][name], ref), (kind, stage, mp, mode,
                                                                         name)
+
+
+def test_host_step_threads_undo_torchruns_single_thread(monkeypatch) -> None:
+    """torchrun sets OMP_NUM_THREADS=1; the host step gets this rank's share of cores."""
+    import os
+
+    from zeroshard.engine.offload import host_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        monkeypatch.delenv("ZEROSHARD_HOST_THREADS", raising=False)
+        cores = len(os.sched_getaffinity(0))
+        with pytest.warns(UserWarning, match=f"host optimizer step runs on {cores} threads"):
+            assert host_threads() == cores == torch.get_num_threads()
+        monkeypatch.setenv("ZEROSHARD_HOST_THREADS", "1")  # the user's choice wins
+        with pytest.warns(UserWarning, match="ZEROSHARD_HOST_THREADS"):
+            assert host_threads() == 1 == torch.get_num_threads()
+        monkeypatch.delenv("ZEROSHARD_HOST_THREADS")
+        torch.set_num_threads(2)  # already multi-threaded: left alone
+        assert host_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_offload_accumulation_adds_on_the_host() -> None:

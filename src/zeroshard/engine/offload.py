@@ -32,13 +32,15 @@ can be asynchronous.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterable
 
 import torch
 
 from .flat import FlatBucket
 
-__all__ = ["Offload"]
+__all__ = ["Offload", "host_threads"]
 
 
 class Offload:
@@ -52,6 +54,8 @@ class Offload:
         self.device = device
         self.host = torch.device("cpu")
         self._pin = torch.cuda.is_available()
+        if self.enabled and device.type != "cpu":
+            host_threads()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A (pinned) host copy of ``t``; pinned, so copies to the device can overlap."""
@@ -107,3 +111,27 @@ class Offload:
             if self.params and b.shard16 is not None:
                 out.append(b.shard16)
         return out
+
+
+def host_threads() -> int:
+    """Give the host optimizer step the cores of this rank's share of the machine.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` for every worker unless told otherwise, which would
+    run the host AdamW on one core: offload's bottleneck made several times slower. So
+    when torch runs single-threaded, take ``ZEROSHARD_HOST_THREADS`` if set, else the
+    usable cores divided by the ranks on this node (``LOCAL_WORLD_SIZE``).
+    """
+    want = os.environ.get("ZEROSHARD_HOST_THREADS")
+    if want is None and torch.get_num_threads() > 1:
+        return torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    n = int(want) if want else max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if n != torch.get_num_threads():
+        warnings.warn(f"zeroshard offload: the host optimizer step runs on {n} threads "
+                      f"(torch had {torch.get_num_threads()}); set ZEROSHARD_HOST_THREADS to "
+                      "choose", stacklevel=3)
+        torch.set_num_threads(n)
+    return n
