@@ -2,9 +2,9 @@
 
 Notation (per rank): Ψ = trainable elements, padded per bucket so each bucket divides by
 N (``P`` = Σ padded bucket sizes, ``S`` = P / N = this rank's slice), c = compute-dtype
-bytes (4 fp32, 2 bf16), n_b = number of trainable buckets (AdamW keeps one 4-byte ``step``
-tensor per optimizer parameter, i.e. per bucket). Measured between steps (after
-``zero_grad``), where the stage formulas of the ZeRO paper (§5) hold:
+bytes (4 fp32, 2 bf16), n_b = optimizer parameters (AdamW keeps one 4-byte ``step``
+tensor per optimizer parameter: each master in ≤256K-element chunks, engine/chunks.py).
+Measured between steps (after ``zero_grad``), where the stage formulas of the ZeRO paper (§5) hold:
 
     stage  params      grads      optimizer state (fp32 master + 2 moments)
     0      c·P         c·P        K·P + 4·n_b     K = 12 (bf16) or 8 (fp32, where the
@@ -57,6 +57,7 @@ def _measure(rank: int, world: int, stage: int, mixed_precision: str | None,
     return {
         "psi": psi,
         "padded": [b.padded_numel for b in engine.buckets],
+        "n_opt": len(engine.master_params()),  # masters in chunks (engine/chunks.py)
         "units": [(u.name, u.is_root, sum(b.padded_numel for b in u.buckets))
                   for u in engine.units],
         "mem": mem,
@@ -78,12 +79,13 @@ def _results(world: int) -> list:
     return run_ranks(_all, world, timeout=300)
 
 
-def _expected(stage: int, mp: str | None, world: int, padded: list[int]) -> dict[str, int]:
+def _expected(stage: int, mp: str | None, world: int, padded: list[int],
+              n_opt: int) -> dict[str, int]:
     c = 2 if mp else 4
     k = 12 if mp else 8
     p = sum(padded)
     s = p // world
-    steps = 4 * len(padded)
+    steps = 4 * n_opt
     grads = {0: c * p, 1: c * p, 2: c * s, 3: c * s}[stage]
     return {
         "params": c * (s if stage == 3 else p),
@@ -98,7 +100,7 @@ def test_model_state_bytes_equal_stage_formulas(world: int) -> None:
         stage, mp = point["stage"], point["mixed_precision"]
         padded = r["padded"]
         assert sum(padded) - r["psi"] < world * len(padded)  # padding: < N per bucket
-        exp = _expected(stage, mp, world, padded)
+        exp = _expected(stage, mp, world, padded, r["n_opt"])
         got = {k: r["mem"][k] for k in exp}
         assert got == exp, (point, got, exp)
         assert r["mem"]["comm"] == 0 and r["mem"]["activations"] == 0, (point, r["mem"])

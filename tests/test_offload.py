@@ -7,7 +7,7 @@ slices on the host, copied up for each gather — is exercised by forcing it on 
 (``engine._FORCE_HOST_COPIES``) and must give the same training as no offload.
 
 Memory (notation of test_accounting.py: S = this rank's slice of the padded trainable
-buckets, P = N·S, c = compute-dtype bytes, n_b = trainable buckets), between steps, forced
+buckets, P = N·S, c = compute-dtype bytes, n_b = optimizer parameters), between steps, forced
 copies, AdamW (fp32 master + 2 moments + a 4-byte step per bucket; without mixed
 precision the master of stages 1-2 is its own copy once offloaded). The reduced gradient
 slices live on the host only (stage 1 keeps its slice inside the whole gradient buffer):
@@ -75,7 +75,7 @@ def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload
            "host_grads": [b.host_grad is not None for b in engine.buckets],
            "masters_shared": masters_shared, "where": where,
            "P": sum(b.padded_numel for b in engine.buckets),
-           "S": sum(b.shard_numel for b in engine.buckets), "n_b": len(engine.buckets)}
+           "S": sum(b.shard_numel for b in engine.buckets), "n_b": len(engine.master_params())}
     if force:  # checkpoints from and into offloaded (host) masters and state
         path = Path(root) / f"s{stage}-{mp}-{offload}"
         save_checkpoint(path, model, optim)

@@ -127,3 +127,37 @@ def test_fp16_overflow_skips_step_and_halves_scale() -> None:
             assert r["skipped"] == 1, r
             assert r["finite"] and r["trained"], r
             assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
+FROZEN = "blocks.0.attn.q_proj.weight"
+
+
+def _frozen_start(rank: int, world: int, stage: int) -> dict:
+    """Ranks built with different seeds: every rank starts from rank 0's weights, frozen
+    parameters and buffers included (as DDP), and frozen weights compute in bf16."""
+    model = make_model("llama-tiny", seed=rank, freeze=FROZEN)
+    model.register_buffer("scale", torch.full((3,), float(rank)))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                   mixed_precision="bf16")
+    x, y = next(loader("llama-tiny", rank, world))
+    loss_of(model, x, y).backward()  # a bf16 forward through the frozen fp32-born weight
+    optim.step()
+    return {"start": start, "after": zeroshard.full_state_dict(model),
+            "frozen_dtype": model.get_parameter(FROZEN).dtype, "scale": model.scale.clone()}
+
+
+def _frozen_all(rank: int, world: int) -> list:
+    return sweep(functools.partial(_frozen_start, rank, world), [{"stage": s} for s in range(4)])
+
+
+def test_ranks_start_from_rank0_frozen_params_and_buffers_in_bf16() -> None:
+    ranks = run_ranks(_frozen_all, 2, timeout=240)
+    for stage, (r0, r1) in enumerate(zip(*ranks)):
+        assert torch.equal(r1["scale"], r0["start"]["scale"]), stage  # buffer from rank 0
+        want = r0["start"][FROZEN].to(torch.bfloat16).float()
+        for r in (r0, r1):
+            assert r["frozen_dtype"] == torch.bfloat16, stage
+            assert torch.equal(r["after"][FROZEN], want), stage  # rank 0's, untouched
+        for name in r0["after"]:
+            assert torch.equal(r0["after"][name], r1["after"][name]), (stage, name)

@@ -301,7 +301,7 @@ def _host_tensors(engine: Engine, optimizer: torch.optim.Optimizer | None) -> li
     """Offload: the engine's host buffers and the optimizer state of host masters."""
     out = engine.host_tensors()
     if optimizer is not None and engine.offload:
-        for b in engine.buckets:
-            state = optimizer.state.get(b.master, {})
-            out += [v for v in state.values() if torch.is_tensor(v)]
+        state = getattr(optimizer, "optim", optimizer).state
+        for b in engine.buckets:  # per-element state as flat buffers, and each chunk's step
+            out += [v for c in b.chunks for v in state.get(c, {}).values() if torch.is_tensor(v)]
     return out

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import Comm
 from ..config import ShardConfig
+from .chunks import make_chunks, set_master_grad
 from .flat import FlatBucket, cut_buckets
 from .offload import Offload
 from .policy import StagePolicy
@@ -165,6 +166,8 @@ class Engine:
         meta = next(model.parameters()).is_meta
         if meta:
             _materialize_buffers(model, self.device)
+        else:
+            self._sync_module_states()
         for b in self.all_buckets:
             self._materialize(b, param_init if meta else None)
         # After materialising: a meta model's parameters are new objects by now.
@@ -221,6 +224,7 @@ class Engine:
             if self.compute_dtype is not None:
                 master_src = master_src.clone()  # keep only the slice alive
         b.master = nn.Parameter(self._on_host(master_src))
+        make_chunks(b)
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
@@ -228,6 +232,21 @@ class Engine:
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
             )
+
+    @torch.no_grad()
+    def _sync_module_states(self) -> None:
+        """Start every rank from rank 0's buffers and (stages 0-2) frozen parameters, as
+        DDP does; trainable weights are broadcast per bucket. Frozen floating parameters
+        then take the compute dtype, as stage 3 keeps them (its frozen buckets)."""
+        for name, t in self.model.named_buffers():
+            buf = t if t.is_contiguous() else t.contiguous()
+            self.world.broadcast(buf, 0, phase="init", unit=f"buffer {name}")
+            if buf is not t:
+                t.copy_(buf)
+        for p in self.frozen:
+            self.world.broadcast(p.data, 0, phase="init", unit="frozen")
+            if self.compute_dtype is not None and p.is_floating_point():
+                p.data = p.data.to(self.compute_dtype)
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """With offload, a pinned host copy of ``t``; otherwise ``t`` itself."""
@@ -253,6 +272,7 @@ class Engine:
             src = b.shard_of(flat)
             master = src.float().clone() if self.compute_dtype else src.clone()
             b.master = nn.Parameter(self._on_host(master))
+            make_chunks(b)
             if not self.offload:  # offloaded slices go straight to the host
                 b.grad_shard = torch.zeros(
                     b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
@@ -555,7 +575,8 @@ class Engine:
 
     # -- step ------------------------------------------------------------------------------
     def master_params(self) -> list[nn.Parameter]:
-        return [b.master for b in self.buckets]
+        """What the torch optimizer steps: each master in chunks (engine/chunks.py)."""
+        return [c for b in self.buckets for c in b.chunks]
 
     def prepare_grads(self) -> bool:
         """Give every master its fp32, unscaled gradient; return True if any overflowed.
@@ -579,9 +600,9 @@ class Engine:
             self.offloader.wait_copies()
         for b, g in zip(self.buckets, grads):
             if g.dtype == b.master.dtype and not self.scaler.enabled:
-                b.master.grad = g
+                set_master_grad(b, g)
             else:
-                b.master.grad = g.to(b.master.dtype)
+                set_master_grad(b, g.to(b.master.dtype))
                 if self.scaler.enabled:
                     b.master.grad.div_(self.scaler.scale)
         self._overflow = False
@@ -679,7 +700,7 @@ class Engine:
                     b.grad_shard.zero_()
             b.reduced = False
             b.host_fresh = False
-            b.master.grad = None
+            set_master_grad(b, None)
             b.used.zero_()
             b.valid = [False] * len(b.slots)
             for s in b.slots:

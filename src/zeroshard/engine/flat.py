@@ -73,7 +73,11 @@ class FlatBucket:
         self.full: torch.Tensor | None = None  # compute-dtype flat parameters
         self.grad: torch.Tensor | None = None  # compute-dtype flat gradients (full)
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
-        self.master: nn.Parameter | None = None  # what the optimizer steps
+        self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
+        self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)
+        self.chunk_ranges: list[tuple[int, int]] = []
+        self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
+        self.flat_views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
         self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
         self.host_fresh = False  # offload: host_grad already holds the reduced slice

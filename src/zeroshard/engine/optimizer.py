@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
+from .chunks import bucket_state, flatten_state
 from .engine import Engine
+from .flat import FlatBucket
 
 __all__ = ["ShardedOptimizer", "check_elementwise"]
 
@@ -67,10 +68,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
         engine.scaler.update(overflow=False)
         unused = engine.unused_slots()
-        saved = [self._save_range(b.master, lo, hi) for b, lo, hi in unused]
+        saved = [self._save_range(b, lo, hi) for b, lo, hi in unused]
         self.optim.step()
+        for b in engine.buckets:  # state created per chunk: one flat view (chunks.py)
+            flatten_state(self.optim.state, b)
         for (b, lo, hi), old in zip(unused, saved):
-            self._restore_range(b.master, lo, hi, old)
+            self._restore_range(b, lo, hi, old)
         engine.after_step()
         return None
 
@@ -97,26 +100,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.engine.scaler.scale
 
     # -- parameters no rank used this step: leave them and their state untouched --------
-    def _save_range(self, master: nn.Parameter, lo: int, hi: int) -> list[torch.Tensor]:
-        tensors = [master.detach()] + self._state_tensors(master)
+    def _save_range(self, b: FlatBucket, lo: int, hi: int) -> list[torch.Tensor]:
+        tensors = [b.master.detach()] + self._state_tensors(b)
         return [t[lo:hi].clone() for t in tensors]
 
-    def _restore_range(self, master: nn.Parameter, lo: int, hi: int,
+    def _restore_range(self, b: FlatBucket, lo: int, hi: int,
                        old: list[torch.Tensor]) -> None:
-        tensors = [master.detach()] + self._state_tensors(master)
+        tensors = [b.master.detach()] + self._state_tensors(b)
         for t, o in zip(tensors, old):
             t[lo:hi].copy_(o)
 
-    def _state_tensors(self, master: nn.Parameter) -> list[torch.Tensor]:
-        state = self.optim.state.get(master, {})
-        return [v for v in state.values()
-                if isinstance(v, torch.Tensor) and v.shape == master.shape]
+    def _state_tensors(self, b: FlatBucket) -> list[torch.Tensor]:
+        return [v for v in bucket_state(self.optim.state, b).values()
+                if isinstance(v, torch.Tensor) and v.shape == b.master.shape]
 
     def state_dict(self) -> dict[str, Any]:
         return {"optim": self.optim.state_dict(), "scaler": self.engine.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict["optim"])
+        for b in self.engine.buckets:
+            flatten_state(self.optim.state, b)
         self.engine.scaler.load_state_dict(state_dict["scaler"])
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state

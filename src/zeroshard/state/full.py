@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..api import engine_of
+from ..engine.chunks import bucket_state
 from .layout import param_entries
 
 __all__ = ["full_optimizer_state"]
@@ -33,7 +34,7 @@ def full_optimizer_state(model: nn.Module,
     out: dict[str, dict[str, Any]] = {}
     entries = param_entries(engine)
     for b in engine.buckets:
-        state = inner.state.get(b.master, {})
+        state = bucket_state(inner.state, b)
         flat: dict[str, torch.Tensor] = {}  # per-element state, whole padded bucket
         scalars: dict[str, Any] = {}
         for k, v in state.items():

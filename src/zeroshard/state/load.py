@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..api import engine_of
+from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
 from . import rng
@@ -69,10 +70,10 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
     for b in engine.buckets:
         mine = by_bucket.get(id(b), [])
         if not states:  # saved before the first step: no state at all
-            inner.state.pop(b.master, None)
+            set_bucket_state(inner.state, b, {})
             continue
         order, per_element, scal = bucket_scalars([e.name for e in mine], states, b.name, path)
-        old = inner.state.get(b.master, {})
+        old = bucket_state(inner.state, b)
         state = {}
         for k in order:
             if k in per_element:
@@ -81,9 +82,8 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
                 state[k] = t if ok else torch.zeros_like(b.master.detach())
             else:
                 state[k] = old.get(k)
-        inner.state[b.master] = state
-        group = next(g for g in inner.param_groups if any(p is b.master for p in g["params"]))
-        scalars.append((state, scal, b.master, group))
+        group = next(g for g in inner.param_groups if any(p is b.chunks[0] for p in g["params"]))
+        scalars.append((state, scal, b, group))
         for e in mine:
             for k in per_element:
                 targets[optim_key(e.name, k)] = bucket_tensor_views(
@@ -91,16 +91,18 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
     return targets, scalars
 
 
-def _set_scalars(fixups: list) -> None:
-    for state, scal, master, group in fixups:
+def _set_scalars(inner: torch.optim.Optimizer, fixups: list) -> None:
+    """Scalar state from the manifest, then every chunk its share (engine/chunks.py)."""
+    for state, scal, b, group in fixups:
         on_device = bool(group.get("capturable") or group.get("fused"))
         for k, v in scal.items():
             if "dtype" in v:
-                dev = master.device if on_device else torch.device("cpu")
+                dev = b.master.device if on_device else torch.device("cpu")
                 state[k] = torch.tensor(v["value"], dtype=_dtype(v["dtype"]),
                                         device=dev).reshape(v["shape"])
             else:
                 state[k] = v["value"]
+        set_bucket_state(inner.state, b, state)
 
 
 def _set_groups(inner: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
@@ -194,7 +196,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         dcp.load(sd, storage_reader=reader, process_group=engine.comm.group)
     _sync_compute_weights(engine)
     if info is not None:
-        _set_scalars(fixups)
+        _set_scalars(inner, fixups)
         _set_groups(inner, info["param_groups"])
     scaler = manifest.get("loss_scaler") or {}
     if engine.scaler.enabled and scaler.get("enabled"):

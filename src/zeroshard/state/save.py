@@ -29,6 +29,7 @@ from torch import nn
 
 from .. import __version__
 from ..api import engine_of
+from ..engine.chunks import bucket_state
 from ..engine.engine import Engine
 from . import rng
 from .layout import (
@@ -139,7 +140,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         if inner is None or not e.trainable:
             continue
         master = e.bucket.master
-        state = inner.state.get(master, {})
+        state = bucket_state(inner.state, e.bucket)
         if not state:
             continue
         keys = _per_element(state, master)

@@ -1,0 +1,115 @@
+"""Optimizer chunks: what the torch optimizer steps, and the flat view of its state.
+
+[Note: optimizer chunks]
+Each bucket's master (1-D, what the optimizer updates) is handed to the torch optimizer
+as views of at most ``CHUNK`` elements (``nn.Parameter`` objects sharing its memory), not
+as one tensor. Torch's single-tensor optimizers (AdamW's default on CPU) make several
+passes over each tensor; over a multi-million-element master every pass streams from
+memory, over 256K-element chunks the passes stay in cache. gpt2-small's 25.5M elements,
+AdamW, 2 threads, median of 7 interleaved: 4 flat buckets 82.5 ms, per parameter (as
+DDP sees them) 36.1 ms, 256K chunks 30.1 ms, 1M chunks 38.8 ms. The update is
+elementwise, so the result is bitwise the same however the master is cut.
+
+The optimizer creates its state per chunk. After each step ``flatten_state`` re-points
+every per-element state tensor at a view of one master-shaped buffer per state key and
+bucket, so checkpoints, ``full_optimizer_state`` and the unused-parameter restore read
+one tensor per key (``bucket_state``). Torch's optimizers update their state in place,
+so the views stay live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the
+optimizer increments each one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .flat import FlatBucket
+
+__all__ = ["CHUNK", "make_chunks", "set_master_grad", "bucket_state", "flatten_state",
+           "set_bucket_state"]
+
+CHUNK = 2**18
+
+
+def make_chunks(b: FlatBucket) -> None:
+    """Cut ``b.master`` into ``b.chunks``: parameters viewing consecutive ranges of it."""
+    data = b.master.detach()
+    n = data.numel()
+    b.chunk_ranges = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+    b.chunks = [nn.Parameter(data[lo:hi]) for lo, hi in b.chunk_ranges]
+
+
+def set_master_grad(b: FlatBucket, grad: torch.Tensor | None) -> None:
+    """``b.master.grad`` and, as views of it, each chunk's gradient."""
+    b.master.grad = grad
+    for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
+        c.grad = None if grad is None else grad[lo:hi]
+
+
+def _per_element(value: Any, chunk: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == chunk.shape
+
+
+def flatten_state(state: dict, b: FlatBucket) -> None:
+    """Point each chunk's per-element state at a view of one flat buffer per key (no-op
+    when it already is, or when the optimizer has no state for the bucket yet)."""
+    first = state.get(b.chunks[0])
+    if not first:
+        return
+    keys = [k for k, v in first.items() if _per_element(v, b.chunks[0])]
+    if all(k in b.flat_views and first[k] is b.flat_views[k][0] for k in keys):
+        return  # already views of the flat buffers
+    flats = {}
+    for k in keys:
+        v0 = first[k]
+        flats[k] = torch.empty(b.master.shape, dtype=v0.dtype, device=v0.device)
+        for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
+            flats[k][lo:hi].copy_(state[c][k])
+    _point(state, b, flats, keep=first)
+
+
+def _point(state: dict, b: FlatBucket, flats: dict[str, torch.Tensor],
+           keep: dict[str, Any]) -> None:
+    """Chunk i's per-element state := flats[k][its range]; other keys as in ``keep``
+    (one copy per chunk for tensors: each chunk's scalar is its own)."""
+    b.flat_state = flats
+    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges) for k, f in flats.items()}
+    for i, c in enumerate(b.chunks):
+        old = state.get(c, {})
+        new = {}
+        for k, v in keep.items():
+            if k in flats:
+                new[k] = b.flat_views[k][i]
+            elif k in old and i > 0 and old is not keep:
+                new[k] = old[k]  # the chunk's own scalar
+            else:
+                new[k] = v.clone() if isinstance(v, torch.Tensor) and i > 0 else v
+        state[c] = new
+
+
+def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
+    """The bucket's state as one dict: per-element keys as master-shaped tensors (the flat
+    buffers), scalar keys as the first chunk's. Empty before the first step."""
+    first = state.get(b.chunks[0])
+    if not first:
+        return {}
+    flatten_state(state, b)
+    return {k: b.flat_state[k] if k in b.flat_state else v for k, v in first.items()}
+
+
+def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any]) -> None:
+    """Give every chunk its part of ``values``: master-shaped tensors become the flat
+    buffers (sliced, as views), scalars are copied per chunk, since the optimizer updates
+    each chunk's own in place. Empty ``values`` clears the bucket's state."""
+    if not values:
+        for c in b.chunks:
+            state.pop(c, None)
+        b.flat_state, b.flat_views = {}, {}
+        return
+    flats = {k: v for k, v in values.items()
+             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape}
+    for c in b.chunks:
+        state.pop(c, None)
+    _point(state, b, flats, keep=values)
