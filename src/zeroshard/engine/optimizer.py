@@ -1,7 +1,7 @@
 """The optimizer the user holds: a torch optimizer over this rank's flat master slices.
 
-The wrapped optimizer sees one 1-D fp32 tensor per bucket (the rank's slice, or the
-whole bucket at stage 0), so any optimizer whose update is elementwise — AdamW, Adam,
+The wrapped optimizer sees 1-D fp32 tensors: each bucket's master (the rank's slice, or
+the whole bucket at stage 0) in chunks (see [Note: optimizer chunks]), so any optimizer whose update is elementwise — AdamW, Adam,
 SGD with momentum, Adagrad, RMSprop, Lion-style — works unchanged and matches the
 unsharded update. Optimizers whose update mixes elements of a parameter (a per-tensor
 norm, a factored or matrix preconditioner) would see flat slices instead of tensors and
