@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
 from ..config import ShardConfig
@@ -49,7 +49,9 @@ from .flat import FlatBucket, cut_buckets
 from .offload import Offload
 from .policy import StagePolicy
 from .precision import LossScaler
-from .units import Unit, UnitSpec, UnitState, build_units, iter_buckets
+from .replay import JoinReplay
+from .stage3 import Stage3Hooks, in_backward
+from .units import Unit, UnitSpec, build_units, iter_buckets
 
 ParamInit = Callable[[nn.Module, list[str]], None]
 
@@ -76,28 +78,11 @@ def _named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]
     return [(tuple(names[id(p)]), p) for p in order]
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done.
+class Engine(Stage3Hooks, JoinReplay):
+    """Drives buckets through forward, backward and step according to a StagePolicy.
 
-    Its backward runs when the gradient w.r.t. the unit's inputs is complete, i.e. after
-    every node inside the unit (every reader of its weights), and — unlike a hook on the
-    input tensor — strictly before hooks on the previous unit's output fire, so a unit is
-    freed before the next one's prefetch starts (FSDP2's RegisterPostBackwardFunction).
+    Stage 3's unit hooks live in stage3.py, the replay for uneven inputs in replay.py.
     """
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):  # type: ignore[override]
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        ctx.callback()
-        return (None, *grads)
-
-
-class Engine:
-    """Drives buckets through forward, backward and step according to a StagePolicy."""
 
     def __init__(
         self, model: nn.Module, config: ShardConfig, comm: Comm, *,
@@ -292,7 +277,7 @@ class Engine:
     # -- forward hooks ------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
-        if self._joinable is not None and not _in_backward():
+        if self._joinable is not None and not in_backward():
             from torch.distributed.algorithms.join import Join
 
             if Join.notify_join_context(self._joinable) is not None:  # join() is active
@@ -342,79 +327,6 @@ class Engine:
                     "buffers no longer back it. Change the model before sharding it, or "
                     "build a new model and shard that"
                 )
-
-    # -- stage 3: gather / free around each unit (see [Note: unit lifecycle]) -----------
-    def _unshard(self, u: Unit, phase: str) -> None:
-        if u.state is UnitState.SHARDED:
-            u.unshard(self.comm, phase, async_op=self.config.overlap)
-            self.unsharded_bytes += u.unsharded_bytes
-            self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
-
-    def _reshard(self, u: Unit) -> None:
-        if u.state is not UnitState.SHARDED:
-            u.reshard()
-            self.unsharded_bytes -= u.unsharded_bytes
-
-    def _prefetch(self, order: list[Unit], start: int) -> None:
-        for u in order[start : start + self.config.prefetch]:
-            self._unshard(u, "backward" if u.in_backward else "forward")
-
-    def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
-        if u.in_backward or _in_backward():  # recomputation (activation checkpointing)
-            self._unshard(u, "backward")
-            u.wait()
-            return
-        if self._recording:
-            self._order.append(u)
-        self._fwd_cursor += 1
-        self._unshard(u, "forward")
-        self._prefetch(self._order, self._fwd_cursor)
-        u.inputs_hooked = False
-        if torch.is_grad_enabled():
-            args = self._hook_inputs(u, args)
-        u.wait()
-        return args
-
-    def _hook_inputs(self, u: Unit, args: tuple) -> tuple:
-        """Route the unit's inputs through :class:`_PostBackward` (see its docstring)."""
-        flat, spec = tree_flatten(args)
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return args
-        u.inputs_hooked = True
-        outs = _PostBackward.apply(lambda: self._reshard(u), *(flat[i] for i in idx))
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    def _unit_post_forward(self, u: Unit, output):
-        if u.in_backward or _in_backward():
-            # A recompute's graph only regenerates saved tensors; the hooks registered in
-            # the original forward free the unit once its backward is done.
-            return output
-        grad = torch.is_grad_enabled()
-        if self.config.reshard_after_forward or not grad:
-            self._reshard(u)
-        if grad:
-            call = [False]  # one forward call of the unit; its outputs share the flag
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, u=u, c=call: self._unit_pre_backward(u, c, g))
-        return output
-
-    def _unit_pre_backward(self, u: Unit, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
-        u.in_backward = True
-        self._queue_finish()
-        self._unshard(u, "backward")  # no-op if kept or prefetched
-        if not call[0]:  # first output of this call to get its gradient: advance schedule
-            call[0] = True
-            self._bwd_cursor += 1
-            backward_order = self._order[::-1]
-            for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
-                v.in_backward = True
-                self._unshard(v, "backward")
-        u.wait()
-        return grad
 
     # -- backward ---------------------------------------------------------------------------
     def _queue_finish(self) -> None:
@@ -711,56 +623,6 @@ class Engine:
         self.zero_grad()
         self.comm.ledger.mark_step()
 
-    # -- uneven inputs (see [Note: join] in join.py) ---------------------------------------
-    def _count_active(self, mine: int) -> None:
-        t = torch.tensor([float(mine)], device=self.device)
-        self.world.all_reduce(t, phase="control", unit="join").wait()
-        self.active_ranks = int(t.item())
-
-    def shadow_iteration(self, optimizer: Any) -> None:
-        """One iteration without data: the collectives of the last real one, neutral."""
-        if not self._last_iter:
-            raise RuntimeError(
-                f"rank {self.world.global_rank} ran out of data before finishing one "
-                "iteration inside zeroshard.join(); give every rank at least one batch"
-            )
-        self._count_active(0)
-        self._replaying = True
-        try:
-            self._replay_backward()
-            if self._last_clip is not None:
-                optimizer.clip_grad_norm_(*self._last_clip)
-            optimizer.step()
-            optimizer.zero_grad()
-        finally:
-            self._replaying = False
-
-    def _replay_backward(self) -> None:
-        units = {u.name: u for u in self.units}
-        buckets: dict[str, list[FlatBucket]] = {}
-        for b in self.buckets:
-            buckets.setdefault(b.name, []).append(b)
-        seen: dict[str, int] = {}
-        for r in self._last_iter:
-            if r.phase not in ("forward", "backward") or r.group == "replicate":
-                continue
-            if r.op == "all_gather":  # a stage-3 unit: serve our slice to the others
-                u = units[r.unit]
-                self._unshard(u, r.phase)
-                u.wait()
-                if not u.is_root:
-                    self._reshard(u)
-                continue
-            b = buckets[r.unit][seen.get(r.unit, 0)]
-            seen[r.unit] = seen.get(r.unit, 0) + 1
-            if b.grad is None:
-                b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
-                                     device=b.device)
-            self._launch(b)  # stale slots are zeroed: this rank contributes nothing
-            while self._pending:
-                self._complete(self._pending.popleft())
-        self._finish_backward()
-
     # -- state --------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole fp32 (master-precision) flat weights of a bucket, on every rank."""
@@ -811,11 +673,6 @@ class Engine:
         memory/traced.py) have null-based data pointers, so every storage's first element
         would compare equal."""
         return Engine._shares(a, b) and a.storage_offset() == b.storage_offset()
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs (e.g. a checkpoint recomputing a forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
