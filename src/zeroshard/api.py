@@ -15,7 +15,12 @@ from torch import nn
 from .comm import Comm, CommLedger
 from .config import ShardConfig, suggest_option
 from .engine.engine import Engine, ParamInit
-from .engine.optimizer import ShardedOptimizer, check_elementwise
+from .engine.optimizer import (
+    ShardedOptimizer,
+    check_elementwise,
+    check_group_keys,
+    resolve_param_groups,
+)
 from .engine.units import UnitSpec
 from .memory.tracker import MemoryTracker
 
@@ -75,6 +80,7 @@ def _split_options(
         if accepts_any or k in accepted:
             continue
         guess = suggest_option(k, ["process_group", "units", "param_init", "device", "hybrid",
+                                   "param_groups",
                                    "mesh", *sorted(accepted)])
         hint = f"; did you mean {guess!r}?" if guess else ""
         raise TypeError(
@@ -120,6 +126,7 @@ def shard(
     device: torch.device | str | None = None,
     hybrid: tuple[int, int] | None = None,
     mesh: Any = None,
+    param_groups: list[dict[str, Any]] | None = None,
     **options: Any,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Shard ``model`` for data-parallel training; return it with its optimizer.
@@ -141,6 +148,11 @@ def shard(
     ``mesh`` (a ``DeviceMesh`` with dims ("replicate", "shard")) shards inside each group of
     ``shard_size`` consecutive ranks — keep it within a node — and all-reduces the
     reduced slices across the ``replicas`` groups. See docs/hybrid.md.
+
+    ``param_groups``: optimizer parameter groups as torch takes them, e.g.
+    ``[{"params": no_decay, "weight_decay": 0.0}]`` (the model's own parameters); each
+    group's keys override the optimizer keywords for its parameters, and parameters no
+    group lists form the default group (the optimizer's ``param_groups[0]``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -159,6 +171,7 @@ def shard(
     config = ShardConfig(stage=stage, **ours)
     _check_model(model, stage)
     check_elementwise(optimizer)
+    group_of, group_options = resolve_param_groups(model, param_groups)
     if units is not None and stage != 3:
         raise ValueError(f"units= applies to stage 3 only (stage={stage}); drop it")
     meta = next(model.parameters()).is_meta
@@ -181,18 +194,21 @@ def shard(
         label = "world" if process_group is None else "dp"
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
-                    replicate=replicate, world=world)
+                    replicate=replicate, world=world, param_groups=group_of)
     if (config.offload and optimizer in (torch.optim.AdamW, torch.optim.Adam)
             and "fused" not in optim_kwargs and "foreach" not in optim_kwargs):
         # The host step is the offload bottleneck: torch's fused CPU Adam(W) kernel is
         # 12.4x faster than its single-tensor loop on a 100M-element shard (docs/offload.md).
         optim_kwargs["fused"] = True
-    inner = optimizer(engine.master_params(), **optim_kwargs)
+    params = (engine.optimizer_groups(group_options) if param_groups is not None
+              else engine.master_params())
+    inner = optimizer(params, **optim_kwargs)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
         )
     check_elementwise(inner)
+    check_group_keys(inner, group_options)
     _destroy_group_at_exit()
     comm.ledger.mark_step()  # the initial broadcast is not part of any step
     comm.ledger.step = 0

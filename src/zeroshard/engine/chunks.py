@@ -33,12 +33,43 @@ __all__ = ["CHUNK", "make_chunks", "set_master_grad", "bucket_state", "flatten_s
 CHUNK = 2**18
 
 
-def make_chunks(b: FlatBucket) -> None:
-    """Cut ``b.master`` into ``b.chunks``: parameters viewing consecutive ranges of it."""
+def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
+    """Cut ``b.master`` into ``b.chunks``: parameters viewing consecutive ranges of it.
+
+    With optimizer parameter groups (``group_of``: parameter name -> group index, 0 for
+    any name not in it) a chunk never spans two groups, so each chunk joins its group
+    (``b.chunk_groups``); the bucket's padding goes with its last parameter.
+    """
     data = b.master.detach()
     n = data.numel()
-    b.chunk_ranges = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+    runs = _group_runs(b, n, group_of or {})
+    b.chunk_ranges, b.chunk_groups = [], []
+    for a, z, g in runs:
+        for lo in range(a, z, CHUNK):
+            b.chunk_ranges.append((lo, min(lo + CHUNK, z)))
+            b.chunk_groups.append(g)
     b.chunks = [nn.Parameter(data[lo:hi]) for lo, hi in b.chunk_ranges]
+
+
+def _group_runs(b: FlatBucket, n: int, group_of: dict[str, int]) -> list[tuple[int, int, int]]:
+    """Maximal ranges ``(lo, hi, group)`` of the master (the whole bucket at stage 0, else
+    this rank's slice) whose parameters share a group; together they cover ``[0, n)``."""
+    start = 0 if n == b.padded_numel else b.shard_range[0]
+    runs: list[tuple[int, int, int]] = []
+    for s in b.slots:
+        a, z = max(0, s.offset - start), min(n, s.offset + s.numel - start)
+        if a >= z:
+            continue
+        g = group_of.get(s.names[0], 0)
+        if runs and runs[-1][2] == g:
+            runs[-1] = (runs[-1][0], z, g)
+        else:
+            runs.append((a, z, g))
+    if not runs:  # a slice of padding only
+        return [(0, n, 0)]
+    runs[0] = (0, *runs[0][1:])  # slots are contiguous: only the padding tail is missing
+    runs[-1] = (runs[-1][0], n, runs[-1][2])
+    return runs
 
 
 def set_master_grad(b: FlatBucket, grad: torch.Tensor | None) -> None:

@@ -88,9 +88,12 @@ class Engine(Stage3Hooks, JoinReplay):
         self, model: nn.Module, config: ShardConfig, comm: Comm, *,
         units: UnitSpec = None, param_init: ParamInit | None = None,
         device: torch.device | None = None, replicate: Comm | None = None,
-        world: Comm | None = None,
+        world: Comm | None = None, param_groups: dict[str, int] | None = None,
     ) -> None:
         self.model = model
+        # Optimizer parameter groups by parameter name (0: the default group); the
+        # optimizer's chunks never span two (engine/chunks.py).
+        self.group_of = param_groups or {}
         self.config = config
         # ``comm`` is the sharding group. Hybrid sharding adds ``replicate`` (ranks holding
         # the same slices: reduced slices are all-reduced across it) and ``world`` (the
@@ -209,7 +212,7 @@ class Engine(Stage3Hooks, JoinReplay):
             if self.compute_dtype is not None:
                 master_src = master_src.clone()  # keep only the slice alive
         b.master = nn.Parameter(self._on_host(master_src))
-        make_chunks(b)
+        make_chunks(b, self.group_of)
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
             b.grad_views(b.grad)
@@ -257,7 +260,7 @@ class Engine(Stage3Hooks, JoinReplay):
             src = b.shard_of(flat)
             master = src.float().clone() if self.compute_dtype else src.clone()
             b.master = nn.Parameter(self._on_host(master))
-            make_chunks(b)
+            make_chunks(b, self.group_of)
             if not self.offload:  # offloaded slices go straight to the host
                 b.grad_shard = torch.zeros(
                     b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
@@ -489,6 +492,13 @@ class Engine(Stage3Hooks, JoinReplay):
     def master_params(self) -> list[nn.Parameter]:
         """What the torch optimizer steps: each master in chunks (engine/chunks.py)."""
         return [c for b in self.buckets for c in b.chunks]
+
+    def optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Torch param-group dicts: group i's chunks with ``options[i]`` (every group on
+        every rank, even one with no chunk in this rank's shard)."""
+        return [{**opts, "params": [c for b in self.buckets
+                                    for c, g in zip(b.chunks, b.chunk_groups) if g == i]}
+                for i, opts in enumerate(options)]
 
     def prepare_grads(self) -> bool:
         """Give every master its fp32, unscaled gradient; return True if any overflowed.

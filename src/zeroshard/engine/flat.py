@@ -76,6 +76,7 @@ class FlatBucket:
         self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
         self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)
         self.chunk_ranges: list[tuple[int, int]] = []
+        self.chunk_groups: list[int] = []  # optimizer parameter group of each chunk
         self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
         self.flat_views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept

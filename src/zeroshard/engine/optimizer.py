@@ -14,12 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from .chunks import bucket_state, flatten_state
 from .engine import Engine
 from .flat import FlatBucket
 
-__all__ = ["ShardedOptimizer", "check_elementwise"]
+__all__ = ["ShardedOptimizer", "check_elementwise", "resolve_param_groups", "check_group_keys"]
 
 # Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners).
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Shampoo", "Muon", "Lamb", "LARS",
@@ -36,6 +37,60 @@ def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
                 "optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, Lion-style); use one of "
                 "them or an unsharded run for this optimizer"
             )
+
+
+def resolve_param_groups(
+    model: nn.Module, groups: Any
+) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """``param_groups=`` of ``shard()`` -> (group index by parameter name, each group's
+    options). Group 0 is the default: every trainable parameter no group lists, with the
+    optimizer keywords given to ``shard()``; group i >= 1 is ``groups[i - 1]``."""
+    if groups is None:
+        return {}, [{}]
+    if isinstance(groups, dict) or not isinstance(groups, list | tuple):
+        raise TypeError(f"param_groups must be a list of dicts like torch's, e.g. "
+                        f"[{{'params': no_decay, 'weight_decay': 0.0}}]; got "
+                        f"{type(groups).__name__}")
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    group_of: dict[str, int] = {}
+    options: list[dict[str, Any]] = [{}]
+    for i, g in enumerate(groups, start=1):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{i - 1}] must be a dict with a 'params' list; got {g!r}")
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"param_groups[{i - 1}] lists a {tuple(p.shape)} tensor that "
+                                 "is not a parameter of the model being sharded; pass the "
+                                 "model's own parameters (e.g. from model.named_parameters())")
+            name = names[id(p)][0]
+            if not p.requires_grad:
+                raise ValueError(f"param_groups[{i - 1}] lists {name!r}, which is frozen "
+                                 "(requires_grad=False) and gets no optimizer state; drop it")
+            if name in group_of:
+                raise ValueError(f"{name!r} is in param_groups[{group_of[name] - 1}] and "
+                                 f"param_groups[{i - 1}]; list each parameter once")
+            for n in names[id(p)]:
+                group_of[n] = i
+        options.append({k: v for k, v in g.items() if k != "params"})
+    return group_of, options
+
+
+def check_group_keys(inner: torch.optim.Optimizer, options: list[dict[str, Any]]) -> None:
+    """Torch keeps unknown keys of a param group silently; a misspelt one would be lost."""
+    from ..config import suggest_option
+
+    known = set(inner.defaults)
+    for i, opts in enumerate(options[1:]):
+        for k in opts:
+            if k not in known:
+                guess = suggest_option(k, sorted(known))
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                raise TypeError(f"param_groups[{i}] has {k!r}, which "
+                                f"{type(inner).__name__} does not know{hint}")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
