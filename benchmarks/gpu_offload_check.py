@@ -115,21 +115,22 @@ def _one(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(results: list[dict[str, Any]], cap_gb: float) -> str:
-    gb = 1e9
-    lines = [f"device capped at {cap_gb:g} GB; bf16 AdamW, full activation checkpointing",
-             f"{'stage':>5} {'offload':<17} {'status':<6} {'tokens/s':>9} {'MFU':>6} "
-             f"{'dev max GB':>10} {'dev peak GB':>11} {'host pk GB':>10}  device peak by category"]
+    mib = 2**20
+    lines = [f"device capped at {cap_gb:g} GB; bf16 AdamW, full activation checkpointing; "
+             "memory in MiB",
+             f"{'stage':>5} {'offload':<17} {'status':<6} {'tokens/s':>9} {'MFU':>7} "
+             f"{'dev max':>9} {'dev peak':>9} {'host pk':>9}  device peak by category"]
     for r in results:
         if r.get("status") != "ok":
             lines.append(f"{r['stage']:>5} {r['offload'] or '-':<17} {r.get('status', '?'):<6} "
                          f"{r.get('error', '')[:90]}")
             continue
         t = r["tracker"]
-        cats = ", ".join(f"{k} {v / gb:.2f}" for k, v in t["device"]["peak"].items() if v)
+        cats = ", ".join(f"{k} {v / mib:.1f}" for k, v in t["device"]["peak"].items() if v)
         lines.append(
             f"{r['stage']:>5} {r['offload'] or '-':<17} ok     {r['tokens_per_s']:>9,.0f} "
-            f"{r['mfu']:>6.1%} {r.get('cuda_max_memory_allocated', 0) / gb:>10.2f} "
-            f"{t['device']['peak_total'] / gb:>11.2f} {t['host']['peak_total'] / gb:>8.2f}  "
+            f"{r['mfu']:>7.2%} {r.get('cuda_max_memory_allocated', 0) / mib:>9.1f} "
+            f"{t['device']['peak_total'] / mib:>9.1f} {t['host']['peak_total'] / mib:>9.1f}  "
             f"{cats}")
     return "\n".join(lines)
 

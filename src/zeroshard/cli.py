@@ -312,9 +312,8 @@ def format_plan(p: Plan, name: str) -> str:
     if p.offload:
         lines += ["host = offloaded optimizer state, gradient and weight slices per device "
                   "(x devices per node per host);",
-                  "offl s = PCIe copies",
-                  "+ host optimizer step, not overlapped, included in step s; fits 'host' = "
-                  "fits the device, not the host."]
+                  "offl s = PCIe copies + host optimizer step, not overlapped, included in "
+                  "step s; fits 'host' = fits the device, not the host."]
     traced = any(x.traced_peak_bytes is not None for x in p.rows)
     if traced:
         lines += ["trace st/pk = one real step of the engine on fake tensors at this N "

@@ -84,11 +84,13 @@ class TrainConfig:
         if self.offload not in ("none", "optimizer", "optimizer+params"):
             raise ValueError(f"offload={self.offload!r}; use none, optimizer or "
                              "optimizer+params")
-        if self.offload != "none" and self.stage == 0 or (
-                self.offload == "optimizer+params" and self.stage != 3):
-            need = "3" if self.offload == "optimizer+params" else "1, 2 or 3"
-            raise ValueError(f"offload={self.offload!r} needs stage {need}, not "
-                             f"stage={self.stage}; pass --stage {need[-1]} or --offload none")
+        if self.offload == "optimizer+params" and self.stage != 3:
+            raise ValueError(f"offload='optimizer+params' needs stage 3, not "
+                             f"stage={self.stage}; pass --stage 3, or --offload optimizer "
+                             "(stages 1-3) or none")
+        if self.offload == "optimizer" and self.stage == 0:
+            raise ValueError("offload='optimizer' needs stage 1, 2 or 3, not stage=0; pass "
+                             "--stage 1 or higher, or --offload none")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"lr={self.lr!r}, min_lr={self.min_lr!r}: need 0 <= min_lr <= lr, lr > 0")
         if self.clip < 0 or self.step_sleep < 0 or self.ckpt_every < 0:

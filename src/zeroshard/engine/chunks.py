@@ -12,7 +12,8 @@ elementwise, so the result is bitwise the same however the master is cut.
 
 The optimizer creates its state per chunk. After each step ``flatten_state`` re-points
 every per-element state tensor at a view of one master-shaped buffer per state key and
-bucket, so checkpoints, ``full_optimizer_state`` and the unused-parameter restore read
+bucket (after the first step it copies, one key of one bucket at a time: a transient of
+that much memory; then it finds the views in place and does nothing), so checkpoints, ``full_optimizer_state`` and the unused-parameter restore read
 one tensor per key (``bucket_state``). Torch's optimizers update their state in place,
 so the views stay live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the
 optimizer increments each one.
@@ -92,13 +93,15 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
     keys = [k for k, v in first.items() if _per_element(v, b.chunks[0])]
     if all(k in b.flat_views and first[k] is b.flat_views[k][0] for k in keys):
         return  # already views of the flat buffers
-    flats = {}
-    for k in keys:
+    b.flat_state, b.flat_views = {}, {}
+    for k in keys:  # one key at a time: the chunks' old tensors go as the flat one comes
         v0 = first[k]
-        flats[k] = torch.empty(b.master.shape, dtype=v0.dtype, device=v0.device)
-        for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
-            flats[k][lo:hi].copy_(state[c][k])
-    _point(state, b, flats, keep=first)
+        flat = torch.empty(b.master.shape, dtype=v0.dtype, device=v0.device)
+        views = tuple(flat[lo:hi] for lo, hi in b.chunk_ranges)
+        for c, view in zip(b.chunks, views):
+            view.copy_(state[c][k])
+            state[c][k] = view
+        b.flat_state[k], b.flat_views[k] = flat, views
 
 
 def _point(state: dict, b: FlatBucket, flats: dict[str, torch.Tensor],

@@ -427,8 +427,13 @@ def step_time(
     for c in collectives:
         bus = (bus_by_group or {}).get(c.group, bus_GBps)
         comm[c.phase] += collective_time_s(c.logical_bytes, n=c.ranks or n, bus_GBps=bus)
-    exposed = comm["step"] + sum(max(0.0, comm[p] - window[p]) for p in window)
-    exposed += 2 * collective_time_s(first_unit_bytes, n=n, bus_GBps=bus_GBps)
+    # The first unit's gather (in each of forward and backward) is part of that phase's
+    # communication but has nothing to hide behind; the rest overlaps the phase's compute.
+    first = collective_time_s(first_unit_bytes, n=n, bus_GBps=bus_GBps)
+    exposed = comm["step"]
+    for p in window:
+        f = min(first, comm[p])
+        exposed += f + max(0.0, comm[p] - f - window[p])
     return StepTime(
         compute_s=compute, comm_s=sum(comm.values()), exposed_comm_s=exposed,
         break_even_tokens=max(comm[p] * tokens / window[p] for p in window),

@@ -335,6 +335,11 @@ def plan(
                      ("micro_batch", micro_batch), ("gpu_mem_bytes", gpu_mem_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{label}={v!r} must be a positive integer")
+    if gpu_mem_bytes <= reserve_bytes(gpu_mem_bytes):
+        raise ValueError(
+            f"gpu_mem_bytes={gpu_mem_bytes} ({gpu_mem_bytes / 1e9:.2f} GB) leaves nothing after "
+            f"the {reserve_bytes(gpu_mem_bytes) / 1e9:.1f} GB reserve (CUDA context, NCCL, "
+            "fragmentation: max(10%, 1.5 GB)); plan for a device with more memory")
     if seq_len > cfg.seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's maximum sequence length "
                          f"{cfg.seq_len}; use seq_len <= {cfg.seq_len}")

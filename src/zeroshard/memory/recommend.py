@@ -145,8 +145,9 @@ def recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
     if not fitting:
         return _nothing_fits(su, rows, n)
 
-    def key(x: PlanRow) -> tuple[float, int, int, bool]:  # equal speed: less memory, ...
-        return (x.tokens_per_s, -x.total_bytes, -x.stage, x.hybrid is None)
+    def key(x: PlanRow) -> tuple[float, float, int, int, bool]:
+        # equal speed (communication-bound): no needless recompute, then less memory, ...
+        return (x.tokens_per_s, -x.compute_time_s, -x.total_bytes, -x.stage, x.hybrid is None)
 
     best = max(fitting, key=key)
     low = [x for x in fitting if x.stage <= 2]
@@ -163,9 +164,14 @@ def recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
         why = f"A full replica fits on each device: plain data parallelism is fastest ({how})."
     elif best.stage in (1, 2):
         action = f"zero-{best.stage}"
-        why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding optimizer "
-               f"state{' and gradients' if best.stage == 2 else ''} gives the best estimated "
-               f"throughput that fits ({how}).")
+        what = f"optimizer state{' and gradients' if best.stage == 2 else ''}"
+        replica = [x for x in fitting if x.stage == 0]
+        if replica:  # as fast as a full replica here: the sharded state is free headroom
+            why = (f"A full replica fits too, but sharding {what} is estimated as fast and "
+                   f"needs less memory ({how}; stage 0 needs at least {s0}).")
+        else:
+            why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding "
+                   f"{what} gives the best estimated throughput that fits ({how}).")
     elif alt is None:
         action = "zero-3"
         s2 = gb(min(x.total_bytes for x in rows if x.stage == 2))

@@ -425,7 +425,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _after_change(self, *, reclassify: bool = False) -> None:
         """Called after every allocation/label/resize: peak and per-category maxima."""
-        if reclassify or self._total > self._peak_total:
+        if reclassify or self._total > self._peak_total or any(
+                t > self._loc_peak_total[w] for w, t in self._loc_total.items()):
             self._reclassify()
         if self._total > self._peak_total:
             self._peak_total, self._peak = self._total, dict(self._current)
