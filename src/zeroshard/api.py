@@ -303,7 +303,8 @@ def memory_tracker(
     """
     engine = getattr(model, "_zeroshard_engine", None)
     device = engine.device if engine is not None else next(model.parameters()).device
-    tracker = MemoryTracker(compute_device=device)
+    tracker = MemoryTracker(compute_device=device,
+                            host_step=engine is not None and engine.offload)
     tracker.track_module(model)
     if optimizer is not None:
         tracker.track_optimizer(optimizer)

@@ -27,6 +27,13 @@ memory and the engine would copy nothing, so the trace forces the engine's copy 
 tracker.py): ``device_*`` fields are what the accelerator would hold, ``host_*`` the
 host's share per rank.
 
+The optimizer: a real CPU run steps each master in ≤256K-element chunks (engine/chunks.py),
+whose temporaries are negligible; a trace keeps one tensor per bucket (each chunk would
+cost it ~20 dispatched ops) and steps Adam/AdamW fused (no temporaries), which matches
+that within a chunk's temporaries, and counts one 4-byte AdamW ``step`` per bucket, not
+per chunk. (torch's default on CUDA, ``foreach``, allocates list-wide temporaries during
+the step that no trace here models: pass ``foreach=True`` to trace them.)
+
 What fake tensors cannot do is read a value. Two places in a step do: the engine's
 "which parameters got no gradient on any rank" check (so the trace assumes all did, as
 in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
@@ -213,6 +220,9 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 apply_checkpointing(model, checkpointing)
             _fake_weights(model, params=stage < 3)  # stage 3: the engine does it per unit
             phase[0] = "shard"
+            if optimizer in (torch.optim.AdamW, torch.optim.Adam) and not (
+                    {"fused", "foreach"} & set(options)):
+                options = {**options, "fused": True}  # see [Note: how a trace works]
             model, optim = zeroshard.shard(
                 model, optimizer, stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)

@@ -43,6 +43,15 @@ show even on a CPU-only machine, where host and device are one memory (there the
 copies nothing unless forced, and the split is what the layout would be on a GPU).
 Each location has its own peak: the device's is what decides whether a run fits.
 
+[Note: inside the optimizer step]
+An optimizer step can allocate thousands of small tensors (the state of each parameter,
+on the first step), each a new peak. Re-classifying at every one would cost
+O(allocations x live storages), so inside a tracked optimizer's ``step()`` (between its
+pre- and post-hooks) re-classification on a new peak waits until the total has grown by
+1% since the last one, and what the step allocates that no source claims yet is filed
+as ``optim`` (it is the optimizer's: state, or its working memory) — on the host with
+``host_step=True`` (offload). The post-hook re-classifies everything.
+
 Fake tensors: enter the tracker inside ``with FakeTensorMode():`` or outside it; both
 orders see every op (both are tested). A storage that was once saved for backward stays
 ``activations`` until it is freed (e.g. an input batch the caller still holds).
@@ -96,6 +105,7 @@ class _Record:
     label: Category | None = None
     saved: bool = False
     host: bool = False  # cached location; see [Note: device and host]
+    in_step: bool = False  # allocated inside a tracked optimizer's step()
 
     @property
     def where(self) -> str:
@@ -130,6 +140,8 @@ class MemoryTracker(TorchDispatchMode):
         compute_device: where the model computes; when it is an accelerator, CPU storages
             count as host memory (see [Note: device and host]). None: all is "device"
             except what host sources list.
+        host_step: the optimizer step runs in host memory (offload): what it allocates
+            counts as host memory (see [Note: inside the optimizer step]).
 
     Example::
 
@@ -144,7 +156,8 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, *, device: str | torch.device | None = None,
-                 compute_device: str | torch.device | None = None) -> None:
+                 compute_device: str | torch.device | None = None,
+                 host_step: bool = False) -> None:
         super().__init__()
         self._device = torch.device(device) if device is not None else None
         compute = torch.device(compute_device) if compute_device is not None else None
@@ -160,6 +173,9 @@ class MemoryTracker(TorchDispatchMode):
         self._loc_peak_total = dict.fromkeys(LOCATIONS, 0)
         self._host_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
         self._host_ids: set[int] = set()
+        self._host_step = host_step
+        self._in_step = False  # see [Note: inside the optimizer step]
+        self._classified_total = 0  # the total at the last re-classification
         self._snapshots: dict[str, dict[Category, int]] = {}
         self._sources: list[Source] = []
         self._source_ids: dict[int, Category] = {}  # last source scan, by id(storage)
@@ -356,7 +372,7 @@ class MemoryTracker(TorchDispatchMode):
             self._resize(rec, st.nbytes())  # in-place resize_/set_ may have grown it
             return rec
         rec = _Record(ref=weakref.ref(st, self._on_free_callback(key)), nbytes=st.nbytes(),
-                      key=key, cpu=t.device.type == "cpu")
+                      key=key, cpu=t.device.type == "cpu", in_step=self._in_step)
         self._live[key] = rec
         self._add(rec, rec.nbytes)
         self._file(rec, self._source_ids.get(key))
@@ -389,9 +405,12 @@ class MemoryTracker(TorchDispatchMode):
             category = rec.label
         elif source is not None:
             category = source
+        elif rec.saved:
+            category = Category.ACTIVATIONS
         else:
-            category = Category.ACTIVATIONS if rec.saved else Category.OTHER
-        host = (rec.cpu and self._cpu_is_host) or rec.key in self._host_ids
+            category = Category.OPTIM if rec.in_step else Category.OTHER
+        host = (rec.cpu and (self._cpu_is_host or (rec.in_step and self._host_step))
+                or rec.key in self._host_ids)
         if category is not rec.category or host != rec.host:
             self._add(rec, -rec.nbytes)
             rec.category, rec.host = category, host
@@ -420,13 +439,16 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._busy = False
         self._source_ids, self._host_ids = ids, host
+        self._classified_total = self._total
         for key, rec in list(self._live.items()):
             self._file(rec, ids.get(key))
 
     def _after_change(self, *, reclassify: bool = False) -> None:
         """Called after every allocation/label/resize: peak and per-category maxima."""
-        if reclassify or self._total > self._peak_total or any(
-                t > self._loc_peak_total[w] for w, t in self._loc_total.items()):
+        grew = self._total > self._peak_total or any(
+            t > self._loc_peak_total[w] for w, t in self._loc_total.items())
+        if reclassify or (grew and (not self._in_step
+                                    or self._total > 1.01 * self._classified_total)):
             self._reclassify()
         if self._total > self._peak_total:
             self._peak_total, self._peak = self._total, dict(self._current)
@@ -443,8 +465,15 @@ class MemoryTracker(TorchDispatchMode):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        hook = optimizer.register_step_post_hook(lambda *_: self._after_change(reclassify=True))
+        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._step(True)))
+        hook = optimizer.register_step_post_hook(lambda *_: self._step(False))
         self._handles.append(hook)
+
+    def _step(self, starting: bool) -> None:
+        """Optimizer step pre/post-hook; see [Note: inside the optimizer step]."""
+        self._in_step = False
+        self._after_change(reclassify=True)
+        self._in_step = starting
 
     def _on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: file the new ``.grad`` as grads at once."""
