@@ -303,14 +303,15 @@ def memory_tracker(
     """
     engine = getattr(model, "_zeroshard_engine", None)
     device = engine.device if engine is not None else next(model.parameters()).device
-    tracker = MemoryTracker(compute_device=device,
-                            host_step=engine is not None and engine.offload)
+    tracker = MemoryTracker(compute_device=device)
     tracker.track_module(model)
     if optimizer is not None:
         tracker.track_optimizer(optimizer)
     if engine is not None:
         tracker.add_source(engine.memory_sources())
         tracker.add_host_source(lambda: _host_tensors(engine, optimizer))
+        if engine.offload and optimizer is not None:  # the inner (host) optimizer's step
+            tracker.track_host_step(getattr(optimizer, "optim", optimizer))
     return tracker
 
 

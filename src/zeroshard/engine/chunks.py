@@ -101,6 +101,9 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
     b.flat_state, b.flat_views = {}, {}
     for k in keys:  # one key at a time: the chunks' old tensors go as the flat one comes
         v0 = first[k]
+        if len(b.chunks) == 1:  # the chunk's own tensor is the flat buffer: no copy
+            b.flat_state[k], b.flat_views[k] = v0, (v0,)
+            continue
         flat = torch.empty(b.master.shape, dtype=v0.dtype, device=v0.device)
         views = tuple(flat[lo:hi] for lo, hi in b.chunk_ranges)
         for c, view in zip(b.chunks, views):

@@ -128,6 +128,7 @@ class Engine(Stage3Hooks, JoinReplay):
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
         self._pending: deque[FlatBucket] = deque()
+        self._used_flags: torch.Tensor | None = None  # see gather_used_flags
         self._backward_queued = False
         self._grads_prepared = False
         self._overflow = False
@@ -574,10 +575,20 @@ class Engine(Stage3Hooks, JoinReplay):
         for b in self.buckets:
             b.master.grad.mul_(coef.to(b.master.grad.dtype))
 
+    def gather_used_flags(self) -> torch.Tensor:
+        """Every rank's "got a gradient" flags, summed, in one persistent buffer (a new
+        tensor per step would be held for a while by the collective library)."""
+        flags = self._used_flags
+        if flags is None:
+            flags = self._used_flags = torch.empty(sum(len(b.slots) for b in self.buckets),
+                                                   device=self.device)
+        torch.cat([b.used for b in self.buckets], out=flags)
+        self.world.all_reduce(flags, phase="control", unit="used").wait()
+        return flags
+
     def unused_slots(self) -> list[tuple[FlatBucket, int, int]]:
         """Master ranges (bucket, lo, hi) of parameters no rank produced a gradient for."""
-        flags = torch.cat([b.used for b in self.buckets])
-        self.world.all_reduce(flags, phase="control", unit="used").wait()
+        flags = self.gather_used_flags()
         out: list[tuple[FlatBucket, int, int]] = []
         k = 0
         for b in self.buckets:
@@ -665,7 +676,10 @@ class Engine(Stage3Hooks, JoinReplay):
                 if b.master.grad is not None:
                     grads.append(b.master.grad)
             params += self.frozen
-            return {"params": params, "grads": grads, "optim": optim}
+            # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
+            other = [b.used for b in self.all_buckets if b.used is not None]
+            other += [self._used_flags] if self._used_flags is not None else []
+            return {"params": params, "grads": grads, "optim": optim, "other": other}
 
         return sources
 

@@ -107,6 +107,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(engine.master_params(), dict(inner.defaults))
         self.param_groups = inner.param_groups
         self.state = inner.state
+        # State is created per chunk; flatten it as part of the inner step (so a memory
+        # tracker sees it inside that step: on the host with offload).
+        inner.register_step_post_hook(lambda *_: self._flatten())
+
+    def _flatten(self) -> None:
+        for b in self.engine.buckets:
+            flatten_state(self.optim.state, b)
 
     # -- what the user calls -------------------------------------------------------------
     @torch.no_grad()
@@ -124,9 +131,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine.scaler.update(overflow=False)
         unused = engine.unused_slots()
         saved = [self._save_range(b, lo, hi) for b, lo, hi in unused]
-        self.optim.step()
-        for b in engine.buckets:  # state created per chunk: one flat view (chunks.py)
-            flatten_state(self.optim.state, b)
+        self.optim.step()  # its post-hook flattens the per-chunk state (chunks.py)
         for (b, lo, hi), old in zip(unused, saved):
             self._restore_range(b, lo, hi, old)
         engine.after_step()
@@ -174,8 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict["optim"])
-        for b in self.engine.buckets:
-            flatten_state(self.optim.state, b)
+        self._flatten()
         self.engine.scaler.load_state_dict(state_dict["scaler"])
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state

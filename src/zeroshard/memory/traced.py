@@ -333,8 +333,7 @@ def _all_used(engine: Any) -> Callable[[], list]:
     the control all-reduce is still issued so the ledger matches a real step."""
 
     def unused_slots() -> list:
-        flags = torch.cat([b.used for b in engine.buckets])
-        engine.comm.all_reduce(flags, phase="control", unit="used").wait()
+        engine.gather_used_flags()
         return []
 
     return unused_slots

@@ -49,8 +49,9 @@ on the first step), each a new peak. Re-classifying at every one would cost
 O(allocations x live storages), so inside a tracked optimizer's ``step()`` (between its
 pre- and post-hooks) re-classification on a new peak waits until the total has grown by
 1% since the last one, and what the step allocates that no source claims yet is filed
-as ``optim`` (it is the optimizer's: state, or its working memory) — on the host with
-``host_step=True`` (offload). The post-hook re-classifies everything.
+as ``optim`` (it is the optimizer's: state, or its working memory); what a host
+optimizer's step allocates (``track_host_step``: offload) is host memory. The post-hook
+re-classifies everything.
 
 Fake tensors: enter the tracker inside ``with FakeTensorMode():`` or outside it; both
 orders see every op (both are tested). A storage that was once saved for backward stays
@@ -106,6 +107,7 @@ class _Record:
     saved: bool = False
     host: bool = False  # cached location; see [Note: device and host]
     in_step: bool = False  # allocated inside a tracked optimizer's step()
+    host_born: bool = False  # allocated by a host optimizer step (track_host_step)
 
     @property
     def where(self) -> str:
@@ -140,8 +142,6 @@ class MemoryTracker(TorchDispatchMode):
         compute_device: where the model computes; when it is an accelerator, CPU storages
             count as host memory (see [Note: device and host]). None: all is "device"
             except what host sources list.
-        host_step: the optimizer step runs in host memory (offload): what it allocates
-            counts as host memory (see [Note: inside the optimizer step]).
 
     Example::
 
@@ -156,8 +156,7 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, *, device: str | torch.device | None = None,
-                 compute_device: str | torch.device | None = None,
-                 host_step: bool = False) -> None:
+                 compute_device: str | torch.device | None = None) -> None:
         super().__init__()
         self._device = torch.device(device) if device is not None else None
         compute = torch.device(compute_device) if compute_device is not None else None
@@ -173,7 +172,8 @@ class MemoryTracker(TorchDispatchMode):
         self._loc_peak_total = dict.fromkeys(LOCATIONS, 0)
         self._host_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
         self._host_ids: set[int] = set()
-        self._host_step = host_step
+        self._host_optimizers: list[torch.optim.Optimizer] = []
+        self._host_region = False  # inside a host optimizer's step
         self._in_step = False  # see [Note: inside the optimizer step]
         self._classified_total = 0  # the total at the last re-classification
         self._snapshots: dict[str, dict[Category, int]] = {}
@@ -228,6 +228,14 @@ class MemoryTracker(TorchDispatchMode):
         if not callable(fn):
             raise TypeError(f"add_source expects a callable returning a dict, got {fn!r}")
         self._sources.append(fn)
+        return self
+
+    def track_host_step(self, optimizer: torch.optim.Optimizer) -> MemoryTracker:
+        """What ``optimizer.step()`` allocates in CPU memory is host memory (offload: the
+        optimizer runs on the host). See [Note: inside the optimizer step]."""
+        self._host_optimizers.append(optimizer)
+        if self._active:
+            self._hook_host_step(optimizer)
         return self
 
     def add_host_source(self, fn: Callable[[], Iterable[torch.Tensor]]) -> MemoryTracker:
@@ -331,6 +339,8 @@ class MemoryTracker(TorchDispatchMode):
             self._hook_module(module)
         for opt in self._optimizers:
             self._hook_optimizer(opt)
+        for opt in self._host_optimizers:
+            self._hook_host_step(opt)
         self._patch_resize()
         self._observe = _ObserveSaved(self)
         self._observe.__enter__()
@@ -372,7 +382,8 @@ class MemoryTracker(TorchDispatchMode):
             self._resize(rec, st.nbytes())  # in-place resize_/set_ may have grown it
             return rec
         rec = _Record(ref=weakref.ref(st, self._on_free_callback(key)), nbytes=st.nbytes(),
-                      key=key, cpu=t.device.type == "cpu", in_step=self._in_step)
+                      key=key, cpu=t.device.type == "cpu", in_step=self._in_step,
+                      host_born=self._host_region)
         self._live[key] = rec
         self._add(rec, rec.nbytes)
         self._file(rec, self._source_ids.get(key))
@@ -409,8 +420,7 @@ class MemoryTracker(TorchDispatchMode):
             category = Category.ACTIVATIONS
         else:
             category = Category.OPTIM if rec.in_step else Category.OTHER
-        host = (rec.cpu and (self._cpu_is_host or (rec.in_step and self._host_step))
-                or rec.key in self._host_ids)
+        host = (rec.cpu and (self._cpu_is_host or rec.host_born)) or rec.key in self._host_ids
         if category is not rec.category or host != rec.host:
             self._add(rec, -rec.nbytes)
             rec.category, rec.host = category, host
@@ -468,6 +478,12 @@ class MemoryTracker(TorchDispatchMode):
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._step(True)))
         hook = optimizer.register_step_post_hook(lambda *_: self._step(False))
         self._handles.append(hook)
+
+    def _hook_host_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._handles.append(optimizer.register_step_pre_hook(
+            lambda *_: setattr(self, "_host_region", True)))
+        self._handles.append(optimizer.register_step_post_hook(
+            lambda *_: setattr(self, "_host_region", False)))
 
     def _step(self, starting: bool) -> None:
         """Optimizer step pre/post-hook; see [Note: inside the optimizer step]."""
