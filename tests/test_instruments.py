@@ -225,6 +225,32 @@ def test_host_sources_and_compute_device_split_device_from_host() -> None:
     assert where["host"][Category.OPTIM] == 64 * F32 and where["host"][Category.PARAMS] == 0
 
 
+def test_optimizer_step_with_many_small_states_stays_linear() -> None:
+    # An optimizer step creating thousands of small state tensors, each a new peak, must
+    # not re-classify at every one (that was O(n^2)); the step's memory files as optim.
+    params = [nn.Parameter(torch.randn(10)) for _ in range(2000)]
+    for p in params:
+        p.grad = torch.randn(10)
+    opt = torch.optim.AdamW(params, foreach=False)
+    tracker = MemoryTracker().track_optimizer(opt).add_source(
+        lambda: {Category.PARAMS: params, Category.GRADS: [p.grad for p in params]})
+    calls = [0]
+    inner = tracker._reclassify
+
+    def counting() -> None:
+        calls[0] += 1
+        inner()
+
+    tracker._reclassify = counting  # type: ignore[method-assign]
+    with tracker:
+        opt.step()
+        peak = tracker.peak()
+    assert calls[0] < 600, calls[0]  # ~1% growth steps, not one per state tensor (6000)
+    state = 2000 * (2 * 10 * F32 + 4)  # exp_avg, exp_avg_sq, step
+    assert tracker.current()[Category.OPTIM] == state
+    assert peak[Category.OPTIM] >= state and peak[Category.OTHER] <= 10 * F32 * 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_matches_formula() -> None:
     model = mlp().cuda()
