@@ -52,8 +52,8 @@ backward and steps on the host before the next forward, so none of it overlaps w
 compute: step = compute + exposed communication + offload time. The host step is priced
 as the K·Ψ/N bytes touched at a host memory bandwidth per rank, 20 GB/s by default: a
 rough figure. benchmarks/host_adamw.txt measured torch's fused CPU AdamW on 100M fp32
-elements at 131 ms on 2 threads, i.e. 1.2 GB of (master, m, v) in 131 ms ≈ 9 GB/s in
-this count; a server with more cores and memory channels per rank does better.
+elements at 51 ms on 2 threads, i.e. 1.2 GB of (master, m, v) in 51 ms ≈ 24 GB/s in
+this count; a server rank's share of cores and memory channels may be more or less.
 
 ``offload="optimizer+params"`` (stage 3) also keeps the compute-dtype weight slice
 (P·Ψ/N) on the host — under the fp32 recipe that slice *is* the master, already counted —
