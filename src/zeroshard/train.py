@@ -169,13 +169,20 @@ class _Log:
             print(text, flush=True)
 
 
-def _peak_memory(device: Any) -> int:
+def _peak_memory(device: Any) -> tuple[str, int]:
+    """("device", CUDA max allocated) on a GPU, else ("RSS", the process's peak RSS)."""
     import resource
 
     import torch
 
     if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return "device", int(torch.cuda.max_memory_allocated(device))
+    return "RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _host_rss() -> int:
+    import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -291,11 +298,15 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
         tokens += c.global_batch * seq
         if step % c.log_every == 0 or step == c.steps:
             dist.all_reduce(total, group=group)
-            loss, tok_s, mem = total.item() / world, tokens / busy, _peak_memory(device)
+            loss, tok_s = total.item() / world, tokens / busy
+            where, mem = _peak_memory(device)
+            host = _host_rss() if where == "device" and c.offload != "none" else None
             log.record("step", step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tok_s,
-                       peak_mem_bytes=mem, loss_scale=optim.loss_scale)
+                       peak_mem_bytes=mem, peak_mem_kind=where, peak_host_rss_bytes=host,
+                       loss_scale=optim.loss_scale)
             log.say(f"step {step:>6}/{c.steps}  loss {loss:.4f}  lr {lr:.2e}  "
-                    f"{tok_s:>9,.0f} tok/s  peak mem {mem / 2**20:,.0f} MiB")
+                    f"{tok_s:>9,.0f} tok/s  peak {where} {mem / 2**20:,.0f} MiB"
+                    + (f"  host RSS {host / 2**20:,.0f} MiB" if host is not None else ""))
             tokens, busy = 0, 0.0
         if c.ckpt_dir and ((c.ckpt_every and step % c.ckpt_every == 0) or step == c.steps):
             t1 = time.perf_counter()
