@@ -135,6 +135,9 @@ def _bad(rank: int, world: int) -> dict:
         "no_params": lambda m: [{"lr": 0.1}],
         "not_list": lambda m: {"params": [norm(m)]},
         "frozen": lambda m: [{"params": [m.blocks[0].attn.q_proj.weight.requires_grad_(False)]}],
+        "typo_name": lambda m: [{"params": ["norm_f.weigth"]}],
+        "twice_in_one": lambda m: [{"params": [norm(m), norm(m)]}],
+        "key_typo": lambda m: [{"param": [norm(m)]}],
     }
     out = {}
     for name, groups in cases.items():
@@ -143,7 +146,37 @@ def _bad(rank: int, world: int) -> dict:
             zeroshard.shard(model, torch.optim.AdamW, stage=2, param_groups=groups(model))
         except (TypeError, ValueError) as e:
             out[name] = str(e)
+    # a factory that merges the groups it is given would silently drop their options
+    model = make_model(PRESET)
+    try:
+        zeroshard.shard(model, lambda gs: torch.optim.AdamW([p for g in gs for p in g["params"]]),
+                        stage=2, param_groups=[{"params": [norm(model)], "lr": 0.0}])
+    except ValueError as e:
+        out["merging_factory"] = str(e)
+    # names and (name, parameter) pairs are accepted, as torch takes them
+    model = make_model(PRESET)
+    named = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    _, opt = zeroshard.shard(model, torch.optim.AdamW, stage=2, param_groups=[
+        {"params": named, "weight_decay": 0.0}, {"params": ["tok_emb.weight"], "lr": 0.0}])
+    out["named_ok"] = [(g["weight_decay"], g["lr"]) for g in opt.param_groups]
+    # a checkpoint's groups must have the same members: hyperparameters load by position
+    with tempfile.TemporaryDirectory() as root:
+        model = make_model(PRESET)
+        model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=2, param_groups=[
+            {"params": ["norm_f.weight"], "lr": 0.0}, {"params": ["tok_emb.weight"]}])
+        save_checkpoint(Path(root) / "c", model, opt)
+        model2 = make_model(PRESET)
+        model2, opt2 = zeroshard.shard(model2, torch.optim.AdamW, stage=2, param_groups=[
+            {"params": ["tok_emb.weight"], "lr": 0.0}, {"params": ["norm_f.weight"]}])
+        try:
+            load_checkpoint(Path(root) / "c", model2, opt2)
+        except Exception as e:  # noqa: BLE001 - CheckpointError expected
+            out["swapped_ckpt"] = str(e)
     return out
+
+
+def test_param_groups_names_and_pairs_are_accepted() -> None:
+    assert _bad_messages()["named_ok"] == [(0.01, 1e-3), (0.0, 1e-3), (0.01, 0.0)]
 
 
 @pytest.mark.parametrize(("case", "needle"), [
@@ -153,6 +186,11 @@ def _bad(rank: int, world: int) -> dict:
     ("no_params", "param_groups[0] must be a dict with a 'params' list"),
     ("not_list", "must be a list of dicts"),
     ("frozen", "'blocks.0.attn.q_proj.weight', which is frozen"),
+    ("typo_name", "names 'norm_f.weigth'.*did you mean 'norm_f.weight'"),
+    ("twice_in_one", "'norm_f.weight' is twice in param_groups[0]"),
+    ("key_typo", "got a dict with keys ['param']"),
+    ("merging_factory", "returned 1 param group(s) for 2.*pass them on as they are"),
+    ("swapped_ckpt", "in other optimizer param groups than when saved, e.g."),
 ])
 def test_param_groups_bad_input(case: str, needle: str) -> None:
     msgs = _bad_messages()

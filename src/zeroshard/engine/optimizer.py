@@ -44,7 +44,9 @@ def resolve_param_groups(
 ) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """``param_groups=`` of ``shard()`` -> (group index by parameter name, each group's
     options). Group 0 is the default: every trainable parameter no group lists, with the
-    optimizer keywords given to ``shard()``; group i >= 1 is ``groups[i - 1]``."""
+    optimizer keywords given to ``shard()``; group i >= 1 is ``groups[i - 1]``. A group's
+    ``params`` may hold the model's parameters, their names, or ``(name, parameter)``
+    pairs as ``model.named_parameters()`` yields them (torch takes those too)."""
     if groups is None:
         return {}, [{}]
     if isinstance(groups, dict) or not isinstance(groups, list | tuple):
@@ -52,37 +54,76 @@ def resolve_param_groups(
                         f"[{{'params': no_decay, 'weight_decay': 0.0}}]; got "
                         f"{type(groups).__name__}")
     names: dict[int, list[str]] = {}
+    by_name: dict[str, nn.Parameter] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
+        by_name[n] = p
     group_of: dict[str, int] = {}
     options: list[dict[str, Any]] = [{}]
     for i, g in enumerate(groups, start=1):
+        where = f"param_groups[{i - 1}]"
         if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"param_groups[{i - 1}] must be a dict with a 'params' list; got {g!r}")
-        params = g["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
+            what = (f"a dict with keys {sorted(map(str, g))}" if isinstance(g, dict)
+                    else f"a {type(g).__name__}")
+            raise TypeError(f"{where} must be a dict with a 'params' list (e.g. {{'params': "
+                            f"no_decay, 'weight_decay': 0.0}}); got {what}")
+        for p in _group_params(g["params"], by_name, where):
             if id(p) not in names:
-                raise ValueError(f"param_groups[{i - 1}] lists a {tuple(p.shape)} tensor that "
-                                 "is not a parameter of the model being sharded; pass the "
-                                 "model's own parameters (e.g. from model.named_parameters())")
+                raise ValueError(f"{where} lists a {tuple(p.shape)} tensor that is not a "
+                                 "parameter of the model being sharded; pass the model's own "
+                                 "parameters (e.g. from model.named_parameters())")
             name = names[id(p)][0]
             if not p.requires_grad:
-                raise ValueError(f"param_groups[{i - 1}] lists {name!r}, which is frozen "
+                raise ValueError(f"{where} lists {name!r}, which is frozen "
                                  "(requires_grad=False) and gets no optimizer state; drop it")
             if name in group_of:
-                raise ValueError(f"{name!r} is in param_groups[{group_of[name] - 1}] and "
-                                 f"param_groups[{i - 1}]; list each parameter once")
+                tied = (f" ({' = '.join(names[id(p)])}: one tied parameter)"
+                        if len(names[id(p)]) > 1 else "")
+                other = group_of[name] - 1
+                twice = (f"twice in {where}" if other == i - 1
+                         else f"in param_groups[{other}] and {where}")
+                raise ValueError(f"{name!r}{tied} is {twice}; list each parameter once")
             for n in names[id(p)]:
                 group_of[n] = i
         options.append({k: v for k, v in g.items() if k != "params"})
     return group_of, options
 
 
+def _group_params(params: Any, by_name: dict[str, nn.Parameter],
+                  where: str) -> list[torch.Tensor]:
+    """A group's ``params`` as tensors: parameters, names, or (name, parameter) pairs."""
+    items = [params] if isinstance(params, torch.Tensor | str) else list(params)
+    out = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[1]  # named_parameters() form
+        if isinstance(item, str):
+            if item not in by_name:
+                from ..config import suggest_option
+
+                guess = suggest_option(item, sorted(by_name))
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                raise ValueError(f"{where} names {item!r}, which is not a parameter of the "
+                                 f"model{hint}")
+            item = by_name[item]
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{where}['params'] holds a {type(item).__name__}; pass the "
+                            "model's parameters, their names or (name, parameter) pairs")
+        out.append(item)
+    return out
+
+
 def check_group_keys(inner: torch.optim.Optimizer, options: list[dict[str, Any]]) -> None:
-    """Torch keeps unknown keys of a param group silently; a misspelt one would be lost."""
+    """Torch keeps unknown keys of a param group silently; a misspelt one would be lost.
+    A factory must also keep the groups it is given (one torch group per zeroshard one)."""
     from ..config import suggest_option
 
+    if len(inner.param_groups) != len(options):
+        raise ValueError(
+            f"the optimizer factory returned {len(inner.param_groups)} param group(s) for "
+            f"{len(options)} (the default group and {len(options) - 1} of param_groups=): "
+            "with param_groups the factory receives torch's group dicts and must pass them "
+            "on as they are, e.g. lambda groups: torch.optim.AdamW(groups, lr=1e-3)")
     known = set(inner.defaults)
     for i, opts in enumerate(options[1:]):
         for k in opts:

@@ -55,7 +55,7 @@ def check_model(manifest: dict[str, Any], entries: list[ParamEntry], model: nn.M
         raise CheckpointError("\n".join(lines))
 
 
-def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry],
+def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_of: dict[str, int],
                     inner: torch.optim.Optimizer, path: Path) -> dict[str, Any] | None:
     """The manifest's optimizer section if it fits ``inner`` (None: nothing to load)."""
     info = manifest.get("optimizer")
@@ -73,6 +73,16 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry],
         raise CheckpointError(
             f"checkpoint {str(path)!r} has {len(info['param_groups'])} optimizer param groups, "
             f"the optimizer has {len(inner.param_groups)}; build it the same way")
+    moved = [(e.name, info["group_of"].get(e.name, 0), group_of.get(e.name, 0))
+             for e in entries if e.trainable and "group_of" in info
+             and info["group_of"].get(e.name, 0) != group_of.get(e.name, 0)]
+    if moved:  # hyperparameters load by group position: they would land on other params
+        name, was, now = moved[0]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {len(moved)} parameter(s) are in other optimizer "
+            f"param groups than when saved, e.g. {name!r} (group {was} then, {now} now; 0 is "
+            "the default group, i the i-th of param_groups=); build param_groups= the same "
+            "way, or pass optimizer=None to load only the weights")
     states = info["params"]
     if not states:
         return info

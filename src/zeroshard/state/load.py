@@ -167,7 +167,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError("load_checkpoint was called while stage-3 units are gathered "
                               "(inside forward/backward); load between steps")
     inner = getattr(optimizer, "optim", optimizer)
-    info = check_optimizer(manifest, entries, inner, path) if inner is not None else None
+    info = (check_optimizer(manifest, entries, engine.group_of, inner, path)
+            if inner is not None else None)
     reader = SafeReader(path, manifest, verify=verify)
     metadata = reader.read_metadata()
     with quiet():

@@ -163,7 +163,10 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                     for b in engine.all_buckets],
         "optimizer": None if inner is None else {
             "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
-            "param_groups": _groups_json(inner), "params": optim_params},
+            "param_groups": _groups_json(inner), "params": optim_params,
+            # which group each trainable parameter is in (param_groups=; 0: the default)
+            "group_of": {e.name: engine.group_of.get(e.name, 0)
+                         for e in param_entries(engine) if e.trainable}},
     }
     return sd, layout
 
