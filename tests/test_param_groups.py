@@ -201,3 +201,56 @@ def test_param_groups_bad_input(case: str, needle: str) -> None:
 @functools.cache
 def _bad_messages() -> dict:
     return run_ranks(_bad, 1, timeout=120)[0]
+
+
+def _mixed_keys(rank: int, world: int, root: str) -> list:
+    """Groups whose optimizer state has different keys (SGD: no momentum buffer where
+    momentum=0; Adam: max_exp_avg_sq only where amsgrad), in both orders within a bucket:
+    bitwise equal to torch, and the state survives a checkpoint."""
+    import zeroshard.engine.chunks as chunks
+
+    chunks.CHUNK = 300
+    out = []
+    for cls, kw, extra in ((torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {"momentum": 0.0}),
+                           (torch.optim.Adam, {"lr": 1e-2}, {"amsgrad": True})):
+        for pick in (lambda p: p.dim() < 2, lambda p: p.dim() >= 2):
+            ref_model, model = make_model(PRESET), make_model(PRESET)
+            special = [p for p in ref_model.parameters() if pick(p)]
+            rest = [p for p in ref_model.parameters() if not pick(p)]
+            ref_opt = cls([{"params": rest}, {"params": special, **extra}], **kw)
+            names = [n for n, p in model.named_parameters() if pick(p)]
+            model, opt = zeroshard.shard(model, cls, stage=2, param_groups=[
+                {"params": names, **extra}], **kw)
+            data, ref_data = loader(PRESET, rank, world), loader(PRESET, rank, world)
+            for _ in range(STEPS):
+                for m, o, d in ((model, opt, data), (ref_model, ref_opt, ref_data)):
+                    x, y = next(d)
+                    loss_of(m, x, y).backward()
+                    o.step()
+                    o.zero_grad()
+            got = zeroshard.full_state_dict(model)
+            ref = {k: v.detach().float() for k, v in ref_model.state_dict().items()}
+            path = Path(root) / f"{cls.__name__}{len(out)}"
+            save_checkpoint(path, model, opt)
+            want = full_optimizer_state(model, opt)
+            model2 = make_model(PRESET, seed=4)
+            model2, opt2 = zeroshard.shard(model2, cls, stage=2, param_groups=[
+                {"params": names, **extra}], **kw)
+            load_checkpoint(path, model2, opt2)
+            again = full_optimizer_state(model2, opt2)
+            out.append({"equal": all(torch.equal(got[k], ref[k]) for k in ref),
+                        "keys": sorted({k for v in want.values() for k in v}),
+                        "reloaded": all(torch.equal(torch.as_tensor(again[n][k]),
+                                                    torch.as_tensor(v))
+                                        for n in want for k, v in want[n].items())})
+    chunks.CHUNK = 2**18
+    return out
+
+
+def test_groups_with_different_state_keys() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        out = run_ranks(_mixed_keys, 1, root, timeout=300)[0]
+    assert all(r["equal"] for r in out), out
+    assert all(r["reloaded"] for r in out), out
+    assert out[0]["keys"] == out[1]["keys"] == ["momentum_buffer"]
+    assert "max_exp_avg_sq" in out[2]["keys"] and "max_exp_avg_sq" in out[3]["keys"]

@@ -89,26 +89,39 @@ def _per_element(value: Any, chunk: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == chunk.shape
 
 
+def _keys(state: dict, b: FlatBucket) -> tuple[list[str], list[str]]:
+    """(per-element keys, other keys) over all the bucket's chunks, in first-seen order.
+    Chunks of different parameter groups can hold different keys (SGD keeps no momentum
+    buffer for a group with momentum=0; Adam a max_exp_avg_sq only where amsgrad)."""
+    per, other = {}, {}
+    for c in b.chunks:
+        for k, v in state.get(c, {}).items():
+            (per if _per_element(v, c) else other).setdefault(k, None)
+    return list(per), [k for k in other if k not in per]
+
+
 def flatten_state(state: dict, b: FlatBucket) -> None:
     """Point each chunk's per-element state at a view of one flat buffer per key (no-op
-    when it already is, or when the optimizer has no state for the bucket yet)."""
-    first = state.get(b.chunks[0])
-    if not first:
-        return
-    keys = [k for k, v in first.items() if _per_element(v, b.chunks[0])]
-    if all(k in b.flat_views and first[k] is b.flat_views[k][0] for k in keys):
+    when it already is, or when the optimizer has no state for the bucket yet). A chunk
+    without a key the others have gets zeros in the flat buffer and keeps not having it."""
+    keys, _ = _keys(state, b)
+    if all(k in b.flat_views and all(
+            state.get(c, {}).get(k, view) is view for c, view in zip(b.chunks, b.flat_views[k]))
+            for k in keys):
         return  # already views of the flat buffers
     b.flat_state, b.flat_views = {}, {}
     for k in keys:  # one key at a time: the chunks' old tensors go as the flat one comes
-        v0 = first[k]
+        have = [state.get(c, {}).get(k) for c in b.chunks]
+        v0 = next(v for v in have if v is not None)
         if len(b.chunks) == 1:  # the chunk's own tensor is the flat buffer: no copy
             b.flat_state[k], b.flat_views[k] = v0, (v0,)
             continue
-        flat = torch.empty(b.master.shape, dtype=v0.dtype, device=v0.device)
+        flat = torch.zeros(b.master.shape, dtype=v0.dtype, device=v0.device)
         views = tuple(flat[lo:hi] for lo, hi in b.chunk_ranges)
-        for c, view in zip(b.chunks, views):
-            view.copy_(state[c][k])
-            state[c][k] = view
+        for c, view, v in zip(b.chunks, views, have):
+            if v is not None:
+                view.copy_(v)
+                state[c][k] = view
         b.flat_state[k], b.flat_views[k] = flat, views
 
 
@@ -134,11 +147,14 @@ def _point(state: dict, b: FlatBucket, flats: dict[str, torch.Tensor],
 def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
     """The bucket's state as one dict: per-element keys as master-shaped tensors (the flat
     buffers), scalar keys as the first chunk's. Empty before the first step."""
-    first = state.get(b.chunks[0])
-    if not first:
+    keys, scalars = _keys(state, b)
+    if not keys and not scalars:
         return {}
     flatten_state(state, b)
-    return {k: b.flat_state[k] if k in b.flat_state else v for k, v in first.items()}
+    out: dict[str, Any] = {k: b.flat_state[k] for k in keys}
+    for k in scalars:  # the first chunk's that has it (all chunks step together)
+        out[k] = next(state[c][k] for c in b.chunks if k in state.get(c, {}))
+    return out
 
 
 def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any]) -> None:

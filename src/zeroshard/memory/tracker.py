@@ -357,6 +357,8 @@ class MemoryTracker(TorchDispatchMode):
             h.remove()
         self._handles.clear()
         self._active = False
+        # A step that raised never ran its post-hook: do not stay "inside the step".
+        self._in_step = self._host_region = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # Let wrapper subclasses (DTensor...) desugar first; we then see their local ops.
