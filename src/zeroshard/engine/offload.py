@@ -53,7 +53,9 @@ class Offload:
         self.params = self.enabled and mode == "optimizer+params"
         self.device = device
         self.host = torch.device("cpu")
-        self._pin = torch.cuda.is_available()
+        # Pinned host memory only serves copies to a CUDA device (and a trace's fake CPU
+        # tensors cannot be pinned).
+        self._pin = device.type == "cuda" and torch.cuda.is_available()
         if self.enabled and device.type != "cpu":
             host_threads()
 
