@@ -163,6 +163,9 @@ def test_host_step_threads_undo_torchruns_single_thread(monkeypatch) -> None:
         monkeypatch.setenv("ZEROSHARD_HOST_THREADS", "1")  # the user's choice wins
         with pytest.warns(UserWarning, match="ZEROSHARD_HOST_THREADS"):
             assert host_threads() == 1 == torch.get_num_threads()
+        monkeypatch.setenv("ZEROSHARD_HOST_THREADS", "many")
+        with pytest.raises(ValueError, match="ZEROSHARD_HOST_THREADS='many' must be a positive"):
+            host_threads()
         monkeypatch.delenv("ZEROSHARD_HOST_THREADS")
         torch.set_num_threads(2)  # already multi-threaded: left alone
         assert host_threads() == 2

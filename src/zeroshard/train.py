@@ -171,13 +171,11 @@ class _Log:
 
 def _peak_memory(device: Any) -> tuple[str, int]:
     """("device", CUDA max allocated) on a GPU, else ("RSS", the process's peak RSS)."""
-    import resource
-
     import torch
 
     if device is not None and device.type == "cuda":
         return "device", int(torch.cuda.max_memory_allocated(device))
-    return "RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return "RSS", _host_rss()
 
 
 def _host_rss() -> int:

@@ -1,23 +1,25 @@
 """Optimizer chunks: what the torch optimizer steps, and the flat view of its state.
 
 [Note: optimizer chunks]
-Each bucket's master (1-D, what the optimizer updates) is handed to the torch optimizer
-as views of at most ``CHUNK`` elements (``nn.Parameter`` objects sharing its memory), not
-as one tensor. Torch's single-tensor optimizers (AdamW's default on CPU) make several
-passes over each tensor; over a multi-million-element master every pass streams from
-memory, over 256K-element chunks the passes stay in cache. gpt2-small's 25.5M elements,
-AdamW, 2 threads, median of 7 interleaved: 4 flat buckets 82.5 ms, per parameter (as
-DDP sees them) 36.1 ms, 256K chunks 30.1 ms, 1M chunks 38.8 ms. The update is
-elementwise, so the result is bitwise the same however the master is cut. A trace (fake tensors) cuts at group
-boundaries only: in its accounting the one difference is AdamW's 4-byte ``step`` per chunk.
+Each bucket's master (1-D, what the optimizer updates) in CPU memory is handed to the
+torch optimizer as views of at most ``CHUNK`` elements (``nn.Parameter`` objects sharing
+its memory), not as one tensor. Torch's single-tensor optimizers (AdamW's default on CPU)
+make several passes over each tensor; over a multi-million-element master every pass
+streams from memory, over 256K-element chunks the passes stay in cache. gpt2-small's
+25.5M elements, AdamW, 2 threads, median of 7 interleaved: 4 flat buckets 82.5 ms, per
+parameter (as DDP sees them) 36.1 ms, 256K chunks 30.1 ms, 1M chunks 38.8 ms. The update
+is elementwise, so the result is bitwise the same however the master is cut. CUDA
+masters and traces (fake tensors) are cut at parameter-group boundaries only: in the
+accounting the one difference is AdamW's 4-byte ``step`` per chunk.
 
 The optimizer creates its state per chunk. After each step ``flatten_state`` re-points
 every per-element state tensor at a view of one master-shaped buffer per state key and
 bucket (after the first step it copies, one key of one bucket at a time: a transient of
-that much memory; then it finds the views in place and does nothing), so checkpoints, ``full_optimizer_state`` and the unused-parameter restore read
-one tensor per key (``bucket_state``). Torch's optimizers update their state in place,
-so the views stay live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the
-optimizer increments each one.
+that much memory; then it finds the views in place and does nothing), so checkpoints,
+``full_optimizer_state`` and the unused-parameter restore read one tensor per key
+(``bucket_state``). Torch's optimizers update their state in place, so the views stay
+live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the optimizer
+increments each one.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
     data = b.master.detach()
     n = data.numel()
     runs = _group_runs(b, n, group_of or {})
-    # A trace (fake tensors; memory/traced.py, which steps a fused AdamW with no
-    # temporaries) would pay ~20 dispatched ops per chunk for a speed-up it cannot have.
-    size = n if is_fake(data) else CHUNK
+    # Cutting by size helps only CPU masters (cache); a CUDA optimizer (foreach, fused)
+    # gains nothing and a trace (fake tensors, memory/traced.py) would pay ~20 dispatched
+    # ops per chunk and step: there, masters are cut at group boundaries only.
+    size = CHUNK if data.device.type == "cpu" and not is_fake(data) else n
     b.chunk_ranges, b.chunk_groups = [], []
     for a, z, g in runs:
         for lo in range(a, z, size):
@@ -125,25 +128,6 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
         b.flat_state[k], b.flat_views[k] = flat, views
 
 
-def _point(state: dict, b: FlatBucket, flats: dict[str, torch.Tensor],
-           keep: dict[str, Any]) -> None:
-    """Chunk i's per-element state := flats[k][its range]; other keys as in ``keep``
-    (one copy per chunk for tensors: each chunk's scalar is its own)."""
-    b.flat_state = flats
-    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges) for k, f in flats.items()}
-    for i, c in enumerate(b.chunks):
-        old = state.get(c, {})
-        new = {}
-        for k, v in keep.items():
-            if k in flats:
-                new[k] = b.flat_views[k][i]
-            elif k in old and i > 0 and old is not keep:
-                new[k] = old[k]  # the chunk's own scalar
-            else:
-                new[k] = v.clone() if isinstance(v, torch.Tensor) and i > 0 else v
-        state[c] = new
-
-
 def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
     """The bucket's state as one dict: per-element keys as master-shaped tensors (the flat
     buffers), scalar keys as the first chunk's. Empty before the first step."""
@@ -161,13 +145,15 @@ def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any]) -> None
     """Give every chunk its part of ``values``: master-shaped tensors become the flat
     buffers (sliced, as views), scalars are copied per chunk, since the optimizer updates
     each chunk's own in place. Empty ``values`` clears the bucket's state."""
-    if not values:
-        for c in b.chunks:
-            state.pop(c, None)
-        b.flat_state, b.flat_views = {}, {}
-        return
-    flats = {k: v for k, v in values.items()
-             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape}
     for c in b.chunks:
         state.pop(c, None)
-    _point(state, b, flats, keep=values)
+    b.flat_state = {k: v for k, v in values.items()
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape}
+    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges)
+                    for k, f in b.flat_state.items()}
+    if not values:
+        return
+    for i, c in enumerate(b.chunks):
+        state[c] = {k: b.flat_views[k][i] if k in b.flat_state
+                    else v.clone() if isinstance(v, torch.Tensor) and i > 0 else v
+                    for k, v in values.items()}

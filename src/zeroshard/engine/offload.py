@@ -130,6 +130,9 @@ def host_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    if want is not None and not (want.isdigit() and int(want) > 0):
+        raise ValueError(f"ZEROSHARD_HOST_THREADS={want!r} must be a positive integer (threads "
+                         "for the host optimizer step), e.g. 8; or unset it")
     n = int(want) if want else max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if n != torch.get_num_threads():
         warnings.warn(f"zeroshard offload: the host optimizer step runs on {n} threads "
