@@ -1,16 +1,17 @@
 """Memory by category and bytes on the wire, asserted exactly against the stage formulas.
 
-Notation (per rank): Ψ = trainable elements, padded per bucket so each bucket divides by
-N (``P`` = Σ padded bucket sizes, ``S`` = P / N = this rank's slice), c = compute-dtype
-bytes (4 fp32, 2 bf16), n_b = optimizer parameters (AdamW keeps one 4-byte ``step``
-tensor per optimizer parameter: each master in ≤256K-element chunks, engine/chunks.py).
+Notation (per rank): Ψ = trainable elements; at stages >= 1 each parameter is cut into N
+dim-0 chunks padded to equal size (``P`` = Σ padded bucket sizes, ``S`` = P / N = this
+rank's shard; stage 0 shards nothing, P = Ψ), c = compute-dtype bytes (4 fp32, 2 bf16),
+n_b = optimizer parameters (AdamW keeps one 4-byte ``step`` tensor per optimizer
+parameter: each master in ≤256K-element chunks, engine/chunks.py).
 Measured between steps (after ``zero_grad``), where the stage formulas of the ZeRO paper (§5) hold:
 
     stage  params      grads      optimizer state (fp32 master + 2 moments)
     0      c·P         c·P        K·P + 4·n_b     K = 12 (bf16) or 8 (fp32, where the
-    1      c·P         c·P        K·S + 4·n_b     master is the weight itself)
-    2      c·P         c·S        K·S + 4·n_b
-    3      c·S         c·S        K·S + 4·n_b
+    1      c·P         c·P        K'·S + 4·n_b    master is the weight itself)
+    2      c·P         c·S        K'·S + 4·n_b    K' = 12 (bf16) or 8 + 4 (fp32: the slice
+    3      c·S         c·S        K·S + 4·n_b     is kept apart from the whole weights)
 
 Stage 1 keeps its reduced slice inside the whole gradient buffer (see [Note: buffer
 lifetimes]), so it costs nothing extra.
@@ -57,6 +58,7 @@ def _measure(rank: int, world: int, stage: int, mixed_precision: str | None,
     return {
         "psi": psi,
         "padded": [b.padded_numel for b in engine.buckets],
+        "slots": [(s.numel, s.chunk, s.row) for b in engine.buckets for s in b.slots],
         "n_opt": len(engine.master_params()),  # masters in chunks (engine/chunks.py)
         "units": [(u.name, u.is_root, sum(b.padded_numel for b in u.buckets))
                   for u in engine.units],
@@ -90,7 +92,8 @@ def _expected(stage: int, mp: str | None, world: int, padded: list[int],
     return {
         "params": c * (s if stage == 3 else p),
         "grads": grads,
-        "optim": k * (p if stage == 0 else s) + steps,
+        "optim": k * (p if stage == 0 else s) + steps + (4 * s if stage in (1, 2) and not mp
+                                                       else 0),
     }
 
 
@@ -99,7 +102,10 @@ def test_model_state_bytes_equal_stage_formulas(world: int) -> None:
     for point, r in zip(GRID, _results(world)[0:1][0]):
         stage, mp = point["stage"], point["mixed_precision"]
         padded = r["padded"]
-        assert sum(padded) - r["psi"] < world * len(padded)  # padding: < N per bucket
+        n = 1 if stage == 0 else world
+        assert sum(padded) == sum(n * chunk for _, chunk, _ in r["slots"])
+        for numel, chunk, row in r["slots"]:  # padding: fewer than N rows per parameter
+            assert 0 <= n * chunk - numel < n * row
         exp = _expected(stage, mp, world, padded, r["n_opt"])
         got = {k: r["mem"][k] for k in exp}
         assert got == exp, (point, got, exp)

@@ -3,7 +3,7 @@
 One group of ranks is spawned per world size; every configuration runs inside it (see
 zeroshard.testing.sweep). Bound, per parameter: 1e-5 in ||delta|| / ||reference||, or 3x
 the larger of two measured yardsticks where that is larger: what torch DDP reaches on the
-same batches, and what single-process torch reaches when it merely sums the same batch in
+same batches (per model), and what single-process torch reaches when it merely sums the same batch in
 two halves (same maths, other rounding; see train_reference). Both are measured here and
 printed. The yardsticks matter for parameters whose true gradient is zero, such as the
 key bias (softmax ignores a constant added to every key): their gradient is pure
@@ -20,6 +20,7 @@ from _training import rel_diffs, train_ddp, train_reference, train_sharded
 from zeroshard.testing import run_ranks, sweep
 
 FREEZE = "blocks.0.norm1.weight"
+PRESETS = ("gpt2-tiny", "llama-tiny")  # DDP runs on each: the yardstick per model
 
 GRID: list[dict] = [
     *({"stage": s} for s in (0, 1, 2, 3)),
@@ -41,7 +42,7 @@ GRID: list[dict] = [
 
 def _all(rank: int, world: int, grid: list[dict]) -> list:
     results = sweep(functools.partial(train_sharded, rank, world), grid)
-    ddp = train_ddp(rank, world)
+    ddp = {p: train_ddp(rank, world, preset=p) for p in PRESETS}
     return [results, ddp] if rank == 0 else []
 
 
@@ -52,8 +53,8 @@ def _reference(key: tuple) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_stages_match_unsharded_training(world: int) -> None:
-    results, ddp = run_ranks(_all, world, GRID, timeout=600)[0]
-    ddp = rel_diffs(ddp, _reference((("preset", "gpt2-tiny"),)))
+    results, ddps = run_ranks(_all, world, GRID, timeout=600)[0]
+    ddp = {p: rel_diffs(d, _reference((("preset", p),))) for p, d in ddps.items()}
     failures = []
     worst_ratio, worst_dev = 0.0, 0.0
     for point, got in zip(GRID, results):
@@ -62,12 +63,13 @@ def test_stages_match_unsharded_training(world: int) -> None:
         ref = _reference(tuple(sorted(ref_key.items())))
         yard = rel_diffs(_reference(tuple(sorted({**ref_key, "split": 2}.items()))), ref)
         for name, dev in rel_diffs(got, ref).items():
-            bound = max(1e-5, 3 * yard[name], 3 * ddp.get(name, 0.0))
+            bound = max(1e-5, 3 * yard[name], 3 * ddp[ref_key["preset"]].get(name, 0.0))
             worst_ratio = max(worst_ratio, dev / bound)
             worst_dev = max(worst_dev, dev)
             if dev > bound:
                 failures.append(f"{point} {name}: {dev:.2e} > bound {bound:.1e}")
-    print(f"world {world}: DDP worst {max(ddp.values()):.2e} (median "
-          f"{sorted(ddp.values())[len(ddp) // 2]:.1e}); zeroshard worst {worst_dev:.2e}, "
+    d = ddp["gpt2-tiny"]
+    print(f"world {world}: DDP worst {max(d.values()):.2e} (median "
+          f"{sorted(d.values())[len(d) // 2]:.1e}); zeroshard worst {worst_dev:.2e}, "
           f"worst deviation/bound {worst_ratio:.2f}")
     assert not failures, "\n".join(failures)

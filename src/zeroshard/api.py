@@ -15,11 +15,15 @@ from torch import nn
 from .comm import Comm, CommLedger
 from .config import ShardConfig, suggest_option
 from .engine.engine import Engine, ParamInit
-from .engine.optimizer import (
-    ShardedOptimizer,
+from .engine.model_state import load_model_state_dict, model_state_dict
+from .engine.optimizer import ShardedOptimizer
+from .engine.optimizer_spec import (
+    OptimizerSpec,
     check_elementwise,
     check_group_keys,
-    resolve_param_groups,
+    disable,
+    spec_from_class,
+    spec_from_instance,
 )
 from .engine.units import UnitSpec
 from .memory.tracker import MemoryTracker
@@ -30,7 +34,9 @@ OptimizerFactory = type[torch.optim.Optimizer] | Callable[..., torch.optim.Optim
 
 
 class ShardedModule:
-    """Mixed into the user's model class by :func:`shard` (FSDP2 does the same)."""
+    """Mixed into the user's model class by :func:`shard` (FSDP2 does the same), so the
+    torch APIs a training script calls on its model give DDP's answers (docs/porting.md).
+    """
 
     _zeroshard_engine: Engine
 
@@ -38,13 +44,48 @@ class ShardedModule:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients of the backwards inside without communication.
 
-        Stages 0-1 accumulate into the whole gradient buffer they keep anyway; stage 2
-        keeps each parameter's whole gradient until the next synchronised backward
+        Stages 0-1 accumulate into the whole gradient buffer they keep anyway; stages 2-3
+        keep each parameter's whole gradient until the next synchronised backward
         (memory: the whole 16-bit gradient, 2 bytes per parameter). Outside ``no_sync``
         every backward reduces, and reduced gradients accumulate in the shard.
         """
         with self._zeroshard_engine.no_sync():
             yield
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch (what its ``no_sync()`` toggles): False accumulates locally."""
+        return self._zeroshard_engine.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._zeroshard_engine.sync = bool(value)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model itself (DDP scripts reach the wrapped model as ``model.module``)."""
+        return self._modules.get("module") or self  # type: ignore[attr-defined]
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """The unsharded model's state dict: whole weights, original dtypes. Collective
+        at stages 1-2 under mixed precision and at stage 3 (CPU tensors there); see
+        [Note: model state dicts] in engine/model_state.py."""
+        if args:
+            raise TypeError("pass state_dict's destination, prefix and keep_vars as keywords "
+                            "(torch deprecated the positional form)")
+        return model_state_dict(self, self._zeroshard_engine,  # type: ignore[arg-type]
+                                destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load a whole state dict into every rank's shards and masters (any stage)."""
+        return load_model_state_dict(self, self._zeroshard_engine,  # type: ignore[arg-type]
+                                     state_dict, strict=strict, assign=assign)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, including the sharded ones the engine accumulates."""
+        self._zeroshard_engine.zero_grad()
 
 
 def engine_of(model: nn.Module) -> Engine:
@@ -161,17 +202,26 @@ def shard(
             "torchrun"
         )
     if isinstance(optimizer, torch.optim.Optimizer):
+        if param_groups is not None:
+            raise TypeError(
+                "param_groups= goes with an optimizer class; a "
+                f"{type(optimizer).__name__} instance brings its own param_groups")
+        ours = {k: v for k, v in options.items() if k in ShardConfig.option_names()}
+        optim_kwargs = {k: v for k, v in options.items() if k not in ours}
+    elif callable(optimizer):
+        ours, optim_kwargs = _split_options(optimizer, options)
+    else:
         raise TypeError(
-            f"optimizer is a {type(optimizer).__name__} instance; pass the class and its "
-            f"keywords instead, e.g. zeroshard.shard(model, torch.optim."
-            f"{type(optimizer).__name__}, stage={stage}, lr=1e-3): zeroshard builds the "
-            "optimizer over this rank's shard"
-        )
-    ours, optim_kwargs = _split_options(optimizer, options)
+            f"optimizer={optimizer!r} is not an optimizer: pass a torch optimizer class and "
+            "its keywords (zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)), a callable "
+            "params -> optimizer, or a torch optimizer built on model.parameters()")
     config = ShardConfig(stage=stage, **ours)
     _check_model(model, stage)
     check_elementwise(optimizer)
-    group_of, group_options = resolve_param_groups(model, param_groups)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        spec = spec_from_instance(model, optimizer, optim_kwargs)
+    else:
+        spec = spec_from_class(model, optimizer, optim_kwargs, param_groups)
     if units is not None and stage != 3:
         raise ValueError(f"units= applies to stage 3 only (stage={stage}); drop it")
     meta = next(model.parameters()).is_meta
@@ -189,26 +239,23 @@ def shard(
             )
         from .hybrid import hybrid_comms
 
-        comm, replicate, world = hybrid_comms(ledger, hybrid=hybrid, mesh=mesh)
+        comm, replicate, world, mesh = hybrid_comms(ledger, hybrid=hybrid, mesh=mesh)
     else:
         label = "world" if process_group is None else "dp"
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
-                    replicate=replicate, world=world, param_groups=group_of)
-    if (config.offload and optimizer in (torch.optim.AdamW, torch.optim.Adam)
-            and "fused" not in optim_kwargs and "foreach" not in optim_kwargs):
+                    replicate=replicate, world=world, param_groups=spec.group_of, mesh=mesh)
+    if (config.offload and spec.factory in (torch.optim.AdamW, torch.optim.Adam)
+            and spec.instance is None
+            and "fused" not in spec.kwargs and "foreach" not in spec.kwargs):
         # The host step is the offload bottleneck: torch's fused CPU Adam(W) kernel is
         # 7.1x faster than its single-tensor loop on a 100M-element shard (docs/offload.md).
-        optim_kwargs["fused"] = True
-    params = (engine.optimizer_groups(group_options) if param_groups is not None
-              else engine.master_params())
-    inner = optimizer(params, **optim_kwargs)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
-        )
-    check_elementwise(inner)
-    check_group_keys(inner, group_options)
+        spec.kwargs["fused"] = True
+    inner = _build_inner(engine, spec)
+    optim = ShardedOptimizer(engine, inner, _user_groups(engine, spec, inner),
+                             defaults=spec.defaults or None)
+    if spec.state is not None:  # a resumed instance: its state carries over
+        optim.load_state_dict(spec.state)
     _destroy_group_at_exit()
     comm.ledger.mark_step()  # the initial broadcast is not part of any step
     comm.ledger.step = 0
@@ -218,7 +265,38 @@ def shard(
             c.know_names([*names, "full_state_dict", "used", "grad_norm", "overflow", "join"])
     model._zeroshard_engine = engine
     _swap_class(model)
-    return model, ShardedOptimizer(engine, inner)
+    if spec.instance is not None:
+        disable(spec.instance)
+    return model, optim
+
+
+def _build_inner(engine: Engine, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """The torch optimizer over this rank's master chunks, one group per user group."""
+    groups = engine.optimizer_groups(spec.options)
+    if len(groups) == 1 and spec.instance is None and not spec.options[0]:
+        params: Any = groups[0]["params"]  # a factory may expect a flat list of tensors
+    else:
+        params = groups
+    inner = spec.factory(params, **spec.kwargs)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
+        )
+    check_elementwise(inner)
+    check_group_keys(inner, spec)
+    if spec.defaults:
+        inner.defaults.update(spec.defaults)
+    return inner
+
+
+def _user_groups(engine: Engine, spec: OptimizerSpec,
+                 inner: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The user's groups (see [Note: optimizer groups]): the inner groups' hyperparameters
+    over the model's user parameters."""
+    by_name = engine.user_params_by_name()
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [by_name[n] for n in names]}
+            for g, names in zip(inner.param_groups, spec.groups)]
 
 
 _EXIT_HOOK = False
@@ -274,18 +352,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     engine = engine_of(model)
     engine.world.sync_point("full_state_dict")
-    values: dict[int, torch.Tensor] = {}
+    values: dict[str, torch.Tensor] = {}
     for b in engine.all_buckets:
         full = engine.full_master(b)
         for s in b.slots:
-            values[id(s.param)] = full[s.offset : s.offset + s.numel].view(s.shape)
-    params = {id(p) for p in model.parameters()}
+            for n in s.names:
+                values[n] = full[s.offset : s.offset + s.numel].view(s.shape)
     out: dict[str, torch.Tensor] = {}
-    named = dict(model.named_parameters(remove_duplicate=False))
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        p = named.get(key)
-        src = values.get(id(p), tensor) if p is not None and id(p) in params else tensor
-        src = src.detach()
+    for key, tensor in nn.Module.state_dict(model, keep_vars=True).items():
+        src = values.get(key, tensor).detach()
         out[key] = (src.float() if src.is_floating_point() else src).cpu().clone()
     return out
 
@@ -304,9 +379,9 @@ def memory_tracker(
     engine = getattr(model, "_zeroshard_engine", None)
     device = engine.device if engine is not None else next(model.parameters()).device
     tracker = MemoryTracker(compute_device=device)
-    tracker.track_module(model)
-    if optimizer is not None:
-        tracker.track_optimizer(optimizer)
+    tracker.track_module(model, params=engine is None)
+    if optimizer is not None:  # the inner optimizer holds the (chunked) state
+        tracker.track_optimizer(getattr(optimizer, "optim", optimizer))
     if engine is not None:
         tracker.add_source(engine.memory_sources())
         tracker.add_host_source(lambda: _host_tensors(engine, optimizer))

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "CollectiveTimeout",
-           "CollectiveMismatch", "CollectiveError"]
+           "CollectiveMismatch", "CollectiveError", "CHECK_TIMEOUT"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,12 @@ _OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 _PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other")
 
 
+#: Seconds a collective check waits for its peers unless ``timeout`` says otherwise:
+#: NCCL's default process-group timeout. A rank that legitimately works alone longer
+#: (saving a large checkpoint from rank 0) needs ``timeout=`` raised.
+CHECK_TIMEOUT = 600.0
+
+
 def _key(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
@@ -164,16 +170,22 @@ class Comm:
     caller's point of view unless ``async_op=True`` is passed where offered.
 
     [Note: divergence]
-    Two opt-in guards turn diverging ranks into errors instead of hangs:
+    Two guards turn diverging ranks — one rank evaluating alone, saving a stage-3 state
+    dict alone, taking another branch — into errors on every rank instead of hangs,
+    process aborts or silently mixed-up weights:
 
-    * ``timeout`` (seconds): every collective is waited on with that timeout; one that does
-      not complete raises :class:`CollectiveTimeout` naming the rank, the collective, its
-      unit and phase — on every rank that is left waiting.
-    * ``check``: before each collective the group all-gathers a 5-number descriptor (step,
-      index within the step, op, unit, element count) and compares. On a mismatch every
-      rank raises :class:`CollectiveMismatch` naming the step, the ranks and the first
-      differing collective — before issuing the mismatched collective, so nothing hangs.
-      Cost: one extra 40-byte all-gather per collective (a debug-run setting).
+    * ``check`` (on by default): before each collective the group all-gathers a
+      48-byte descriptor (step, index within the step, op, unit, phase, element count)
+      over a *separate* gloo group and compares. On a mismatch every rank raises
+      :class:`CollectiveMismatch` naming the step, the ranks, what each was doing and
+      the fix — before issuing the mismatched collective. The descriptors always have
+      the same size, so the check itself can never mismatch; a real collective of
+      another size could (gloo aborts the process on that, NCCL hangs or mixes data).
+      The check group is CPU-side, so on GPUs it does not synchronise the device.
+      Cost: one tiny all-gather round trip per collective (measured in docs/porting.md).
+    * ``timeout`` (seconds): checks wait at most this long (default: ``CHECK_TIMEOUT``),
+      then raise :class:`CollectiveTimeout` naming the rank, the collective, its unit
+      and phase; set explicitly, every collective is waited on with it too.
     """
 
     def __init__(
@@ -195,8 +207,29 @@ class Comm:
         ]
         self.timeout: float | None = None
         self.check = False
+        self._check_group: dist.ProcessGroup | None = None
         self._names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
         self._seq = (-1, 0)  # (step, index within step)
+
+    def enable_check(self) -> None:
+        """Turn on the collective check (see [Note: divergence]). Collective over the
+        group's ranks: it creates the gloo group the descriptors travel on. A fake group
+        (traced planning) has no peers to disagree with, so nothing is checked there."""
+        self.check = False
+        if self.size == 1 or not dist.is_available():
+            return
+        try:
+            backend = str(dist.get_backend(self.group))
+        except (RuntimeError, ValueError):
+            return
+        if backend == "fake":
+            return
+        if self.group is None and backend == "gloo":
+            self._check_group = dist.new_group(backend="gloo")
+        else:
+            self._check_group = dist.new_group(self._peers, backend="gloo",
+                                               use_local_synchronization=True)
+        self.check = True
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
@@ -240,25 +273,27 @@ class Comm:
         self._seq = (step, index)
         self.know_names([unit])
         ph = _PHASES.index(phase) if phase in _PHASES else len(_PHASES) - 1
-        mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel],
+        grad = int(torch.is_grad_enabled())
+        mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel, grad],
                             dtype=torch.int64)
-        table = torch.empty(self.size * 6, dtype=torch.int64)
-        work = _all_gather_single(table, mine, self.group, True)
-        Pending([work], table, f"collective check before {op}({unit})", self).wait()
-        rows = table.view(self.size, 6).tolist()
+        table = torch.empty(self.size * 7, dtype=torch.int64)
+        work = _all_gather_single(table, mine, self._check_group, True)
+        Pending([work], table, f"collective check before {op}({unit}, {phase})", self,
+                timeout=self.timeout or CHECK_TIMEOUT).wait()
+        rows = table.view(self.size, 7).tolist()
         if all(r == rows[0] for r in rows):
             return
 
         def say(r: list[int]) -> str:
             where = self._names.get(r[3], f"unit #{r[3]}")
-            return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}, {r[5]} elements) as collective "
-                    f"#{r[1]} of step {r[0]}")
+            what = "" if r[6] else " without gradients"
+            return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}{what}, {r[5]} elements) as "
+                    f"collective #{r[1]} of step {r[0]}")
 
         lines = [f"rank {self._peers[i]}: {say(r)}" for i, r in enumerate(rows)]
         raise CollectiveMismatch(
             f"ranks diverged at step {step}: they issued different collectives "
-            f"(group {self.label!r}):\n  " + "\n  ".join(lines) + "\nEvery rank must run the "
-            "same units in the same order each step; for uneven data use zeroshard.join()"
+            f"(group {self.label!r}):\n  " + "\n  ".join(lines) + "\n" + _fix(rows, self._names)
         )
 
     def sync_point(self, name: str) -> None:
@@ -370,6 +405,22 @@ class Comm:
         self._finish([work], tensor, desc, False)
 
 
+def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
+    """What to do about a mismatch, from what the ranks were doing."""
+    units = {names.get(r[3], "") for r in rows}
+    if units & {"state_dict", "optimizer.state_dict", "full_state_dict"}:
+        return ("A state dict of a sharded model is a collective here: call "
+                "model.state_dict() / optimizer.state_dict() on every rank and save on one "
+                "(sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
+    phases = {_PHASES[r[4]] for r in rows}
+    if "forward" in phases and len(phases) > 1 or len({r[6] for r in rows}) > 1:
+        return ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
+                "stage 3 every forward gathers weights from every rank: run forward passes, "
+                "evaluation included, on every rank (each on its own share of the data).")
+    return ("Every rank must run the same units in the same order each step; for uneven "
+            "data use zeroshard.join().")
+
+
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
     # torch 2.13 prefers the *_single names; keep working on torch >= 2.6.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -384,18 +435,19 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op
 class Pending:
     """A collective that may still be running; ``wait()`` blocks and returns its output."""
 
-    __slots__ = ("_work", "_out", "_desc", "_comm")
+    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout")
 
     def __init__(self, work: list | None, out: torch.Tensor, desc: str,
-                 comm: Comm | None = None) -> None:
+                 comm: Comm | None = None, timeout: float | None = None) -> None:
         self._work = work
         self._out = out
         self._desc = desc
         self._comm = comm
+        self._timeout = timeout
 
     def wait(self) -> torch.Tensor:
         if self._work:
-            timeout = self._comm.timeout if self._comm is not None else None
+            timeout = self._timeout or (self._comm.timeout if self._comm is not None else None)
             with _waiting_in(self._desc):
                 start = time.monotonic()
                 for w in self._work:
@@ -415,7 +467,10 @@ class Pending:
                         raise CollectiveTimeout(
                             f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
                             f"(group {c.label!r}) and gave up: a peer is not issuing the "
-                            "same collective (diverged, hung or busy elsewhere)"
+                            "same collective (diverged, hung or busy elsewhere). If one "
+                            "rank runs a forward or a stage-3 state dict alone, run it on "
+                            "every rank; if a rank legitimately works alone this long "
+                            "(saving a large checkpoint), raise shard(..., timeout=)"
                         ) from e
         self._work = None
         return self._out

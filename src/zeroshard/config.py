@@ -64,10 +64,14 @@ class ShardConfig:
     #: (ZeRO-Offload); stages 1-3. "optimizer+params" (stage 3): the compute-dtype weight
     #: slices too. On a CPU-only run host and device coincide: no copies.
     offload: str | None = None
-    #: Seconds any collective may take before raising CollectiveTimeout (None: wait forever).
+    #: Seconds a collective may wait for its peers before raising CollectiveTimeout.
+    #: None: collective checks wait comm.CHECK_TIMEOUT (600 s), collectives themselves
+    #: the process group's own timeout.
     timeout: float | None = None
-    #: Verify before every collective that all ranks issue the same one (debug runs).
-    check_collectives: bool = False
+    #: Verify before every collective that all ranks issue the same one, so a rank that
+    #: diverges (evaluates or saves a stage-3 state dict alone) raises an error on every
+    #: rank instead of hanging (see [Note: divergence] in comm.py).
+    check_collectives: bool = True
     #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.
     init_scale: float = 2.0**16
     growth_interval: int = 2000

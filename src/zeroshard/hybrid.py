@@ -46,8 +46,8 @@ def check_within_node(shard_size: int) -> None:
 
 def hybrid_comms(
     ledger: CommLedger, *, hybrid: tuple[int, int] | None, mesh: Any
-) -> tuple[Comm, Comm, Comm]:
-    """(shard, replicate, world) communicators sharing one ledger."""
+) -> tuple[Comm, Comm, Comm, Any]:
+    """(shard, replicate, world) communicators sharing one ledger, and the 2-D mesh."""
     world_size = dist.get_world_size()
     if mesh is None:
         if (not isinstance(hybrid, tuple | list) or len(hybrid) != 2
@@ -77,4 +77,4 @@ def hybrid_comms(
         )
     shard = Comm(mesh.get_group("shard"), ledger, label="shard")
     replicate = Comm(mesh.get_group("replicate"), ledger, label="replicate")
-    return shard, replicate, Comm(None, ledger, label="world")
+    return shard, replicate, Comm(None, ledger, label="world"), mesh

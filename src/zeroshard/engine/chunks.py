@@ -61,12 +61,12 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
 
 
 def _group_runs(b: FlatBucket, n: int, group_of: dict[str, int]) -> list[tuple[int, int, int]]:
-    """Maximal ranges ``(lo, hi, group)`` of the master (the whole bucket at stage 0, else
-    this rank's slice) whose parameters share a group; together they cover ``[0, n)``."""
-    start = 0 if n == b.padded_numel else b.shard_range[0]
+    """Maximal ranges ``(lo, hi, group)`` of the master (this rank's shard; at stage 0 the
+    whole bucket, a one-rank shard) whose parameters share a group; together they cover
+    ``[0, n)``. Each parameter's chunk, padding included, goes with its group."""
     runs: list[tuple[int, int, int]] = []
     for s in b.slots:
-        a, z = max(0, s.offset - start), min(n, s.offset + s.numel - start)
+        a, z = s.shard_offset, s.shard_offset + s.chunk
         if a >= z:
             continue
         g = group_of.get(s.names[0], 0)

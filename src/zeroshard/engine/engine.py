@@ -3,16 +3,18 @@
 [Note: buffer lifetimes]
 Per bucket (see [Note: flat buckets] in flat.py), on every rank:
 
-* ``full`` — compute-dtype weights, whole (stages 0-2: allocated at shard time, lives
-  forever; stage 3: see units.py). Parameters are views into it.
-* ``master`` — what the optimizer steps, in fp32 under mixed precision. Stage 0: whole.
-  Stages >= 1: this rank's slice only. Without mixed precision it *is* a view of
-  ``full`` (no copy); with it, a separate fp32 tensor.
-* ``grad`` — compute-dtype gradients, whole. Stages 0-1: allocated at shard time and
-  kept; a parameter's first gradient after ``zero_grad`` is copied in and its ``.grad``
-  becomes a view of the buffer, so further backwards (accumulation) add in place. Stage 2:
-  allocated by the first gradient of the bucket in backward and freed as soon as its
-  reduction completes, so at most ``_MAX_PENDING`` + 1 whole buckets exist at once.
+* ``full`` — compute-dtype weights, whole, parameter-major (stages 0-2: allocated at
+  shard time, lives forever; stage 3: see units.py). Compute parameters are views into it.
+* ``master`` — what the optimizer steps, in fp32 under mixed precision, in the shard
+  layout. Stage 0: whole, and without mixed precision it *is* ``full`` (no copy).
+  Stages >= 1: this rank's shard only, a tensor of its own.
+* ``grad`` — compute-dtype gradients, whole, in the gathered layout (stage 0: the same as
+  full). Stage 0: allocated at shard time and kept; a parameter's first gradient after
+  ``zero_grad`` is copied in and its ``.grad`` becomes a view of the buffer, so further
+  backwards (accumulation) add in place. Stage 1: kept too; each gradient is copied (or
+  added) into its chunks and the parameter's ``.grad`` dropped. Stages 2-3: allocated by
+  the first gradient of the bucket in backward and freed as soon as its reduction
+  completes, so at most ``_MAX_PENDING`` + 1 whole buckets exist at once.
 * ``grad_shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
   the step; reductions of several backwards (accumulation without ``no_sync``) add up in
   it. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
@@ -23,11 +25,17 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
   With offload there is no device ``grad_shard``: each reduced slice goes straight to the
   bucket's ``host_grad`` (see [Note: offload] in offload.py).
+* ``master.grad`` — fp32, unscaled, formed when a synchronised backward ends (a view of
+  ``grad_shard`` where dtypes agree); the user parameters' ``.grad`` are views of it
+  (see [Note: parameters the user sees] in params.py).
+* stages 1-2, after the step: a transient gathered buffer per bucket for the all-gather
+  of the updated weights, copied out into ``full``.
 
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
 autograd engine; it runs once backward is done, launches reductions of buckets that
-never became complete (parameters unused in this step) and waits for all in flight.
+never became complete (parameters unused in this step), waits for all in flight and,
+after a synchronised backward, publishes the gradients to the user parameters.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from ..config import ShardConfig
 from .chunks import make_chunks, set_master_grad
 from .flat import FlatBucket, cut_buckets
 from .offload import Offload
+from .params import Faces
 from .policy import StagePolicy
 from .precision import LossScaler
 from .replay import JoinReplay
@@ -89,6 +98,7 @@ class Engine(Stage3Hooks, JoinReplay):
         units: UnitSpec = None, param_init: ParamInit | None = None,
         device: torch.device | None = None, replicate: Comm | None = None,
         world: Comm | None = None, param_groups: dict[str, int] | None = None,
+        mesh: Any = None,
     ) -> None:
         self.model = model
         # Optimizer parameter groups by parameter name (0: the default group); the
@@ -104,7 +114,8 @@ class Engine(Stage3Hooks, JoinReplay):
         self.dp_size = comm.size * (replicate.size if replicate else 1)
         for c in {id(x): x for x in (comm, replicate, world) if x is not None}.values():
             c.timeout = config.timeout
-            c.check = config.check_collectives
+            if config.check_collectives:
+                c.enable_check()
         self.policy = StagePolicy(config.stage)
         self.compute_dtype = config.compute_dtype
         self.sync = True  # False inside no_sync(): accumulate locally, no communication
@@ -113,6 +124,8 @@ class Engine(Stage3Hooks, JoinReplay):
             config.growth_interval, enabled=config.mixed_precision == "fp16",
         )
         named = _named_params(model)
+        # Each parameter's dtype as built (state dicts return it; see model_state.py).
+        self.orig_dtype = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self.units: list[Unit] = []
         if self.policy.units_by_module:
             self.units = build_units(model, units, comm.size, comm.rank)
@@ -122,8 +135,11 @@ class Engine(Stage3Hooks, JoinReplay):
             self.frozen = [p for _, p in named if not p.requires_grad]
             trainable = [(n, p) for n, p in named if p.requires_grad]
             # Reverse registration order approximates the order backward produces grads.
+            # Stage 0 shards nothing: its layout is that of one rank (no padding, and the
+            # gathered and full layouts coincide, see [Note: flat buckets]).
+            world_, rank_ = (comm.size, comm.rank) if self.policy.shard_optimizer else (1, 0)
             self.all_buckets = cut_buckets(
-                list(reversed(trainable)), config.bucket_bytes, comm.size, comm.rank
+                list(reversed(trainable)), config.bucket_bytes, world_, rank_
             )
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
@@ -159,8 +175,18 @@ class Engine(Stage3Hooks, JoinReplay):
             self._sync_module_states()
         for b in self.all_buckets:
             self._materialize(b, param_init if meta else None)
+        # See [Note: parameters the user sees] in params.py.
+        self.faces = Faces(
+            model, self.all_buckets, sharded=self.policy.shard_optimizer,
+            swap=self.compute_dtype is not None or self.policy.shard_params,
+            mesh=self._mesh(mesh) if self.policy.shard_optimizer else None,
+            placements=self._placements(),
+        )
+        self.faces.show(self.all_buckets, compute=False)
+        self._shown_compute = False  # stages 0-2: the modules hold the compute params
         # After materialising: a meta model's parameters are new objects by now.
-        self._known_params = {id(p) for p in model.parameters()}
+        self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
+            id(s.param) for b in self.all_buckets for s in b.slots}
         self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
         for b in self.buckets:
             for i, s in enumerate(b.slots):
@@ -179,6 +205,25 @@ class Engine(Stage3Hooks, JoinReplay):
                     lambda m, a, o, u=u: self._unit_post_forward(u, o)))
 
     # -- set-up -----------------------------------------------------------------------------
+    def _mesh(self, mesh: Any):
+        """The DeviceMesh the user parameters' DTensors live on: the sharding group, or
+        with hybrid sharding the 2-D (replicate, shard) mesh."""
+        if mesh is not None:
+            return mesh
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.comm.group if self.comm.group is not None else dist.group.WORLD
+        with unset_fake_temporarily():  # a trace (memory/traced.py) runs under fake mode
+            return DeviceMesh.from_group(group, self.device.type)
+
+    def _placements(self) -> tuple:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if self.replicate is not None:
+            return (Replicate(), Shard(0))
+        return (Shard(0),)
+
     def reduce_dtype_of(self, b: FlatBucket) -> torch.dtype:
         return self.config.reduce_dtype or self.compute_dtype or b.dtype
 
@@ -207,16 +252,18 @@ class Engine(Stage3Hooks, JoinReplay):
         if self.policy.shard_params:
             self._materialize_sharded(b, flat)
             return
-        master_src = flat if self.compute_dtype is None else flat.float()
         if self.policy.shard_optimizer:
-            master_src = b.shard_of(master_src)
+            master_src = b.shard_from_full(flat)  # only the slice stays alive
             if self.compute_dtype is not None:
-                master_src = master_src.clone()  # keep only the slice alive
+                master_src = master_src.float()
+        else:
+            master_src = flat if self.compute_dtype is None else flat.float()
         b.master = nn.Parameter(self._on_host(master_src))
         make_chunks(b, self.group_of)
         if self.policy.keep_full_grads:
             b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
-            b.grad_views(b.grad)
+            if not self.policy.shard_optimizer:
+                b.grad_views(b.grad)
         if self.policy.shard_optimizer and not self._in_place(b) and not self.offload:
             b.grad_shard = torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
@@ -258,8 +305,8 @@ class Engine(Stage3Hooks, JoinReplay):
     def _materialize_sharded(self, b: FlatBucket, flat: torch.Tensor) -> None:
         """Stage 3: keep the slices; free the whole buffer's storage."""
         if b.requires_grad:
-            src = b.shard_of(flat)
-            master = src.float().clone() if self.compute_dtype else src.clone()
+            src = b.shard_from_full(flat)
+            master = src.float() if self.compute_dtype else src
             b.master = nn.Parameter(self._on_host(master))
             make_chunks(b, self.group_of)
             if not self.offload:  # offloaded slices go straight to the host
@@ -272,11 +319,12 @@ class Engine(Stage3Hooks, JoinReplay):
         ):
             b.shard16 = b.master.detach()  # fp32 without mixed precision: one copy only
         elif params_on_host:
-            b.shard16 = self.offloader.to_host(b.shard_of(b.full))
+            b.shard16 = self.offloader.to_host(b.shard_from_full(b.full))
         else:
-            b.shard16 = b.shard_of(b.full).clone()
+            b.shard16 = b.shard_from_full(b.full)
+        # Compute parameters stay views of ``full``; between uses the modules hold the
+        # user parameters (params.py), so nothing reads the freed storage.
         b.full.untyped_storage().resize_(0)
-        b.point_params_at_nothing()
 
     # -- forward hooks ------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -293,6 +341,11 @@ class Engine(Stage3Hooks, JoinReplay):
             self._unshard(root, "forward")
             root.wait()
             self._prefetch(self._order, 0)
+        elif self.faces.swap and not self._shown_compute:
+            self.faces.show(self.all_buckets, compute=True)
+            self._shown_compute = True
+        elif not in_backward():
+            self.faces.unpublish(self.buckets)
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -308,6 +361,8 @@ class Engine(Stage3Hooks, JoinReplay):
             self._recording = False
             if not torch.is_grad_enabled():
                 self._reshard(self.units[-1])
+        elif self._shown_compute and not torch.is_grad_enabled():
+            self._show_user()  # no backward follows
         if self.scaler.enabled and torch.is_grad_enabled():
             # Scaling the gradient that enters the model equals scaling the loss (backward
             # is linear) and keeps the plain ``loss.backward()`` API. If the model returns a
@@ -322,6 +377,13 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def _scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scaler.scale
+
+    def _show_user(self) -> None:
+        """Stages 0-2: the modules hold the user parameters again (end of backward, or of
+        a forward without gradients)."""
+        if self._shown_compute:
+            self.faces.show(self.all_buckets, compute=False)
+            self._shown_compute = False
 
     def _check_params(self) -> None:
         for name, p in self.model.named_parameters():
@@ -343,25 +405,21 @@ class Engine(Stage3Hooks, JoinReplay):
         b, i = self._slot_of[id(p)]
         b.used[i] = 1.0
         self._grads_prepared = False
-        if self.policy.keep_full_grads:
-            self._stash(b)
+        if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
                 view.copy_(p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
-        elif self.sync:
+        elif self.policy.keep_full_grads or self.sync:
+            if self.policy.keep_full_grads:
+                self._stash(b)
             if b.grad is None:
                 b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
-                b.grad[b.numel :].zero_()
-            region = b.slot_view(b.grad, i)
-            if b.valid[i]:
-                region.add_(p.grad)
-            else:
-                region.copy_(p.grad)
-                b.valid[i] = True
+            b.put_grad(b.grad, i, p.grad, add=b.valid[i])
+            b.valid[i] = True
             p.grad = None
-        # Inside no_sync() at stage 2 the parameter keeps its own (whole) .grad, which
+        # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
         if not self.sync:
             return
@@ -381,7 +439,7 @@ class Engine(Stage3Hooks, JoinReplay):
             self._stash(b)
         for i, ok in enumerate(b.valid):
             if not ok:  # no gradient since the last reduction: contributes zeros
-                b.slot_view(src, i).zero_()
+                b.grad_region(src, i).zero_()
         rdtype = self.reduce_dtype_of(b)
         buf = src if src.dtype == rdtype else src.to(rdtype)
         if self._predivide(rdtype):
@@ -463,6 +521,7 @@ class Engine(Stage3Hooks, JoinReplay):
         for u in self.units:
             u.in_backward = False
             self._reshard(u)
+        self._show_user()
         if not self.sync:
             for b in self.buckets:
                 b.ready = 0
@@ -479,6 +538,7 @@ class Engine(Stage3Hooks, JoinReplay):
             self._complete(self._pending.popleft())
         for b in self.buckets:
             b.launched = False
+        self.publish_grads()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -494,12 +554,27 @@ class Engine(Stage3Hooks, JoinReplay):
         """What the torch optimizer steps: each master in chunks (engine/chunks.py)."""
         return [c for b in self.buckets for c in b.chunks]
 
+    def user_params_by_name(self) -> dict[str, nn.Parameter]:
+        """Every parameter name -> the parameter the user sees (see params.py)."""
+        out = {n: p for n, p in nn.Module.named_parameters(self.model, remove_duplicate=False)}
+        for b in self.all_buckets:
+            for s in b.slots:
+                for n in s.names:
+                    out[n] = self.faces.user[id(s.param)]
+        return out
+
     def optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Torch param-group dicts: group i's chunks with ``options[i]`` (every group on
         every rank, even one with no chunk in this rank's shard)."""
         return [{**opts, "params": [c for b in self.buckets
                                     for c, g in zip(b.chunks, b.chunk_groups) if g == i]}
                 for i, opts in enumerate(options)]
+
+    def publish_grads(self) -> None:
+        """Form the masters' fp32 gradients and show them on the user parameters."""
+        self.prepare_grads()
+        for b in self.buckets:
+            self.faces.publish_grads(b)
 
     def prepare_grads(self) -> bool:
         """Give every master its fp32, unscaled gradient; return True if any overflowed.
@@ -604,6 +679,15 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
+        self.refresh_weights(phase="step")
+        if self._joinable is not None and not self._replaying:
+            self._last_iter = self.comm.ledger.records[self._iter_start :]
+            self._last_clip, self._clip_this_iter = self._clip_this_iter, None
+        self.comm.ledger.mark_step()
+
+    @torch.no_grad()
+    def refresh_weights(self, *, phase: str) -> None:
+        """Re-derive the compute weights from the masters (after a step or a load)."""
         for b in self.buckets:
             if self.policy.shard_params:
                 if self.offload and not self.offloader.params:
@@ -611,17 +695,20 @@ class Engine(Stage3Hooks, JoinReplay):
                 elif not self._same_memory(b.shard16, b.master):
                     b.shard16.copy_(b.master.detach())
                 continue
-            target = b.shard_of(b.full) if self.policy.shard_optimizer else b.full
+            if not self.policy.gather_after_step:  # stage 0: the whole master
+                if not self._same_memory(b.full, b.master):
+                    b.full.copy_(b.master.detach())
+                continue
+            # Stages 1-2: the updated slice into a gathered buffer, all-gather, copy out.
+            gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
+            target = b.shard_of(gathered)
             if self.offload:
                 self.offloader.upload(b, target)
-            elif not self._same_memory(target, b.master):
+            else:
                 target.copy_(b.master.detach())
-            if self.policy.gather_after_step:
-                self.comm.all_gather(b.full, phase="step", unit=b.name).wait()
-        if self._joinable is not None and not self._replaying:
-            self._last_iter = self.comm.ledger.records[self._iter_start :]
-            self._last_clip, self._clip_this_iter = self._clip_this_iter, None
-        self.comm.ledger.mark_step()
+            self.comm.all_gather(gathered, phase=phase, unit=b.name).wait()
+            b.gathered_to_full(gathered, b.full)
+            del gathered
 
     def zero_grad(self) -> None:
         """Like ``set_to_none=True``: no memset of the whole-gradient buffers (see valid)."""
@@ -636,8 +723,7 @@ class Engine(Stage3Hooks, JoinReplay):
             set_master_grad(b, None)
             b.used.zero_()
             b.valid = [False] * len(b.slots)
-            for s in b.slots:
-                s.param.grad = None
+            self.faces.clear_grads(b)
         self._grads_prepared = False
 
     def skip_step(self) -> None:
@@ -646,17 +732,27 @@ class Engine(Stage3Hooks, JoinReplay):
 
     # -- state --------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:
-        """The whole fp32 (master-precision) flat weights of a bucket, on every rank."""
+        """The whole master-precision weights of a bucket in the full layout, every rank.
+
+        Collective at stages >= 1 unless the compute weights are the master values
+        (stages 1-2 without mixed precision).
+        """
         if not self.policy.shard_optimizer:
             return b.master.detach()
-        if not self.policy.shard_params and (
-            self._same_memory(b.master, b.shard_of(b.full))
-        ):
+        if not self.policy.shard_params and b.master.dtype == b.full.dtype:
             return b.full  # fp32 without mixed precision: already whole and current
         src = (b.master if b.master is not None else b.shard16).detach()
-        full = torch.empty(b.padded_numel, dtype=torch.float32, device=b.device)
+        return self.gather_shard(b, src, phase="state")
+
+    def gather_shard(self, b: FlatBucket, shard: torch.Tensor, *, phase: str) -> torch.Tensor:
+        """Every rank's ``shard`` (shard layout, any dtype) as one full-layout tensor."""
         # Offloaded slices are on the host; collectives run on the device (NCCL needs it).
-        self.comm.all_gather_into(full, src.float().to(b.device), phase="state", unit=b.name)
+        gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
+        self.comm.all_gather_into(gathered, shard.to(b.device), phase=phase, unit=b.name)
+        if b.world == 1:
+            return gathered
+        full = torch.empty_like(gathered)
+        b.gathered_to_full(gathered, full)
         return full
 
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
@@ -676,10 +772,13 @@ class Engine(Stage3Hooks, JoinReplay):
                 if b.master.grad is not None:
                     grads.append(b.master.grad)
             params += self.frozen
+            # Stage 3's all-gathers in flight (gathered layout, before the copy-out).
+            comm = [b.gathering for b in self.all_buckets if b.gathering is not None]
             # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
             other = [b.used for b in self.all_buckets if b.used is not None]
             other += [self._used_flags] if self._used_flags is not None else []
-            return {"params": params, "grads": grads, "optim": optim, "other": other}
+            return {"params": params, "grads": grads, "optim": optim, "comm": comm,
+                    "other": other}
 
         return sources
 

@@ -1,20 +1,35 @@
-"""Flat, padded buffers: the unit of communication.
+"""Flat, padded buffers: the unit of communication, laid out so each rank's piece of a
+parameter is a dim-0 chunk (what ``torch.chunk`` and DTensor's ``Shard(0)`` give it).
 
 [Note: flat buckets]
-A :class:`FlatBucket` is a contiguous run of parameters of one dtype laid end to end in a
-single 1-D buffer, padded with zeros so its length divides evenly by the data-parallel
-degree N. Rank r owns elements ``[r*S, (r+1)*S)`` of every bucket, S = padded/N. One
-collective serves the whole bucket, so there are no per-parameter copies around the
-collective (FSDP paper §3.2). Each parameter keeps its identity (the same
-``nn.Parameter`` object, so tied weights and user references survive); only its
-``.data`` is pointed at a view of the buffer.
+A :class:`FlatBucket` holds a run of parameters of one dtype. Parameter p of shape
+``(R, *rest)`` (a 0-dim parameter counts as ``(1,)``) has rows of ``C = prod(rest)``
+elements and is cut along dim 0 into N chunks of ``c = ceil(R / N)`` rows — rank q owns
+rows ``[q·c, min((q+1)·c, R))``, possibly none: exactly ``torch.chunk``, so a rank's
+piece is a DTensor ``Shard(0)`` local tensor (see [Note: parameters the user sees] in
+engine.py). Each chunk is padded to ``c·C`` elements. Two layouts of the same elements:
+
+* **shard** (one rank's, S = Σ c·C elements): this rank's chunk of every parameter, end
+  to end, at ``slot.shard_offset``. Masters, optimizer state and reduced gradients
+  live in it; a rank's piece of p is ``shard[shard_offset : shard_offset + rows_q·C]``.
+* **gathered** (N·S, rank-major): rank q's shard at ``[q·S, (q+1)·S)``. One collective
+  serves the whole bucket: an all-gather fills it from the shards, a reduce-scatter sums
+  it into them. Gradients are copied into it as backward produces them.
+* **full** (N·S, parameter-major): p's ``N·c`` rows (padded) end to end at
+  ``slot.offset``, so p's compute tensor is a contiguous view
+  ``full[offset : offset + numel].view(shape)``, as torch expects.
+
+Gathered and full hold the same elements in two orders; going from one to the other is
+one strided copy per parameter (:meth:`FlatBucket.gathered_to_full`, the price FSDP2
+pays too: its copy-out). With N = 1 (stage 0, or a world of one) the two orders
+coincide and nothing is copied. A rank's chunk of p is contiguous in *full* as well, so
+building shards from whole weights (initialisation) needs no gathered buffer.
 
 Stages 0-2 cut buckets by size in reverse registration order (the order backward
 produces gradients, as DDP does), so reducing a bucket can start while backward still
 runs. Stage 3 cuts one bucket per unit (a transformer block, or the root). Sharding per
-bucket rather than per model (Megatron's distributed optimizer does the same) means a
-rank's optimizer shard is the union of its slices of each bucket, and every bucket can be
-reduced the moment it is complete.
+bucket rather than per model (Megatron's distributed optimizer does the same) means
+every bucket can be reduced the moment it is complete.
 """
 
 from __future__ import annotations
@@ -30,48 +45,95 @@ __all__ = ["ParamSlot", "FlatBucket", "cut_buckets"]
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives inside its bucket (names: every name it is known by)."""
+    """Where one parameter lives in its bucket (names: every name it is known by).
+
+    ``param`` is the *compute* parameter: the tensor forward reads and autograd gives
+    gradients to (a view of ``full``). ``user`` is what the model's modules hold between
+    forwards (see [Note: parameters the user sees]); the same object where no swap is
+    needed.
+    """
 
     names: tuple[str, ...]
     param: nn.Parameter
     shape: torch.Size
-    offset: int
+    offset: int  # start of its padded rows in the parameter-major (full) layout
+    shard_offset: int  # start of its chunk inside every rank's shard
+    world: int
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
 
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) else 1
+
+    @property
+    def row(self) -> int:
+        """Elements per dim-0 row."""
+        return self.numel // self.rows if self.rows else 0
+
+    @property
+    def chunk_rows(self) -> int:
+        return -(-self.rows // self.world)
+
+    @property
+    def chunk(self) -> int:
+        """Elements of one rank's (padded) chunk."""
+        return self.chunk_rows * self.row
+
+    def rows_of(self, q: int) -> int:
+        """Rows rank ``q`` really owns (``torch.chunk``: the last ones may own fewer, or
+        none)."""
+        return max(0, min(self.chunk_rows, self.rows - q * self.chunk_rows))
+
+    def piece(self, q: int) -> tuple[int, int]:
+        """Rank ``q``'s piece ``[lo, hi)`` in the flattened parameter's coordinates."""
+        lo = min(q * self.chunk_rows, self.rows) * self.row
+        return lo, lo + self.rows_of(q) * self.row
+
+    def local_shape(self, q: int) -> torch.Size:
+        if not len(self.shape):
+            return torch.Size([self.rows_of(q)])
+        return torch.Size([self.rows_of(q), *self.shape[1:]])
+
 
 class FlatBucket:
-    """One flat padded buffer's layout plus the tensors that hold it on this rank.
+    """One bucket's layout (see [Note: flat buckets]) plus the tensors that hold it.
 
     Buffer lifetimes (who allocates, who frees) are documented on the engine that drives
-    the bucket; this class only knows the layout and the slicing arithmetic.
+    the bucket; this class only knows the layout, the slicing and the copies.
     """
 
     def __init__(
-        self, index: int, name: str, slots: list[ParamSlot], world: int, rank: int,
-        requires_grad: bool = True,
+        self, index: int, name: str, params: list[tuple[tuple[str, ...], nn.Parameter]],
+        world: int, rank: int, requires_grad: bool = True,
     ) -> None:
-        if not slots:
+        if not params:
             raise ValueError(f"bucket {name!r} has no parameters")
-        dtypes = {s.param.dtype for s in slots}
+        dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {name!r} mixes dtypes {sorted(map(str, dtypes))}")
+        self.slots: list[ParamSlot] = []
+        offset = shard_offset = 0
+        for names, p in params:
+            s = ParamSlot(names, p, p.shape, offset, shard_offset, world)
+            self.slots.append(s)
+            offset += world * s.chunk
+            shard_offset += s.chunk
         self.index = index
         self.name = name
-        self.slots = slots
         self.dtype: torch.dtype = dtypes.pop()
-        self.device = slots[0].param.device
+        self.device = params[0][1].device
         self.world = world
         self.rank = rank
         self.requires_grad = requires_grad
-        self.numel = sum(s.numel for s in slots)
-        self.padded_numel = -(-self.numel // world) * world
-        self.shard_numel = self.padded_numel // world
+        self.numel = sum(s.numel for s in self.slots)
+        self.shard_numel = shard_offset
+        self.padded_numel = world * shard_offset
         # Filled in by the engine.
-        self.full: torch.Tensor | None = None  # compute-dtype flat parameters
-        self.grad: torch.Tensor | None = None  # compute-dtype flat gradients (full)
+        self.full: torch.Tensor | None = None  # compute-dtype weights, parameter-major
+        self.grad: torch.Tensor | None = None  # compute-dtype gradients, gathered layout
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
         self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)
@@ -80,6 +142,7 @@ class FlatBucket:
         self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
         self.flat_views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
+        self.gathering: torch.Tensor | None = None  # stage 3: all-gather in flight
         self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
         self.host_fresh = False  # offload: host_grad already holds the reduced slice
         self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
@@ -90,9 +153,10 @@ class FlatBucket:
         # Per slot: does ``grad`` hold this parameter's current gradient? Stale slots are
         # overwritten by the next gradient (a copy, not an add into zeros) or zeroed before
         # a reduction, so buffers never need a memset between steps.
-        self.valid = [False] * len(slots)
+        self.valid = [False] * len(self.slots)
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
 
+    # -- layout ------------------------------------------------------------------------
     @property
     def padding(self) -> int:
         return self.padded_numel - self.numel
@@ -102,39 +166,114 @@ class FlatBucket:
         lo = self.rank * self.shard_numel
         return lo, lo + self.shard_numel
 
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+    def shard_of(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This rank's shard inside a gathered-layout tensor."""
         lo, hi = self.shard_range
-        return full[lo:hi]
+        return gathered[lo:hi]
 
-    def flatten(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new padded flat copy of the parameters' current values."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
+    def local(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot ``i``'s piece inside a shard-layout tensor, shaped as its DTensor local."""
+        s = self.slots[i]
+        n = s.rows_of(self.rank) * s.row
+        return shard[s.shard_offset : s.shard_offset + n].view(s.local_shape(self.rank))
+
+    def slot_view(self, full: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot ``i``'s whole parameter inside a full-layout tensor."""
+        s = self.slots[i]
+        return full[s.offset : s.offset + s.numel].view(s.shape)
+
+    def views(self, full: torch.Tensor) -> Iterable[tuple[ParamSlot, torch.Tensor]]:
+        for i, s in enumerate(self.slots):
+            yield s, self.slot_view(full, i)
+
+    def slots_in_shard(self) -> Iterable[tuple[ParamSlot, int, int]]:
+        """(slot, lo, hi): each parameter's piece in this rank's shard coordinates."""
         for s in self.slots:
-            flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            n = s.rows_of(self.rank) * s.row
+            if n:
+                yield s, s.shard_offset, s.shard_offset + n
+
+    # -- copies between the layouts ----------------------------------------------------
+    def _rank_major(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Per slot, its N chunks inside a gathered tensor: an (N, c·C) strided view."""
+        return list(gathered.view(self.world, self.shard_numel).split(
+            [s.chunk for s in self.slots], dim=1))
+
+    def _param_major(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [full[s.offset : s.offset + self.world * s.chunk].view(self.world, s.chunk)
+                for s in self.slots]
+
+    def gathered_to_full(self, gathered: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy-out after an all-gather (a no-op when the two are one tensor, N = 1)."""
+        if gathered is full:
+            return
+        torch._foreach_copy_(self._param_major(full), self._rank_major(gathered))
+
+    def full_to_gathered(self, full: torch.Tensor, gathered: torch.Tensor) -> None:
+        if gathered is full:
+            return
+        torch._foreach_copy_(self._rank_major(gathered), self._param_major(full))
+
+    def shard_from_full(self, full: torch.Tensor, out: torch.Tensor | None = None,
+                        rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s shard of a full-layout tensor (each chunk is contiguous there)."""
+        q = self.rank if rank is None else rank
+        if out is None:
+            out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
+        for s in self.slots:
+            lo = s.offset + q * s.chunk
+            out[s.shard_offset : s.shard_offset + s.chunk].copy_(full[lo : lo + s.chunk])
+        return out
+
+    def grad_region(self, gathered: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot ``i``'s N chunks (padding included) inside a gathered-layout gradient."""
+        s = self.slots[i]
+        g = gathered.view(self.world, self.shard_numel)
+        return g[:, s.shard_offset : s.shard_offset + s.chunk]
+
+    def put_grad(self, gathered: torch.Tensor, i: int, grad: torch.Tensor, add: bool) -> None:
+        """Copy (or add) a whole gradient into its chunks of a gathered-layout buffer;
+        padding rows are zeroed by a copy and left alone (zero) by an add."""
+        s = self.slots[i]
+        region = self.grad_region(gathered, i)
+        flat = grad.reshape(-1)
+        if s.numel == self.world * s.chunk:  # no padding: one strided copy
+            src = flat.view(self.world, s.chunk)
+            region.add_(src) if add else region.copy_(src)
+            return
+        k, rem = divmod(s.numel, s.chunk) if s.chunk else (0, 0)
+        op = torch.Tensor.add_ if add else torch.Tensor.copy_
+        if k:
+            op(region[:k], flat[: k * s.chunk].view(k, s.chunk))
+        if rem:
+            op(region[k, :rem], flat[k * s.chunk :])
+        if not add:
+            if rem:
+                region[k, rem:].zero_()
+            region[k + (1 if rem else 0) :].zero_()
+
+    # -- the parameters ----------------------------------------------------------------
+    def flatten(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new full-layout copy of the parameters' current values (padding zeroed)."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
+        for s, view in self.views(flat):
+            view.copy_(s.param.detach())
         return flat
 
-    def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        s = self.slots[i]
-        return flat[s.offset : s.offset + s.numel].view(s.shape)
-
-    def views(self, flat: torch.Tensor) -> Iterable[tuple[ParamSlot, torch.Tensor]]:
-        for s in self.slots:
-            yield s, flat[s.offset : s.offset + s.numel].view(s.shape)
-
-    def point_params_at(self, flat: torch.Tensor) -> None:
-        """Make every parameter a view into ``flat`` (keeps each Parameter's identity)."""
-        for s, view in self.views(flat):
+    def point_params_at(self, full: torch.Tensor) -> None:
+        """Make every compute parameter a view into ``full`` (keeps its identity)."""
+        for s, view in self.views(full):
             s.param.data = view
 
-    def replace_meta_params(self, model: nn.Module, flat: torch.Tensor) -> None:
-        """Swap meta parameters for real ones viewing ``flat``, under every name.
+    def replace_meta_params(self, model: nn.Module, full: torch.Tensor) -> None:
+        """Swap meta parameters for real ones viewing ``full``, under every name.
 
         A meta tensor's ``.data`` cannot be pointed at real memory, so each parameter is
         replaced by a new ``nn.Parameter`` — set on every module that holds it, keeping
         tied weights tied.
         """
-        for i, (s, view) in enumerate(list(self.views(flat))):
-            # Not nn.Parameter(view): that would share ``flat``'s version counter, so
+        for i, (s, view) in enumerate(list(self.views(full))):
+            # Not nn.Parameter(view): that would share ``full``'s version counter, so
             # every later write into the buffer (a gather) would look to autograd like an
             # in-place change of a saved weight. ``.data`` aliases memory only.
             new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
@@ -144,26 +283,11 @@ class FlatBucket:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, new)
             self.slots[i] = replace(s, param=new)
-        self.device = flat.device
+        self.device = full.device
 
-    def point_params_at_nothing(self) -> None:
-        """Stage 3, while sharded: parameters are empty, so a stray read sees no weights
-        rather than freed memory (FSDP1 does the same)."""
-        empty = torch.empty(0, dtype=self.full.dtype, device=self.device)
-        for s in self.slots:
-            s.param.data = empty
-
-    def grad_views(self, flat: torch.Tensor) -> None:
-        for s, view in self.views(flat):
+    def grad_views(self, full: torch.Tensor) -> None:
+        for s, view in self.views(full):
             s.param.grad = view
-
-    def slots_in_shard(self) -> Iterable[tuple[ParamSlot, int, int]]:
-        """(slot, lo, hi) for each parameter overlapping this rank's slice, in shard coords."""
-        lo, hi = self.shard_range
-        for s in self.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                yield s, a - lo, b - lo
 
 
 def cut_buckets(
@@ -175,22 +299,21 @@ def cut_buckets(
     A parameter larger than ``bucket_bytes`` gets a bucket of its own.
     """
     buckets: list[FlatBucket] = []
-    slots: list[ParamSlot] = []
+    group: list[tuple[tuple[str, ...], nn.Parameter]] = []
     size = 0
 
     def close() -> None:
-        nonlocal slots, size
-        if slots:
+        nonlocal group, size
+        if group:
             i = start_index + len(buckets)
-            buckets.append(FlatBucket(i, f"{name_prefix}{i}", slots, world, rank))
-        slots, size = [], 0
+            buckets.append(FlatBucket(i, f"{name_prefix}{i}", group, world, rank))
+        group, size = [], 0
 
     for names, p in params:
         nbytes = p.numel() * p.element_size()
-        if slots and (size + nbytes > bucket_bytes or p.dtype != slots[0].param.dtype):
+        if group and (size + nbytes > bucket_bytes or p.dtype != group[0][1].dtype):
             close()
-        offset = sum(s.numel for s in slots)
-        slots.append(ParamSlot(names, p, p.shape, offset))
+        group.append((names, p))
         size += nbytes
     close()
     return buckets

@@ -17,6 +17,7 @@ from .units import Unit, UnitState
 if TYPE_CHECKING:
     from ..comm import Comm
     from ..config import ShardConfig
+    from .params import Faces
 
 __all__ = ["Stage3Hooks", "in_backward"]
 
@@ -53,6 +54,7 @@ class Stage3Hooks:
 
     comm: Comm
     config: ShardConfig
+    faces: Faces
     units: list[Unit]
     unsharded_bytes: int
     peak_unsharded_bytes: int
@@ -64,12 +66,14 @@ class Stage3Hooks:
     def _unshard(self, u: Unit, phase: str) -> None:
         if u.state is UnitState.SHARDED:
             u.unshard(self.comm, phase, async_op=self.config.overlap)
+            self.faces.show(u.buckets, compute=True)
             self.unsharded_bytes += u.unsharded_bytes
             self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
 
     def _reshard(self, u: Unit) -> None:
         if u.state is not UnitState.SHARDED:
             u.reshard()
+            self.faces.show(u.buckets, compute=False)
             self.unsharded_bytes -= u.unsharded_bytes
 
     def _prefetch(self, order: list[Unit], start: int) -> None:

@@ -15,12 +15,15 @@ compute dtype). Around the unit's compute:
               the end of backward if the unit has frozen weights, which no gradient
               tracks)
 
-The gathered buffer ``full`` is allocated once and its *storage* is resized to zero to
-free it (``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors
-autograd saved in forward (views of the weights, such as a transposed weight) keep
-pointing at the same storage, which holds the right values again by the time backward
-reads them. While sharded, parameters are pointed at empty tensors, so user code that
-touches them outside forward sees no weights rather than freed memory.
+An all-gather fills a transient buffer in the gathered (rank-major) layout, which
+``wait`` copies out into ``full`` (parameter-major, see [Note: flat buckets]) and
+frees. ``full`` is allocated once and its *storage* is resized to zero to free it
+(``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors autograd
+saved in forward (views of the weights, such as a transposed weight) keep pointing at the
+same storage, which holds the right values again by the time backward reads them. While
+sharded, the modules hold the user parameters (DTensor slices of the masters, see
+[Note: parameters the user sees] in params.py), so user code that touches them outside
+forward sees the true shapes and values, never freed memory.
 
 The root unit is gathered at the root's forward and kept until the end of backward, since
 the head is the first thing backward needs (FSDP2 treats its root the same way); it is
@@ -39,6 +42,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 from torch import nn
 
 from ..comm import Comm, Pending
@@ -82,22 +86,29 @@ class Unit:
         if self.state is not UnitState.SHARDED:
             return
         for b in self.buckets:
-            full = b.full
-            full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            b.point_params_at(full)
+            gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
             # From the host with offload="optimizer+params": non-blocking, on the stream
             # the all-gather waits for (see [Note: offload] in offload.py).
-            b.shard_of(full).copy_(b.shard16, non_blocking=True)
-            self.pending.append(comm.all_gather(full, phase=phase, unit=self.name,
+            b.shard_of(gathered).copy_(b.shard16, non_blocking=True)
+            b.gathering = gathered
+            self.pending.append(comm.all_gather(gathered, phase=phase, unit=self.name,
                                                 async_op=async_op))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
+        """Finish the gathers and copy the weights out into ``full`` (the compute
+        parameters' storage, refilled here: see [Note: flat buckets])."""
         for p in self.pending:
             p.wait()
         self.pending.clear()
-        if self.state is UnitState.GATHERING:
-            self.state = UnitState.UNSHARDED
+        if self.state is not UnitState.GATHERING:
+            return
+        for b in self.buckets:
+            full = b.full
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            b.gathered_to_full(b.gathering, full)
+            b.gathering = None
+        self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the gathered weights; the slices stay."""
@@ -106,7 +117,6 @@ class Unit:
         self.wait()
         for b in self.buckets:
             b.full.untyped_storage().resize_(0)
-            b.point_params_at_nothing()
         self.state = UnitState.SHARDED
 
 

@@ -16,7 +16,9 @@ weight, so P = 4 already holds it):
     stage 3  (P + G + K) Ψ / N       + parameters                (ZeRO "P_os+g+p")
 
 Ψ = 7.5B, N = 64, K = 12 gives the paper's 120 / 31.4 / 16.6 / 1.9 GB. Our flat buffers
-pad the sharded part to a multiple of N (``padded=True``: ceil(Ψ / N) elements per rank).
+pad each parameter's dim-0 chunks to equal size; ``padded=True`` approximates that by
+ceil(Ψ / N) elements per rank. Under pure fp32, stages 1-2 also keep each rank's fp32
+slice apart from the whole fp32 weights (P·Ψ/N more, ``Recipe.master_in_optim``).
 
 [Note: communication volume]
 ZeRO §7, in the ledger's "logical bytes" (see [Note: logical vs wire bytes] in comm.py):
@@ -119,6 +121,11 @@ class Recipe:
     """K: optimizer state (12 = fp32 master + Adam m + v; 8 = Adam m + v, fp32 weights)."""
     act_bytes: int
     """Bytes per stored activation element (2 for 16-bit compute)."""
+    master_in_optim: bool = True
+    """K holds the fp32 master weights (16-bit recipes). Without mixed precision the
+    weights are the master, except at stages 1-2: each rank keeps its fp32 slice apart
+    from the whole weights (the weights' dim-0 chunks are not contiguous in the whole
+    buffer; see [Note: flat buckets]), P·Ψ/N more."""
 
     def __post_init__(self) -> None:
         for field in ("param_bytes", "grad_bytes", "optim_bytes", "act_bytes"):
@@ -140,7 +147,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe(name="bf16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
         # fp16 costs the same bytes; it adds dynamic loss scaling, not memory.
         Recipe(name="fp16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
-        Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4),
+        Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4,
+               master_in_optim=False),
     )
 }
 
@@ -188,10 +196,11 @@ def model_state_bytes(
             return psi * nbytes
         return math.ceil(psi / n) * nbytes if padded else math.ceil(psi * nbytes / n)
 
+    master = share(r.param_bytes, True) if stage in (1, 2) and not r.master_in_optim else 0
     return ModelState(
         params=share(r.param_bytes, stage >= 3),
         grads=share(r.grad_bytes, stage >= 2),
-        optim=share(r.optim_bytes, stage >= 1),
+        optim=share(r.optim_bytes, stage >= 1) + master,
     )
 
 

@@ -47,6 +47,9 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     ``id`` and weak references identify the memory block itself (works for fake tensors:
     their storage is a ``meta`` storage whose ``nbytes()`` is the real size).
     """
+    local = getattr(t, "_local_tensor", None)  # a DTensor holds no storage of its own
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):

@@ -188,13 +188,18 @@ class MemoryTracker(TorchDispatchMode):
         self._busy = False  # re-classifying: ops run by sources are not new memory
 
     # -- registration ------------------------------------------------------------------
-    def track_module(self, module: nn.Module) -> MemoryTracker:
-        """Parameters -> params, their ``.grad`` -> grads, buffers -> other."""
+    def track_module(self, module: nn.Module, *, params: bool = True) -> MemoryTracker:
+        """Parameters -> params, their ``.grad`` -> grads, buffers -> other.
+
+        ``params=False``: buffers only (a sharded model's parameters view buffers its
+        engine files itself: masters under optim, see ``zeroshard.memory_tracker``)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"track_module expects an nn.Module, got {type(module).__name__}")
         self._modules.append(module)
         if self._active:
             self._hook_module(module)
+        if not params:
+            return self.add_source(lambda: {Category.OTHER: module.buffers()})
         return self.add_source(
             lambda: {
                 Category.PARAMS: module.parameters(),

@@ -41,11 +41,7 @@ def full_optimizer_state(model: nn.Module,
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape:
                 flat[k] = v
                 if engine.policy.shard_optimizer:
-                    # Gathered on the device: offloaded state is on the host, and NCCL's
-                    # collectives take device tensors only.
-                    flat[k] = torch.empty(b.padded_numel, dtype=v.dtype, device=engine.device)
-                    engine.comm.all_gather_into(flat[k], v.to(engine.device), phase="state",
-                                                unit=b.name)
+                    flat[k] = engine.gather_shard(b, v.detach(), phase="state")
             else:
                 scalars[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         for e in entries:

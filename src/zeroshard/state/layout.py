@@ -1,10 +1,9 @@
 """From flat buckets to per-parameter 1-D ranges: what a rank owns, in checkpoint terms.
 
 [Note: checkpoint layout]
-Inside the engine a rank owns elements ``[r*S, (r+1)*S)`` of every flat bucket (see
-[Note: flat buckets]); that slice cuts across several parameters, and which parameters
-share a bucket depends on the stage (stages 0-2 cut buckets by bytes, stage 3 by unit)
-and the padding on the world size. None of that may leak into the file, or a checkpoint
+Inside the engine a rank owns a dim-0 chunk of every parameter of a bucket (see
+[Note: flat buckets]); which parameters share a bucket depends on the stage (stages 0-2
+cut buckets by bytes, stage 3 by unit) and the chunks and padding on the world size. None of that may leak into the file, or a checkpoint
 could only be read back by the layout that wrote it. So every parameter is stored on its
 own, *flattened*, under its canonical name (the first name ``named_parameters`` gives
 it; tied names are recorded as aliases):
@@ -13,8 +12,8 @@ it; tied names are recorded as aliases):
 * ``optim.<name>.<key>`` — each per-element optimizer state (AdamW's ``exp_avg``,
   ``exp_avg_sq``), 1-D, same ranges.
 
-Each rank's slice of a bucket becomes, for every parameter it overlaps, one 1-D chunk
-``[lo, hi)`` of that parameter, written by that rank only as a ``ShardedTensor`` shard
+A rank's chunk of a parameter is one 1-D range ``[lo, hi)`` of the flattened
+parameter, written by that rank only as a ``ShardedTensor`` shard
 with its global offset. Loading at another world size or stage asks the checkpoint
 (torch.distributed.checkpoint, "DCP") for exactly the 1-D ranges the *new* layout owns,
 and DCP reads the overlapping parts of whichever stored chunks hold them. The 16-bit
@@ -31,7 +30,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from ..engine.engine import Engine
-from ..engine.flat import FlatBucket
+from ..engine.flat import FlatBucket, ParamSlot
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_tensor_views",
            "sharded_1d", "sharded_tensor", "quiet", "global_ranks"]
@@ -89,45 +88,54 @@ class ParamEntry:
     shape: tuple[int, ...]
     param: nn.Parameter
     bucket: FlatBucket | None  # None: a frozen parameter kept whole on every rank
-    offset: int  # flat offset inside its bucket
+    slot: ParamSlot | None
     trainable: bool
+    world: int  # ranks of the sharding group (who writes which piece)
+    rank: int
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def offset(self) -> int:
+        return self.slot.offset if self.slot is not None else 0
+
     def ranges(self) -> list[tuple[int, int, int]]:
-        """``(rank, lo, hi)``: every rank's piece, in this parameter's flat coordinates."""
-        b = self.bucket
-        assert b is not None
-        out = []
-        for q in range(b.world):
-            a = max(q * b.shard_numel, self.offset)
-            c = min((q + 1) * b.shard_numel, self.offset + self.numel)
-            if a < c:
-                out.append((q, a - self.offset, c - self.offset))
-        return out
+        """``(rank, lo, hi)``: every rank's piece, in this parameter's flat coordinates
+        (its dim-0 chunk; see [Note: flat buckets]). Stage 0 keeps everything whole on
+        every rank and splits only the writing, by the same rule over its ranks."""
+        s = self.slot
+        assert s is not None
+        if s.world == 1 and self.world > 1:
+            s = replace(s, world=self.world)
+        return [(q, *s.piece(q)) for q in range(s.world) if s.rows_of(q)]
 
     def piece(self, t: torch.Tensor) -> torch.Tensor | None:
         """This rank's piece of the parameter inside a per-bucket tensor ``t`` — the
-        rank's slice (stages >= 1) or the whole padded bucket (stage 0) — or None."""
-        b = self.bucket
-        assert b is not None
-        mine = [(lo, hi) for q, lo, hi in self.ranges() if q == b.rank]
+        rank's shard (stages >= 1) or the whole bucket (stage 0) — or None."""
+        s = self.slot
+        assert s is not None
+        mine = [(lo, hi) for q, lo, hi in self.ranges() if q == self.rank]
         if not mine:
             return None
         lo, hi = mine[0]
-        base = 0 if t.numel() == b.padded_numel else b.shard_range[0]
-        return t[self.offset + lo - base : self.offset + hi - base]
+        if s.world == 1:  # a whole bucket
+            return t[s.offset + lo : s.offset + hi]
+        return t[s.shard_offset : s.shard_offset + hi - lo]
 
     def whole(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole flattened parameter inside a whole-bucket tensor ``t`` (stage 0)."""
+        """The whole flattened parameter inside a full-layout tensor ``t``."""
         return t[self.offset : self.offset + self.numel]
 
 
 def param_entries(engine: Engine) -> list[ParamEntry]:
-    """Every parameter of the engine's model, in ``named_parameters`` order."""
-    slots = {id(s.param): (b, s) for b in engine.all_buckets for s in b.slots}
+    """Every parameter of the engine's model, in ``named_parameters`` order (names are the
+    model's; each parameter once, whichever of its faces the modules hold now)."""
+    slots: dict[int, tuple[FlatBucket, ParamSlot]] = {}
+    for b in engine.all_buckets:
+        for s in b.slots:
+            slots[id(s.param)] = slots[id(engine.faces.user[id(s.param)])] = (b, s)
     names: dict[int, list[str]] = {}
     params: list[nn.Parameter] = []
     for n, p in engine.model.named_parameters(remove_duplicate=False):
@@ -140,9 +148,10 @@ def param_entries(engine: Engine) -> list[ParamEntry]:
         b, s = slots.get(id(p), (None, None))
         shape = tuple(s.shape) if s is not None else tuple(p.shape)
         out.append(ParamEntry(
-            name=names[id(p)][0], aliases=tuple(names[id(p)][1:]), shape=shape, param=p,
-            bucket=b, offset=s.offset if s is not None else 0,
+            name=names[id(p)][0], aliases=tuple(names[id(p)][1:]), shape=shape,
+            param=s.param if s is not None else p, bucket=b, slot=s,
             trainable=b.requires_grad if b is not None else p.requires_grad,
+            world=engine.comm.size, rank=engine.comm.rank,
         ))
     return out
 
@@ -157,9 +166,9 @@ def bucket_tensor_views(entry: ParamEntry, t: torch.Tensor, *, for_load: bool, g
     """
     b = entry.bucket
     assert b is not None
-    if for_load and t.numel() == b.padded_numel and b.world > 1:
+    if for_load and b.world == 1:
         return entry.whole(t)
-    return sharded_1d(entry.numel, entry.ranges(), entry.piece(t), b.rank, peers, group,
+    return sharded_1d(entry.numel, entry.ranges(), entry.piece(t), entry.rank, peers, group,
                       t.dtype, t.device)
 
 

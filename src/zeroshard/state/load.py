@@ -117,26 +117,6 @@ def _set_groups(inner: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> No
                 group[k] = v
 
 
-@torch.no_grad()
-def _sync_compute_weights(engine: Engine) -> None:
-    """Re-derive the compute-dtype weights from the loaded masters (see layout.py)."""
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # one buffer (fp32 without MP)
-        return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
-
-    for b in engine.buckets:
-        master = b.master.detach()
-        if engine.policy.shard_params:
-            if not same(b.shard16, master):
-                b.shard16.copy_(master)
-        elif engine.policy.shard_optimizer:
-            own = b.shard_of(b.full)
-            if not same(own, master):
-                own.copy_(master)
-            engine.comm.all_gather(b.full, phase="state", unit=b.name).wait()
-        elif not same(b.full, master):
-            b.full.copy_(master)
-
-
 def _rebuild_extra(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__tensor__"}:
@@ -195,7 +175,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                               "which the manifest promises; the checkpoint is damaged")
     with quiet(), dcp_errors(f"loading {str(path)!r} failed"):
         dcp.load(sd, storage_reader=reader, process_group=engine.comm.group)
-    _sync_compute_weights(engine)
+    engine.refresh_weights(phase="state")
     if info is not None:
         _set_scalars(inner, fixups)
         _set_groups(inner, info["param_groups"])

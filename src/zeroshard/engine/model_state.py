@@ -1,0 +1,191 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model: DDP's answer.
+
+[Note: model state dicts]
+``state_dict()`` returns the keys, shapes and values the unsharded model's would: every
+parameter whole, in its original dtype (fp32 master weights under mixed precision — the
+values being trained, which is what a user reloads), buffers as they are.
+
+* Where this rank holds every parameter whole in its original dtype — stage 0, and
+  stages 1-2 without mixed precision — the values are views of the weights on their
+  device, as under DDP: no copy, no communication, so calling it on one rank is fine.
+* Otherwise (stages 1-2 under mixed precision, stage 3) it is a collective: every rank
+  must call it. Buckets are gathered one at a time (a stage-3 bucket is one unit) and
+  each parameter is copied to the CPU, so the device never holds more than its shards
+  plus one gathered bucket (in the master dtype). Calling it on one rank only ends in
+  an error on every rank (see [Note: divergence] in comm.py).
+
+``load_state_dict(full)`` copies each rank's piece of every parameter into its master
+weights and compute weights at any stage, from any full state dict (the model's, a
+plain model's, a zeroshard one from another stage or world size), with torch's
+``strict`` / missing / unexpected-key behaviour; no communication. Every rank loads.
+The sharded, communication-free form for checkpoints is ``zeroshard.save_checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from .units import UnitState
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .flat import FlatBucket
+
+__all__ = ["model_state_dict", "load_model_state_dict", "needs_collective"]
+
+
+def needs_collective(engine: Engine) -> bool:
+    """Whether whole original-dtype weights must be gathered (see the Note)."""
+    return engine.policy.shard_params or (
+        engine.policy.shard_optimizer and engine.compute_dtype is not None)
+
+
+def _check_outside_forward(engine: Engine, what: str) -> None:
+    busy = [u.name for u in engine.units if u.state is not UnitState.SHARDED]
+    if busy:
+        raise RuntimeError(
+            f"model.{what}() was called while units {busy} are gathered (inside forward or "
+            "before backward finished); call it between training steps")
+
+
+def _extract(b: FlatBucket, gathered: torch.Tensor, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """Slot ``i``'s whole parameter out of a gathered-layout tensor, into a new CPU tensor."""
+    s = b.slots[i]
+    out = torch.empty(s.numel, dtype=dtype, device="cpu")
+    g = gathered.view(b.world, b.shard_numel)
+    for q in range(b.world):
+        lo, hi = s.piece(q)
+        if hi > lo:
+            out[lo:hi].copy_(g[q, s.shard_offset : s.shard_offset + hi - lo])
+    return out.view(s.shape)
+
+
+@torch.no_grad()
+def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
+    """Every bucketed parameter's whole value, by each of its names."""
+    out: dict[str, torch.Tensor] = {}
+    gather = needs_collective(engine)
+    if gather:
+        engine.world.sync_point("state_dict")
+    for b in engine.all_buckets:
+        if not gather:
+            src = b.master if not engine.policy.shard_optimizer else b.full
+            for i, s in enumerate(b.slots):
+                user = engine.faces.user[id(s.param)]
+                v = user if keep_vars else b.slot_view(src.detach(), i)
+                out.update(dict.fromkeys(s.names, v))
+            continue
+        shard = (b.master if b.master is not None else b.shard16).detach()
+        gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
+        engine.comm.all_gather_into(gathered, shard.to(b.device), phase="state", unit=b.name)
+        for i, s in enumerate(b.slots):
+            v = _extract(b, gathered, i, engine.orig_dtype.get(s.names[0], shard.dtype))
+            out.update(dict.fromkeys(s.names, v))
+        del gathered
+    return out
+
+
+def model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = None,
+                     prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    """See [Note: model state dicts]."""
+    _check_outside_forward(engine, "state_dict")
+    values = _values(engine, keep_vars)
+    if destination is None:
+        destination = OrderedDict()
+        destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+    before = set(destination)
+    nn.Module.state_dict(model, destination=destination, prefix=prefix, keep_vars=True)
+    for key in [k for k in destination if k not in before]:
+        name = key[len(prefix):]
+        if name in values:
+            destination[key] = values[name]
+        elif name in engine.orig_dtype and not keep_vars:  # a frozen parameter, stages 0-2
+            v = destination[key].detach()
+            destination[key] = v.to(engine.orig_dtype[name])
+        elif not keep_vars and isinstance(destination[key], torch.Tensor):
+            destination[key] = destination[key].detach()
+    return destination
+
+
+def _full(t: Any, key: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"state_dict[{key!r}] is a {type(t).__name__}, not a tensor")
+    if hasattr(t, "full_tensor"):  # a DTensor: its whole value (collective)
+        t = t.full_tensor()
+    return t.detach()
+
+
+@torch.no_grad()
+def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
+                          strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
+    """See [Note: model state dicts]."""
+    if assign:
+        raise NotImplementedError(
+            "load_state_dict(assign=True) would replace the sharded parameters; zeroshard "
+            "copies values into its buffers: call load_state_dict(state_dict) without assign")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"expected a dict of tensors (model.state_dict()), got "
+                        f"{type(state_dict).__name__}")
+    _check_outside_forward(engine, "load_state_dict")
+    expected = list(nn.Module.state_dict(model, keep_vars=True))
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in set(expected)]
+    errors = []
+    slots = [(b, i, s) for b in engine.all_buckets for i, s in enumerate(b.slots)]
+    named = [(n, b, i, s) for b, i, s in slots for n in s.names]
+    for n, _b, _i, s in named:
+        if n in state_dict and isinstance(state_dict[n], torch.Tensor) and (
+                tuple(state_dict[n].shape) != tuple(s.shape)):
+            errors.append(f"size mismatch for {n}: copying a param with shape "
+                          f"{tuple(state_dict[n].shape)} from checkpoint, the shape in current "
+                          f"model is {tuple(s.shape)}.")
+    if strict:
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in missing) + ". ")
+        if unexpected:
+            errors.insert(0, "Unexpected key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
+                           + "\n\t".join(errors))
+    for b, i, s in slots:
+        key = next((n for n in s.names if n in state_dict), None)
+        if key is not None:
+            _load_slot(engine, b, i, _full(state_dict[key], key))
+    bucketed = {n for n, *_ in named}
+    rest = {k: v for k, v in state_dict.items() if k not in bucketed}
+    nn.Module.load_state_dict(model, rest, strict=False)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _load_slot(engine: Engine, b: FlatBucket, i: int, t: torch.Tensor) -> None:
+    """This rank's piece of a whole value -> the master and the compute weights."""
+    s = b.slots[i]
+    flat = t.reshape(-1)
+    if not engine.policy.shard_optimizer:  # stage 0: whole
+        targets = [b.slot_view(b.master.detach(), i), b.slot_view(b.full, i)]
+        src = t
+    else:
+        lo, hi = s.piece(b.rank)
+        src = flat[lo:hi]
+        piece = slice(s.shard_offset, s.shard_offset + hi - lo)
+        targets = [] if b.master is None else [b.master.detach()[piece].view(-1)]
+        if engine.policy.shard_params:
+            targets.append(b.shard16[piece])
+        else:
+            targets = [*targets, b.slot_view(b.full, i)]
+    done: list[torch.Tensor] = []
+    for dst in targets:
+        if any(engine._same_memory(dst, d) for d in done):
+            continue
+        if dst.shape == src.shape:
+            dst.copy_(src)
+        else:  # the whole compute view at stages 1-2
+            dst.copy_(t)
+        done.append(dst)

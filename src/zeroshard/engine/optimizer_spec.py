@@ -1,0 +1,248 @@
+"""What the user asked to optimize, and how: an optimizer class with keywords, or a torch
+optimizer instance they already built on the model's parameters.
+
+[Note: optimizer groups]
+zeroshard steps this rank's master slices with a torch optimizer of the user's class
+(engine/optimizer.py); the user holds a :class:`ShardedOptimizer` whose
+``param_groups`` look like the ones torch would have over the unsharded model — the
+same groups, in the same order, with the same hyperparameters, holding the model's
+(user) parameters. Group ``i`` of the user's optimizer steps the chunks of the
+parameters listed in it; trainable parameters no group lists are not stepped at all
+(torch leaves them alone too). How the groups arise:
+
+* ``shard(model, torch.optim.AdamW, lr=..., param_groups=[...])``: group 0 holds every
+  parameter no entry of ``param_groups`` lists (frozen ones included, as
+  ``AdamW(model.parameters())`` would), with the keywords; group ``i`` is
+  ``param_groups[i - 1]``, its keys overriding the keywords;
+* ``shard(model, optimizer_instance)``: its groups as they are, its class, its
+  defaults; any state it holds (a resume that loaded a state dict before sharding)
+  carries over. The instance is then disabled: stepping it raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "check_elementwise",
+           "check_group_keys", "disable"]
+
+# Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners).
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Shampoo", "Muon", "Lamb", "LARS",
+                    "Lars", "SOAP", "Sophia", "Kron")
+
+#: Group index of trainable parameters the user's optimizer does not hold.
+NOT_STEPPED = -1
+
+
+@dataclass
+class OptimizerSpec:
+    """How to build the inner optimizer and the user's groups (see [Note: optimizer
+    groups]). Parameters are named by their first ``named_parameters`` name."""
+
+    factory: Callable[..., torch.optim.Optimizer]
+    kwargs: dict[str, Any]  # passed to ``factory`` with the inner groups
+    groups: list[list[str]]  # per user group, its parameters' names, in order
+    options: list[dict[str, Any]]  # per user group, its hyperparameters
+    group_of: dict[str, int]  # every name of every trainable parameter -> group index
+    state: dict[str, Any] | None = None  # a torch-format state dict to load, if any
+    instance: torch.optim.Optimizer | None = None
+    check_keys: bool = True  # options came from the user (misspellings possible)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for bad in _NOT_ELEMENTWISE:
+        if bad.lower() in cls.__name__.lower():
+            raise ValueError(
+                f"optimizer {cls.__name__} is not elementwise: its update depends on whole "
+                "tensors, which a flat shard does not have. zeroshard supports elementwise "
+                "optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, Lion-style); use one of "
+                "them or an unsharded run for this optimizer"
+            )
+
+
+def _names(model: nn.Module) -> tuple[dict[int, list[str]], dict[str, nn.Parameter]]:
+    names: dict[int, list[str]] = {}
+    by_name: dict[str, nn.Parameter] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        by_name[n] = p
+    return names, by_name
+
+
+def spec_from_class(model: nn.Module, factory: Callable[..., torch.optim.Optimizer],
+                    kwargs: dict[str, Any], groups: Any) -> OptimizerSpec:
+    """``param_groups=`` of ``shard()`` -> the spec. A group's ``params`` may hold the
+    model's parameters, their names, or ``(name, parameter)`` pairs as
+    ``model.named_parameters()`` yields them (torch takes those too)."""
+    names, by_name = _names(model)
+    listed: dict[str, int] = {}
+    options: list[dict[str, Any]] = [{}]
+    members: list[list[str]] = [[]]
+    if groups is not None and (isinstance(groups, dict) or not isinstance(groups, list | tuple)):
+        raise TypeError(f"param_groups must be a list of dicts like torch's, e.g. "
+                        f"[{{'params': no_decay, 'weight_decay': 0.0}}]; got "
+                        f"{type(groups).__name__}")
+    for i, g in enumerate(groups or [], start=1):
+        where = f"param_groups[{i - 1}]"
+        if not isinstance(g, dict) or "params" not in g:
+            what = (f"a dict with keys {sorted(map(str, g))}" if isinstance(g, dict)
+                    else f"a {type(g).__name__}")
+            raise TypeError(f"{where} must be a dict with a 'params' list (e.g. {{'params': "
+                            f"no_decay, 'weight_decay': 0.0}}); got {what}")
+        members.append([])
+        for p in _group_params(g["params"], by_name, where):
+            if id(p) not in names:
+                raise ValueError(f"{where} lists a {tuple(p.shape)} tensor that is not a "
+                                 "parameter of the model being sharded; pass the model's own "
+                                 "parameters (e.g. from model.named_parameters())")
+            name = names[id(p)][0]
+            if not p.requires_grad:
+                raise ValueError(f"{where} lists {name!r}, which is frozen "
+                                 "(requires_grad=False) and gets no optimizer state; drop it")
+            if name in listed:
+                tied = (f" ({' = '.join(names[id(p)])}: one tied parameter)"
+                        if len(names[id(p)]) > 1 else "")
+                other = listed[name] - 1
+                twice = (f"twice in {where}" if other == i - 1
+                         else f"in param_groups[{other}] and {where}")
+                raise ValueError(f"{name!r}{tied} is {twice}; list each parameter once")
+            listed[name] = i
+            members[i].append(name)
+        options.append({k: v for k, v in g.items() if k != "params"})
+    group_of: dict[str, int] = {}
+    for ns in names.values():
+        i = listed.get(ns[0], 0)
+        if i == 0:
+            members[0].append(ns[0])
+        for n in ns:
+            group_of[n] = i
+    return OptimizerSpec(factory=factory, kwargs=kwargs, groups=members, options=options,
+                         group_of=group_of)
+
+
+def _group_params(params: Any, by_name: dict[str, nn.Parameter],
+                  where: str) -> list[torch.Tensor]:
+    """A group's ``params`` as tensors: parameters, names, or (name, parameter) pairs."""
+    items = [params] if isinstance(params, torch.Tensor | str) else list(params)
+    out = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[1]  # named_parameters() form
+        if isinstance(item, str):
+            if item not in by_name:
+                from ..config import suggest_option
+
+                guess = suggest_option(item, sorted(by_name))
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                raise ValueError(f"{where} names {item!r}, which is not a parameter of the "
+                                 f"model{hint}")
+            item = by_name[item]
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{where}['params'] holds a {type(item).__name__}; pass the "
+                            "model's parameters, their names or (name, parameter) pairs")
+        out.append(item)
+    return out
+
+
+def spec_from_instance(model: nn.Module, opt: torch.optim.Optimizer,
+                       extra: dict[str, Any]) -> OptimizerSpec:
+    """A torch optimizer built on ``model``'s parameters -> the spec (its class, defaults,
+    groups and state)."""
+    cls = type(opt)
+    if extra:
+        raise TypeError(
+            f"optimizer keywords {sorted(extra)} were given with a {cls.__name__} instance, "
+            "which already has its hyperparameters; set them when building it, or pass the "
+            f"class: zeroshard.shard(model, torch.optim.{cls.__name__}, lr=...)")
+    if getattr(opt, "_zeroshard_replaced", False):
+        raise ValueError(f"this {cls.__name__} was already handed to zeroshard.shard() and "
+                         "replaced; pass the optimizer shard() returned, or a new one")
+    names, _ = _names(model)
+    members: list[list[str]] = []
+    options: list[dict[str, Any]] = []
+    group_of: dict[str, int] = {}
+    for i, g in enumerate(opt.param_groups):
+        members.append([])
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"the {cls.__name__} holds a {tuple(p.shape)} tensor (param_groups[{i}]) "
+                    f"that is not a parameter of the {type(model).__name__} being sharded; "
+                    "build the optimizer on this model's parameters (e.g. "
+                    f"torch.optim.{cls.__name__}(model.parameters(), ...)), or pass its class "
+                    "and keywords")
+            members[i].append(names[id(p)][0])
+            if p.requires_grad:
+                for n in names[id(p)]:
+                    group_of[n] = i
+        options.append({k: v for k, v in g.items() if k != "params"})
+    for ns in names.values():  # trainable but not in the optimizer: never stepped
+        for n in ns:
+            group_of.setdefault(n, NOT_STEPPED)
+    accepted = _constructor_keys(cls)
+    kwargs = {k: v for k, v in opt.defaults.items() if accepted is None or k in accepted}
+    state = opt.state_dict() if opt.state else None
+    return OptimizerSpec(factory=cls, kwargs=kwargs, groups=members, options=options,
+                         group_of=group_of, state=state, instance=opt, check_keys=False,
+                         defaults=dict(opt.defaults))
+
+
+def _constructor_keys(cls: type) -> set[str] | None:
+    """Keywords ``cls(params, ...)`` accepts (None: any). Torch keeps some defaults its
+    constructor does not take (AdamW's ``decoupled_weight_decay``): those are set on the
+    groups directly."""
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return set(sig.parameters) - {"self", "params"}
+
+
+def check_group_keys(inner: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
+    """Torch keeps unknown keys of a param group silently; a misspelt one would be lost.
+    A factory must also keep the groups it is given (one torch group per user one)."""
+    from ..config import suggest_option
+
+    options = spec.options
+    if len(inner.param_groups) != len(options):
+        raise ValueError(
+            f"the optimizer factory returned {len(inner.param_groups)} param group(s) for "
+            f"{len(options)} (the default group and {len(options) - 1} of param_groups=): "
+            "with param_groups the factory receives torch's group dicts and must pass them "
+            "on as they are, e.g. lambda groups: torch.optim.AdamW(groups, lr=1e-3)")
+    if not spec.check_keys:
+        return
+    known = set(inner.defaults)
+    for i, opts in enumerate(options[1:]):
+        for k in opts:
+            if k not in known:
+                guess = suggest_option(k, sorted(known))
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                raise TypeError(f"param_groups[{i}] has {k!r}, which "
+                                f"{type(inner).__name__} does not know{hint}")
+
+
+def disable(opt: torch.optim.Optimizer) -> None:
+    """The instance handed to ``shard()`` is replaced: using it afterwards is an error,
+    and its state (now held, sharded, by the new optimizer) is released."""
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise RuntimeError(
+            f"this {type(opt).__name__} was replaced by zeroshard.shard(): step the "
+            "optimizer shard() returned (model, optimizer = zeroshard.shard(model, "
+            "optimizer, ...)); the old one no longer holds the training state")
+
+    opt.register_step_pre_hook(refuse)
+    opt.register_load_state_dict_pre_hook(refuse)
+    opt.state.clear()
+    opt._zeroshard_replaced = True  # type: ignore[attr-defined]

@@ -1,0 +1,177 @@
+"""Optimizer state in torch's format: what ``torch.optim.AdamW`` over the unsharded model
+would hold, built from (and loaded into) this rank's flat, sharded state.
+
+[Note: torch-format optimizer state]
+``ShardedOptimizer.state_dict()`` returns ``{"state": {i: {key: value}}, "param_groups":
+[...]}`` exactly as torch's optimizer over the same groups would: parameters numbered in
+group order, per-element state whole and shaped like its parameter (fp32, on the CPU),
+scalar state (AdamW's ``step``) per parameter. It is a collective at stages >= 1 (each
+bucket's state is all-gathered, one bucket and one key at a time, and moved to the CPU
+parameter by parameter). ``load_state_dict`` takes the same format — from zeroshard at
+any stage and world size, or from a plain torch optimizer — and keeps only this rank's
+chunk of each parameter: no communication.
+
+Scalars are per chunk in the engine (engine/chunks.py) and every chunk steps at every
+step, so the scalars of a bucket agree; a state whose parameters disagree (torch skips
+parameters without a gradient, so their ``step`` lags) cannot be represented exactly,
+and loading it is refused rather than approximated.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .chunks import bucket_state, set_bucket_state
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .flat import FlatBucket
+
+__all__ = ["torch_state_dict", "load_torch_state_dict"]
+
+
+def _numbering(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    index: dict[int, int] = {}
+    packed = []
+    for g in groups:
+        p = {k: v for k, v in g.items() if k != "params"}
+        p["params"] = [index.setdefault(id(q), len(index)) for q in g["params"]]
+        packed.append(p)
+    return packed, index
+
+
+def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
+    return [k for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape]
+
+
+@torch.no_grad()
+def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
+                     groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """See [Note: torch-format optimizer state]."""
+    packed, index = _numbering(groups)
+    state: dict[int, dict[str, Any]] = {}
+    for b in engine.buckets:
+        bstate = bucket_state(inner.state, b)
+        if not bstate:
+            continue
+        keys = _per_element(bstate, b)
+        whole = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
+                     if engine.policy.shard_optimizer else bstate[k].detach()) for k in keys}
+        for i, s in enumerate(b.slots):
+            user = engine.faces.user[id(s.param)]
+            if id(user) not in index or engine.group_of.get(s.names[0], 0) < 0:
+                continue
+            entry: dict[str, Any] = {}
+            for k, v in bstate.items():
+                if k in whole:
+                    entry[k] = b.slot_view(whole[k], i).to("cpu", copy=True)
+                else:
+                    entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+            state[index[id(user)]] = entry
+        del whole
+    return {"state": dict(sorted(state.items())), "param_groups": packed}
+
+
+def _check_groups(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    if len(saved) != len(groups):
+        raise ValueError(f"loaded optimizer state has {len(saved)} parameter group(s), this "
+                         f"optimizer has {len(groups)}; build it with the same groups")
+    for i, (s, g) in enumerate(zip(saved, groups)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(f"param_groups[{i}] of the loaded state holds "
+                             f"{len(s['params'])} parameters, this optimizer's "
+                             f"{len(g['params'])}; build it over the same parameters in the "
+                             "same order")
+
+
+@torch.no_grad()
+def load_torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
+                          groups: list[dict[str, Any]], sd: dict[str, Any]) -> None:
+    """Load a torch-format state dict (see [Note: torch-format optimizer state])."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError(
+            "optimizer.load_state_dict() takes torch's format, a dict with 'state' and "
+            f"'param_groups' (what optimizer.state_dict() returns); got keys "
+            f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__}")
+    saved = sd["param_groups"]
+    _check_groups(saved, groups)
+    by_id: dict[int, Any] = {}
+    for s, g in zip(saved, groups):
+        for idx, p in zip(s["params"], g["params"]):
+            by_id[id(p)] = sd["state"].get(idx)
+        for k, v in s.items():
+            if k != "params":
+                g[k] = copy.deepcopy(v)
+    for b in engine.buckets:
+        _load_bucket(engine, inner, b, by_id)
+
+
+def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
+    """Shaped like its parameter (AdamW's moments) rather than a scalar (its ``step``;
+    a 0-dim parameter's moments are told apart from its step by name, as torch's
+    optimizers all call it ``step``)."""
+    return torch.is_tensor(v) and tuple(v.shape) == tuple(shape) and not (
+        v.dim() == 0 and k == "step")
+
+
+def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
+                 by_id: dict[int, Any]) -> None:
+    master = b.master.detach()
+    values: dict[str, Any] = {}
+    stepped = [s for s in b.slots if engine.group_of.get(s.names[0], 0) >= 0]
+    have = [s for s in stepped if by_id.get(id(engine.faces.user[id(s.param)]))]
+    if have and len(have) < len(stepped):
+        lost = next(s for s in stepped if s not in have)
+        raise ValueError(
+            f"the loaded optimizer state has entries for {have[0].names[0]!r} but none for "
+            f"{lost.names[0]!r}, which zeroshard steps together with it (torch skips "
+            "parameters that never got a gradient). Load a state where every trainable "
+            "parameter in the optimizer has been stepped, or start the state fresh")
+    for s in b.slots:
+        st = by_id.get(id(engine.faces.user[id(s.param)]))
+        if not st:
+            continue
+        for k, v in st.items():
+            if not _is_per_element(k, v, s.shape):
+                _agree_scalar(values, k, v, s.names[0])
+                continue
+            if k not in values:
+                values[k] = torch.zeros_like(master)
+            lo, hi = s.piece(b.rank)
+            dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
+            dst.copy_(v.detach().reshape(-1)[lo:hi])
+    if not values:
+        set_bucket_state(inner.state, b, {})
+        return
+    group = _inner_group(inner, b)
+    on_device = bool(group and (group.get("capturable") or group.get("fused")))
+    for k, v in list(values.items()):
+        if torch.is_tensor(v) and v.shape != master.shape:  # a scalar: one copy per chunk
+            dev = master.device if on_device else torch.device("cpu")
+            values[k] = v.detach().clone().to(dev)
+    set_bucket_state(inner.state, b, values)
+
+
+def _agree_scalar(values: dict[str, Any], k: str, v: Any, name: str) -> None:
+    if k not in values:
+        values[k] = v
+        return
+    old = values[k]
+    same = (torch.equal(torch.as_tensor(old), torch.as_tensor(v)) if torch.is_tensor(old)
+            or torch.is_tensor(v) else old == v)
+    if not same:
+        raise ValueError(
+            f"optimizer state {k!r} differs between parameters stepped together ({name!r} "
+            f"has {v!r}, another {old!r}): zeroshard steps a bucket's parameters together, so "
+            "it cannot hold per-parameter step counts (torch's lag for parameters that got no "
+            "gradient). Start the optimizer state fresh, or load it where every parameter "
+            "was stepped equally")
+
+
+def _inner_group(inner: torch.optim.Optimizer, b: FlatBucket) -> dict[str, Any] | None:
+    ids = {id(c) for c in b.chunks}
+    return next((g for g in inner.param_groups if any(id(p) in ids for p in g["params"])), None)

@@ -1,0 +1,160 @@
+"""The parameters the user sees, and the swap between them and the compute parameters.
+
+[Note: parameters the user sees]
+A sharded model must still be a torch model: ``p.shape``, ``p.numel()``,
+``clip_grad_norm_(model.parameters())``, ``GradScaler``, optimizers and state dicts
+all read the parameters the model's modules hold. Each parameter therefore has two
+faces (FSDP2 has the same two: its sharded DTensor and its unsharded tensor):
+
+* the **compute** parameter (``slot.param``): what forward reads and autograd gives
+  gradients to — a whole tensor in the compute dtype, a view of the bucket's ``full``
+  buffer (at stage 3 only while its unit is gathered);
+* the **user** parameter: what the modules hold outside forward/backward, in the
+  parameter's original dtype, and whose ``.grad`` after a synchronised backward is this
+  parameter's reduced, averaged, unscaled gradient in that dtype:
+
+  ==================================  ======================================  ==========================
+  where                               user parameter                          its ``.grad``
+  ==================================  ======================================  ==========================
+  stage 0                             whole (the master weights)              whole
+  stages 1-2 without mixed precision  whole (the compute parameter itself)    DTensor, ``Shard(0)``
+  stages 1-2 with mixed precision     DTensor ``Shard(0)`` of the masters     DTensor, ``Shard(0)``
+  stage 3                             DTensor ``Shard(0)`` of the masters     DTensor, ``Shard(0)``
+  ==================================  ======================================  ==========================
+
+  The DTensors' local tensors are views of this rank's master slice and of its fp32
+  gradient (``master.grad``), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
+  scale exactly what the optimizer steps, and their norms and inf checks are global
+  (DTensor reduces them over the mesh). Where nothing is sharded and no dtype differs
+  (stages 0-2 without mixed precision) the user parameter *is* the compute parameter:
+  no swap, and identities survive ``shard()`` as under DDP.
+
+While forward and backward run, the modules hold the compute parameters instead
+(``Faces.show``): from the root's forward to the end of backward at stages 0-2 (or to
+the end of forward under ``torch.no_grad()``), and per unit from its gather to its
+free at stage 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat import FlatBucket
+
+__all__ = ["Faces", "make_spec", "dtensor"]
+
+
+def make_spec(mesh, placements: tuple, shape: torch.Size, dtype: torch.dtype):
+    """The DTensorSpec of a dim-0-sharded parameter (built once, reused per step)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    """A DTensor over ``local`` without ``DTensor.from_local``'s autograd function and
+    checks (~100x cheaper; FSDP2's ``_from_local_no_grad`` does the same)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+@dataclass
+class _Home:
+    """One name under which a module holds a parameter."""
+
+    module: nn.Module
+    attr: str
+
+
+class Faces:
+    """The user parameters of one engine and where the modules hold them."""
+
+    def __init__(self, model: nn.Module, buckets: list[FlatBucket], *, sharded: bool,
+                 swap: bool, mesh, placements: tuple) -> None:
+        self.sharded = sharded  # user-visible weights/gradients are DTensor shards
+        self.swap = swap  # user parameters differ from the compute ones
+        self.mesh = mesh
+        self.placements = placements
+        self.user: dict[int, nn.Parameter] = {}  # id(compute parameter) -> user parameter
+        self.specs: dict[int, object] = {}  # id(compute parameter) -> DTensorSpec
+        self.published = False  # user .grad point at the masters' gradients
+        self._pairs: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
+        for b in buckets:
+            self._build(model, b)
+
+    # -- construction -------------------------------------------------------------------
+    def _weights(self, b: FlatBucket) -> torch.Tensor:
+        """What user parameters view: the masters (original dtype), or for frozen
+        stage-3 buckets (no master) the kept compute slice."""
+        return (b.master if b.master is not None else b.shard16).detach()
+
+    def _build(self, model: nn.Module, b: FlatBucket) -> None:
+        pairs = []
+        weights = self._weights(b) if self.swap or self.sharded else None
+        for i, s in enumerate(b.slots):
+            if self.sharded:
+                self.specs[id(s.param)] = make_spec(
+                    self.mesh, self.placements, s.shape,
+                    b.master.dtype if b.master is not None else b.shard16.dtype)
+            if not self.swap:
+                user = s.param
+            elif not self.sharded:  # stage 0 under mixed precision: the whole master
+                user = nn.Parameter(torch.empty(0, dtype=weights.dtype, device=weights.device),
+                                    requires_grad=s.param.requires_grad)
+                user.data = b.slot_view(weights, i)
+            else:
+                local = b.local(weights, i)
+                user = nn.Parameter(dtensor(local, self.specs[id(s.param)]),
+                                    requires_grad=s.param.requires_grad)
+            self.user[id(s.param)] = user
+            for name in s.names:
+                owner, _, attr = name.rpartition(".")
+                pairs.append((model.get_submodule(owner), attr, s.param, user))
+        self._pairs[id(b)] = pairs
+
+    # -- the swap -----------------------------------------------------------------------
+    def show(self, buckets, compute: bool) -> None:
+        """Let the modules hold the compute (or the user) parameters of ``buckets``."""
+        if not self.swap:
+            return
+        for b in buckets:
+            for module, attr, c, u in self._pairs[id(b)]:
+                module._parameters[attr] = c if compute else u
+
+    def known(self) -> set[int]:
+        return {id(u) for u in self.user.values()}
+
+    # -- gradients ----------------------------------------------------------------------
+    def publish_grads(self, b: FlatBucket) -> None:
+        """Point each user parameter's ``.grad`` at its part of ``b.master.grad``."""
+        g = b.master.grad
+        self.published = True
+        for i, s in enumerate(b.slots):
+            user = self.user[id(s.param)]
+            if self.sharded:
+                user.grad = dtensor(b.local(g, i), self.specs[id(s.param)])
+            elif user is not s.param:  # stage 0, mixed precision
+                user.grad = b.slot_view(g, i)
+            # else: stage 0 without mixed precision, .grad is already the reduced view
+
+    def unpublish(self, buckets) -> None:
+        """Before a forward where the compute parameters are the user ones (stages 1-2
+        without mixed precision): drop their DTensor ``.grad``, or autograd would add
+        the next backward's gradient into it. The sum lives in the engine's buffers and
+        is published again when that backward ends."""
+        if self.sharded and not self.swap and self.published:
+            for b in buckets:
+                for s in b.slots:
+                    s.param.grad = None
+            self.published = False
+
+    def clear_grads(self, b: FlatBucket) -> None:
+        self.published = False
+        for s in b.slots:
+            s.param.grad = None
+            self.user[id(s.param)].grad = None
