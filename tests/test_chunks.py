@@ -18,7 +18,7 @@ from _training import loader, loss_of, make_model
 
 import zeroshard
 import zeroshard.engine.chunks as chunks
-from zeroshard.engine.flat import FlatBucket, ParamSlot
+from zeroshard.engine.flat import FlatBucket
 from zeroshard.state import full_optimizer_state, load_checkpoint, save_checkpoint
 from zeroshard.testing import run_ranks, sweep
 
@@ -95,7 +95,7 @@ def test_chunked_masters_train_and_checkpoint_bit_for_bit() -> None:
 
 def test_flatten_keeps_each_chunks_own_scalars() -> None:
     p = torch.nn.Parameter(torch.zeros(10))
-    b = FlatBucket(0, "b", [ParamSlot(("w",), p, p.shape, 0)], world=1, rank=0)
+    b = FlatBucket(0, "b", [(("w",), p)], world=1, rank=0)
     b.master = torch.nn.Parameter(torch.arange(10.0))
     old = chunks.CHUNK
     chunks.CHUNK = 4

@@ -56,8 +56,16 @@ def _case(name: str):
         model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2)
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
         return model(torch.zeros(1, 4))
-    if name == "optimizer_instance":
-        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=2)
+    if name == "optimizer_foreign":
+        other = nn.Linear(4, 4)
+        return zeroshard.shard(model, torch.optim.AdamW(other.parameters()), stage=2)
+    if name == "optimizer_string":
+        return zeroshard.shard(model, "adamw", stage=2)
+    if name == "optimizer_instance_kwargs":
+        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=2, lr=1.0)
+    if name == "optimizer_instance_groups":
+        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=2,
+                               param_groups=[{"params": [model[0].bias]}])
     if name == "misspelled_optimizer_kwarg":
         return zeroshard.shard(model, torch.optim.AdamW, stage=1, lrr=1e-3)
     if name == "bucket_bytes":
@@ -93,7 +101,10 @@ EXPECT = {
     "twice": (ValueError, "already sharded"),
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
     "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
-    "optimizer_instance": (TypeError, "AdamW instance; pass the class"),
+    "optimizer_foreign": (ValueError, "not a parameter of the Sequential.*model.parameters"),
+    "optimizer_string": (TypeError, "optimizer='adamw' is not an optimizer: pass a torch"),
+    "optimizer_instance_kwargs": (TypeError, r"keywords \['lr'\] were given with a AdamW"),
+    "optimizer_instance_groups": (TypeError, "param_groups= goes with an optimizer class"),
     "misspelled_optimizer_kwarg": (TypeError, "unknown option 'lrr'.*did you mean 'lr'"),
     "offload_unknown": (ValueError, "offload='params' is not supported.*'optimizer\\+params'"),
     "offload_params_stage2": (ValueError, "'optimizer\\+params' needs stage=3.*use stage=3"),

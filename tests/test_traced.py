@@ -7,17 +7,17 @@ Three checks, each against something independent of the trace:
   only:
 
   - padding: the analytic formula pads the whole model once, ceil(Ψ/N) elements per rank
-    for a sharded part; the engine pads *each flat bucket* to a multiple of N (stage 3:
-    one bucket per block and one for the root; stages 0-2: 25 MiB buckets, and stage 0
-    pads its whole buffers too). That adds fewer than N elements per bucket, times the
-    bytes per element (up to 16), so at most n_buckets x 16N bytes;
+    for a sharded part; the engine cuts *each parameter* into N dim-0 chunks of
+    ceil(rows/N) rows (stage 0 shards nothing and pads nothing). That adds fewer than N
+    rows per parameter, times the bytes per element (up to 16);
   - AdamW's ``step`` counter, one 4-byte tensor per optimizer parameter (one per
     bucket), which the 12 bytes/parameter of ZeRO's K leave out.
 
-  For the presets at N in {1, 2, 8, 64} every bucket already divides by N (hidden sizes
-  are multiples of 64), so only the step counters remain: +52 to +1,164 bytes, under
-  0.0002%. ``test_user_meta_model_with_its_own_loss_and_padding`` checks both terms to
-  the byte at N = 7. Buffers that are not parameters (Llama's RoPE tables) are filed
+  For the presets, hidden sizes are multiples of 64, so only the vocabulary's rows pad:
+  gpt2-124m's 50,257-row embedding becomes 50,304 rows at N = 64, 47 rows x 768 / 64
+  elements per rank x 16 bytes, +0.03% of its model state.
+  ``test_user_meta_model_with_its_own_loss_and_padding`` checks both terms to the byte
+  at N = 7. Buffers that are not parameters (Llama's RoPE tables) are filed
   under ``other``, as on a real run, and are model state on neither side.
 * **A measured run** (``run_ranks`` at world 2 over gloo, real tensors, the same
   ``zeroshard.memory_tracker`` and the same ``run_steps`` loop): model state must agree
@@ -75,7 +75,7 @@ def test_gpt2_124m_model_state_matches_analytic(stage: int, n: int) -> None:
     # Model state exists in full after one step; a short sequence keeps the trace fast.
     r = trace_step("gpt2-124m", world_size=n, stage=stage, micro_batch=1, seq_len=64, steps=1)
     rel = _assert_state_agrees(r)
-    assert abs(rel) < 1e-4  # padding and step counters only (module docstring)
+    assert abs(rel) < 5e-4  # padding and step counters only (module docstring)
     assert r.peak_bytes >= r.model_state_bytes and r.activation_peak_bytes > 0
     assert (r.peak_unsharded_bytes > 0) == (stage == 3)  # gathered units, even at N=1
 
@@ -87,7 +87,7 @@ def test_model_state_matches_analytic_full_grid(preset: str) -> None:
         for stage in range(4):
             r = trace_step(preset, world_size=n, stage=stage, micro_batch=1, seq_len=64,
                            steps=1)
-            assert abs(_assert_state_agrees(r)) < 1e-4
+            assert abs(_assert_state_agrees(r)) < 5e-4  # see test_gpt2_124m_model_state_matches_analytic
 
 
 def test_fp32_and_fp16_recipes() -> None:
@@ -187,8 +187,11 @@ def test_user_meta_model_with_its_own_loss_and_padding() -> None:
         model = _MLP()  # 3 x 4160 = 12,480 elements: not a multiple of N = 7
     psi, n, unit = sum(p.numel() for p in model.parameters()), 7, 64 * 64 + 64
     ceil = lambda a: -(-a // n)  # noqa: E731
-    for stage, padding, buckets in ((0, ceil(psi) * n - psi, 1),  # one 25 MiB bucket
-                                    (3, 3 * ceil(unit) - ceil(psi), 3)):  # a unit per layer
+    del unit
+    # Stage 0 pads nothing; stage 3 cuts each weight (64 rows) and bias into 7 chunks of
+    # ceil(64/7) = 10 rows: 10 x 64 + 10 elements per layer and rank.
+    for stage, padding, buckets in ((0, 0, 1),  # one 25 MiB bucket
+                                    (3, 3 * (ceil(64) * 64 + ceil(64)) - ceil(psi), 3)):
         r = trace_step(model, world_size=n, stage=stage, micro_batch=2, seq_len=8,
                        loss_fn=_mlp_loss)
         assert r.params == psi and r.model == "_MLP"
@@ -196,7 +199,8 @@ def test_user_meta_model_with_its_own_loss_and_padding() -> None:
         # Exactly the module docstring's two reasons: 16 bytes per padding element, and
         # one 4-byte AdamW step counter per bucket.
         assert r.model_state_bytes - want == 16 * padding + 4 * buckets, stage
-        _assert_state_agrees(r)
+        if stage == 0:  # at stage 3, 64-row weights cut 7 ways pad 9% (exact above)
+            _assert_state_agrees(r)
     assert all(p.is_meta for p in model.parameters())  # the caller's model is untouched
 
 

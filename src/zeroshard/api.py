@@ -262,7 +262,8 @@ def shard(
     names = [b.name for b in engine.all_buckets] + [u.name for u in engine.units]
     for c in (comm, replicate, world):
         if c is not None:
-            c.know_names([*names, "full_state_dict", "used", "grad_norm", "overflow", "join"])
+            c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
+                          "used", "grad_norm", "overflow", "join"])
     model._zeroshard_engine = engine
     _swap_class(model)
     if spec.instance is not None:

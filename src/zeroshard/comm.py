@@ -273,7 +273,8 @@ class Comm:
         self._seq = (step, index)
         self.know_names([unit])
         ph = _PHASES.index(phase) if phase in _PHASES else len(_PHASES) - 1
-        grad = int(torch.is_grad_enabled())
+        # A forward without gradients (evaluation) is told apart from a training one.
+        grad = int(torch.is_grad_enabled()) if phase == "forward" else 1
         mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel, grad],
                             dtype=torch.int64)
         table = torch.empty(self.size * 7, dtype=torch.int64)
@@ -407,18 +408,21 @@ class Comm:
 
 def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     """What to do about a mismatch, from what the ranks were doing."""
+    hints = []
     units = {names.get(r[3], "") for r in rows}
     if units & {"state_dict", "optimizer.state_dict", "full_state_dict"}:
-        return ("A state dict of a sharded model is a collective here: call "
-                "model.state_dict() / optimizer.state_dict() on every rank and save on one "
-                "(sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
+        hints.append("A state dict of a sharded model is a collective here: call "
+                     "model.state_dict() / optimizer.state_dict() on every rank and save on "
+                     "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
     phases = {_PHASES[r[4]] for r in rows}
     if "forward" in phases and len(phases) > 1 or len({r[6] for r in rows}) > 1:
-        return ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
-                "stage 3 every forward gathers weights from every rank: run forward passes, "
-                "evaluation included, on every rank (each on its own share of the data).")
-    return ("Every rank must run the same units in the same order each step; for uneven "
-            "data use zeroshard.join().")
+        hints.append("A rank ran a forward pass the others did not (evaluation on one "
+                     "rank?). At stage 3 every forward gathers weights from every rank: run "
+                     "forward passes, evaluation included, on every rank (each on its own "
+                     "share of the data).")
+    hints.append("Every rank must run the same units in the same order each step; for "
+                 "uneven data use zeroshard.join().")
+    return "\n".join(hints)
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):

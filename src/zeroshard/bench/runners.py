@@ -112,8 +112,8 @@ def _zeroshard(spec, model, group, s: BenchSettings, device) -> Runner:
                                  mixed_precision=s.mixed_precision, lr=s.lr, **extra)
 
     def tracker() -> MemoryTracker:  # what zeroshard.memory_tracker does, with a device filter
-        t = MemoryTracker(device=_tracker_device(device)).track_module(model)
-        return t.track_optimizer(opt).add_source(zeroshard.engine_of(model).memory_sources())
+        t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
+        return t.track_optimizer(opt.optim).add_source(zeroshard.engine_of(model).memory_sources())
 
     return Runner(_plain_step(model, opt, contextlib.nullcontext), tracker,
                   zeroshard.engine_of(model).comm.ledger)

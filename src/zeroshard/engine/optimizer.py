@@ -142,7 +142,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """What torch's optimizer over the unsharded model (same groups, same order)
         returns; collective at stages >= 1. See [Note: torch-format optimizer state]."""
-        self.engine.world.sync_point("optimizer.state_dict")
+        if self.engine.policy.shard_optimizer:  # a collective: gathers every slice
+            self.engine.world.sync_point("optimizer.state_dict")
         sd = torch_state_dict(self.engine, self.optim, self.param_groups)
         if self.engine.scaler.enabled:
             sd[_SCALER_KEY] = self.engine.scaler.state_dict()

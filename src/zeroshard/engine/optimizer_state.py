@@ -59,6 +59,9 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         if not bstate:
             continue
         keys = _per_element(bstate, b)
+        # torch's key order (AdamW: step, exp_avg, exp_avg_sq), as the optimizer made it
+        first = next((inner.state[c] for c in b.chunks if inner.state.get(c)), bstate)
+        order = [k for k in first if k in bstate] + [k for k in bstate if k not in first]
         whole = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
                      if engine.policy.shard_optimizer else bstate[k].detach()) for k in keys}
         for i, s in enumerate(b.slots):
@@ -66,7 +69,8 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
             if id(user) not in index or engine.group_of.get(s.names[0], 0) < 0:
                 continue
             entry: dict[str, Any] = {}
-            for k, v in bstate.items():
+            for k in order:
+                v = bstate[k]
                 if k in whole:
                     entry[k] = b.slot_view(whole[k], i).to("cpu", copy=True)
                 else:

@@ -50,7 +50,8 @@ class JoinReplay:
         self._count_active(0)
         self._replaying = True
         try:
-            self._replay_backward()
+            with torch.enable_grad():  # the real iteration's forward gathers ran with grad
+                self._replay_backward()
             if self._last_clip is not None:
                 optimizer.clip_grad_norm_(*self._last_clip)
             optimizer.step()
