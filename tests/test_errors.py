@@ -59,6 +59,15 @@ def _case(name: str):
     if name == "optimizer_foreign":
         other = nn.Linear(4, 4)
         return zeroshard.shard(model, torch.optim.AdamW(other.parameters()), stage=2)
+    if name == "scalar_param":
+        model.register_parameter("temperature", nn.Parameter(torch.tensor(1.0)))
+        return zeroshard.shard(model, torch.optim.AdamW, stage=2)
+    if name == "add_param_group":
+        _, optim = zeroshard.shard(model, torch.optim.AdamW, stage=1)
+        return optim.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    if name == "assign_load":
+        model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=1)
+        return model.load_state_dict(model.state_dict(), assign=True)
     if name == "optimizer_string":
         return zeroshard.shard(model, "adamw", stage=2)
     if name == "optimizer_instance_kwargs":
@@ -102,6 +111,9 @@ EXPECT = {
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
     "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
     "optimizer_foreign": (ValueError, "not a parameter of the Sequential.*model.parameters"),
+    "scalar_param": (ValueError, "'temperature' is 0-dimensional.*shape \\(1,\\)"),
+    "add_param_group": (NotImplementedError, "groups are fixed when the model is sharded"),
+    "assign_load": (NotImplementedError, "without assign"),
     "optimizer_string": (TypeError, "optimizer='adamw' is not an optimizer: pass a torch"),
     "optimizer_instance_kwargs": (TypeError, r"keywords \['lr'\] were given with a AdamW"),
     "optimizer_instance_groups": (TypeError, "param_groups= goes with an optimizer class"),

@@ -206,12 +206,13 @@ class Comm:
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
         self.timeout: float | None = None
-        self.check = False
+        self.check: bool | str = False
         self._check_group: dist.ProcessGroup | None = None
+        self._unverified: list[_Check] = []  # posted checks not yet compared
         self._names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
         self._seq = (-1, 0)  # (step, index within step)
 
-    def enable_check(self) -> None:
+    def enable_check(self, mode: bool | str = True) -> None:
         """Turn on the collective check (see [Note: divergence]). Collective over the
         group's ranks: it creates the gloo group the descriptors travel on. A fake group
         (traced planning) has no peers to disagree with, so nothing is checked there."""
@@ -229,13 +230,14 @@ class Comm:
         else:
             self._check_group = dist.new_group(self._peers, backend="gloo",
                                                use_local_synchronization=True)
-        self.check = True
+        self.check = mode
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str
-    ) -> str:
-        """Record the collective (and verify agreement if ``check``); its description."""
+    ) -> tuple[str, _Check | None]:
+        """Record the collective and post its check (see [Note: divergence]); its
+        description and the check to verify before its result is used."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
@@ -258,16 +260,25 @@ class Comm:
             )
         )
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
+        check = None
         if self.check and n > 1:
-            self._verify(op, unit, phase, t.numel())
-        return desc
+            check = self._post(op, unit, phase, t.numel())
+            if self.check == "strict":
+                check.verify()
+                check = None
+        return desc, check
 
     def know_names(self, names: list[str]) -> None:
         """Unit names a peer may mention, so mismatch reports can name them."""
         for n in names:
             self._names[_key(n)] = n
 
-    def _verify(self, op: str, unit: str, phase: str, numel: int) -> None:
+    def _post(self, op: str, unit: str, phase: str, numel: int) -> _Check:
+        """Start exchanging this collective's descriptor over the check group. Checks
+        already answered are compared first, so a divergence is reported before the next
+        collective is issued wherever the peers have caught up."""
+        while self._unverified and self._unverified[0].ready():
+            self._unverified.pop(0).verify()
         step = self.ledger.step
         index = self._seq[1] + 1 if self._seq[0] == step else 0
         self._seq = (step, index)
@@ -279,36 +290,40 @@ class Comm:
                             dtype=torch.int64)
         table = torch.empty(self.size * 7, dtype=torch.int64)
         work = _all_gather_single(table, mine, self._check_group, True)
-        Pending([work], table, f"collective check before {op}({unit}, {phase})", self,
-                timeout=self.timeout or CHECK_TIMEOUT).wait()
-        rows = table.view(self.size, 7).tolist()
-        if all(r == rows[0] for r in rows):
-            return
+        what = (f"the check point before {unit}" if op == "barrier"
+                else f"the check of {op}({unit}, {phase})")
+        check = _Check(self, work, table, what)
+        self._unverified.append(check)
+        return check
 
+    def _mismatch(self, rows: list[list[int]]) -> CollectiveMismatch:
         def say(r: list[int]) -> str:
             where = self._names.get(r[3], f"unit #{r[3]}")
             what = "" if r[6] else " without gradients"
             return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}{what}, {r[5]} elements) as "
                     f"collective #{r[1]} of step {r[0]}")
 
+        step = min(r[0] for r in rows)
         lines = [f"rank {self._peers[i]}: {say(r)}" for i, r in enumerate(rows)]
-        raise CollectiveMismatch(
+        return CollectiveMismatch(
             f"ranks diverged at step {step}: they issued different collectives "
             f"(group {self.label!r}):\n  " + "\n  ".join(lines) + "\n" + _fix(rows, self._names)
         )
 
-    def sync_point(self, name: str) -> None:
-        """With ``check`` on, make ranks agree they reached ``name`` (no-op otherwise).
-
-        Used where a rank may legitimately issue no collective (``full_state_dict`` at
-        stages 0-2), so that a rank that got there early meets its peers' next collective
-        check and every rank reports the divergence instead of one rank hanging.
-        """
+    def sync_point(self, name: str, phase: str = "sync") -> None:
+        """With ``check`` on, make ranks agree they reached ``name`` before going on
+        (no-op otherwise): a blocking check, where one rank alone would start something
+        the others are not doing — a stage-3 forward (evaluation on one rank), a state
+        dict — so that every rank reports the divergence before any mismatched
+        collective is issued (see [Note: divergence])."""
         if self.check and self.size > 1:
-            self._verify("barrier", name, "sync", 0)
+            self._post("barrier", name, phase, 0)
+            while self._unverified:
+                self._unverified.pop(0).verify()
 
-    def _finish(self, works: list, out: torch.Tensor, desc: str, async_op: bool) -> Pending:
-        pending = Pending(works, out, desc, self)
+    def _finish(self, works: list, out: torch.Tensor, desc: str, async_op: bool,
+                check: _Check | None = None) -> Pending:
+        pending = Pending(works, out, desc, self, check=check)
         if not async_op:
             pending.wait()
         return pending
@@ -319,12 +334,12 @@ class Comm:
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
     ) -> Pending:
         """In-place all-reduce (sum by default); ``.wait()`` returns ``tensor``."""
-        desc = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase, unit)
+        desc, check = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase, unit)
         if self.size == 1:
             return Pending(None, tensor, "")
         with _waiting_in(desc):
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return self._finish([work], tensor, desc, async_op)
+        return self._finish([work], tensor, desc, async_op, check)
 
     def reduce_scatter(
         self, full: torch.Tensor, *, phase: str = "backward", unit: str = "",
@@ -340,7 +355,7 @@ class Comm:
             raise ValueError(f"reduce_scatter needs numel divisible by {n}, got {full.numel()}")
         shard = full.numel() // n
         impl = "reduce" if (self.decompose and n > 1) else "reduce_scatter"
-        desc = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit)
+        desc, check = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit)
         if n == 1:
             return Pending(None, full, "")
         with _waiting_in(desc):
@@ -352,7 +367,7 @@ class Comm:
             else:
                 out = torch.empty(shard, dtype=full.dtype, device=full.device)
                 work = [_reduce_scatter_single(out, full, self.group, True)]
-        return self._finish(work, out, desc, async_op)
+        return self._finish(work, out, desc, async_op, check)
 
     def all_gather(
         self, full: torch.Tensor, *, phase: str = "step", unit: str = "",
@@ -366,7 +381,7 @@ class Comm:
         if full.numel() % n:
             raise ValueError(f"all_gather needs numel divisible by {n}, got {full.numel()}")
         impl = "broadcast" if (self.decompose and n > 1) else "all_gather"
-        desc = self._begin("all_gather", impl, full, _nbytes(full), phase, unit)
+        desc, check = self._begin("all_gather", impl, full, _nbytes(full), phase, unit)
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
@@ -377,7 +392,7 @@ class Comm:
             else:
                 lo = self.rank * shard
                 work = [_all_gather_single(full, full[lo : lo + shard], self.group, True)]
-        return self._finish(work, full, desc, async_op)
+        return self._finish(work, full, desc, async_op, check)
 
     def all_gather_into(
         self, full: torch.Tensor, shard: torch.Tensor, *, phase: str = "forward",
@@ -397,13 +412,13 @@ class Comm:
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = ""
     ) -> None:
-        desc = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase, unit)
+        desc, check = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase, unit)
         if self.size == 1:
             return
         with _waiting_in(desc):
             work = dist.broadcast(tensor, src=self._peers[src], group=self.group,
                                   async_op=True)
-        self._finish([work], tensor, desc, False)
+        self._finish([work], tensor, desc, False, check)
 
 
 def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
@@ -436,20 +451,55 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op
     return fn(out, inp, group=group, async_op=async_op)
 
 
-class Pending:
-    """A collective that may still be running; ``wait()`` blocks and returns its output."""
+class _Check:
+    """One collective's descriptor exchange on the check group (see [Note: divergence])."""
 
-    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout")
+    __slots__ = ("comm", "work", "table", "desc", "done")
+
+    def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str) -> None:
+        self.comm, self.work, self.table, self.desc = comm, work, table, desc
+        self.done = False
+
+    def ready(self) -> bool:
+        return self.done or self.work.is_completed()
+
+    def verify(self) -> None:
+        """Wait for the peers' descriptors (bounded) and raise on any difference."""
+        if self.done:
+            return
+        c = self.comm
+        Pending([self.work], self.table, self.desc, c, timeout=c.timeout or CHECK_TIMEOUT).wait()
+        self.done = True
+        if self in c._unverified:
+            c._unverified.remove(self)
+        rows = self.table.view(c.size, 7).tolist()
+        if any(r != rows[0] for r in rows):
+            raise c._mismatch(rows)
+
+
+class Pending:
+    """A collective that may still be running; ``wait()`` blocks and returns its output.
+
+    With collective checks on, its descriptor check is verified first: a divergence is
+    reported before the result is used, and before waiting on peers that will never
+    issue this collective."""
+
+    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check")
 
     def __init__(self, work: list | None, out: torch.Tensor, desc: str,
-                 comm: Comm | None = None, timeout: float | None = None) -> None:
+                 comm: Comm | None = None, timeout: float | None = None,
+                 check: _Check | None = None) -> None:
         self._work = work
         self._out = out
         self._desc = desc
         self._comm = comm
         self._timeout = timeout
+        self._check = check
 
     def wait(self) -> torch.Tensor:
+        if self._check is not None:
+            self._check.verify()
+            self._check = None
         if self._work:
             timeout = self._timeout or (self._comm.timeout if self._comm is not None else None)
             with _waiting_in(self._desc):

@@ -68,10 +68,11 @@ class ShardConfig:
     #: None: collective checks wait comm.CHECK_TIMEOUT (600 s), collectives themselves
     #: the process group's own timeout.
     timeout: float | None = None
-    #: Verify before every collective that all ranks issue the same one, so a rank that
-    #: diverges (evaluates or saves a stage-3 state dict alone) raises an error on every
-    #: rank instead of hanging (see [Note: divergence] in comm.py).
-    check_collectives: bool = True
+    #: Verify that all ranks issue the same collectives, so a rank that diverges
+    #: (evaluates or saves a stage-3 state dict alone) raises an error on every rank
+    #: instead of hanging (see [Note: divergence] in comm.py). "strict": every collective
+    #: waits for its check first (debug runs of models with data-dependent branches).
+    check_collectives: bool | str = True
     #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.
     init_scale: float = 2.0**16
     growth_interval: int = 2000
@@ -116,6 +117,11 @@ class ShardConfig:
                 "weights on every device, which cannot live on the host); use stage=3, or "
                 "offload='optimizer'"
             )
+        if self.check_collectives not in (True, False, "strict"):
+            raise ValueError(
+                f"check_collectives={self.check_collectives!r} must be True (the default: "
+                "checks that never stall a collective), 'strict' (each collective waits for "
+                "its check: for debugging data-dependent models) or False")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float)
             or self.timeout <= 0

@@ -115,7 +115,7 @@ class Engine(Stage3Hooks, JoinReplay):
         for c in {id(x): x for x in (comm, replicate, world) if x is not None}.values():
             c.timeout = config.timeout
             if config.check_collectives:
-                c.enable_check()
+                c.enable_check(config.check_collectives)
         self.policy = StagePolicy(config.stage)
         self.compute_dtype = config.compute_dtype
         self.sync = True  # False inside no_sync(): accumulate locally, no communication
@@ -124,6 +124,7 @@ class Engine(Stage3Hooks, JoinReplay):
             config.growth_interval, enabled=config.mixed_precision == "fp16",
         )
         named = _named_params(model)
+        _check_shardable(named, self.policy)
         # Each parameter's dtype as built (state dicts return it; see model_state.py).
         self.orig_dtype = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self.units: list[Unit] = []
@@ -336,6 +337,9 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._count_active(1)
                 self._iter_start = len(self.comm.ledger.records)
         if self.units:
+            # One rank alone in a forward (evaluation on rank 0 only) is refused here,
+            # before any gather; see [Note: divergence] in comm.py.
+            self.comm.sync_point("forward", phase="forward")
             root = self.units[-1]
             self._fwd_cursor = 0
             self._unshard(root, "forward")
@@ -796,6 +800,19 @@ class Engine(Stage3Hooks, JoinReplay):
         memory/traced.py) have null-based data pointers, so every storage's first element
         would compare equal."""
         return Engine._shares(a, b) and a.storage_offset() == b.storage_offset()
+
+
+def _check_shardable(named: list[tuple[tuple[str, ...], nn.Parameter]],
+                     policy: StagePolicy) -> None:
+    """Stages >= 1 cut parameters along dim 0 (see [Note: flat buckets]); a 0-dim one has
+    no dim 0, and no DTensor can shard it."""
+    for names, p in named:
+        sharded = policy.shard_params or (policy.shard_optimizer and p.requires_grad)
+        if sharded and p.dim() == 0:
+            raise ValueError(
+                f"parameter {names[0]!r} is 0-dimensional; stages 1-3 shard each parameter "
+                "along dim 0, which a scalar does not have. Give it shape (1,) (e.g. "
+                "nn.Parameter(torch.ones(1)) and index [0] where it is used), or use stage 0")
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -65,6 +65,8 @@ class JoinReplay:
         for b in self.buckets:
             buckets.setdefault(b.name, []).append(b)
         seen: dict[str, int] = {}
+        if self.units:  # the forward's check point (engine._pre_forward), as the others
+            self.comm.sync_point("forward", phase="forward")
         for r in self._last_iter:
             if r.phase not in ("forward", "backward") or r.group == "replicate":
                 continue
