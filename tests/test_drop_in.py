@@ -138,6 +138,12 @@ def _case(rank: int, world: int, stage: int, mixed_precision: str | None) -> dic
     out["sd"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out["full"] = zeroshard.full_state_dict(model)
     out["osd"] = optim.state_dict()
+    # optimizer.state: per parameter, this rank's piece (DTensors at stages >= 1)
+    state = optim.state
+    out["state_len"] = len(state)
+    p = dict(model.named_parameters())["blocks.1.mlp.fc.weight"]
+    m = state[p]["exp_avg"]
+    out["state_fc"] = (m.full_tensor() if hasattr(m, "full_tensor") else m).detach().clone()
     if stage == 3:  # a sharded parameter's values: its DTensor's full value
         out["dtensor_full"] = {n: p.full_tensor().detach().clone()
                                for n, p in model.named_parameters()}
@@ -210,6 +216,12 @@ def test_torch_apis_give_ddps_answers(world: int) -> None:
                 if fp32:
                     assert torch.allclose(osd["state"][i][k], st[k], rtol=1e-3, atol=1e-7), (
                         where, i, k)
+        trainable = [n for n, p in _fresh(None)[0].named_parameters() if p.requires_grad]
+        assert r["state_len"] == len(trainable), where
+        m0 = _fresh(None)[0]  # torch numbers parameters in group order
+        order = [id(p) for g in _groups(m0) for p in g["params"]]
+        fc = order.index(id(m0.get_parameter("blocks.1.mlp.fc.weight")))
+        assert torch.equal(r["state_fc"], osd["state"][fc]["exp_avg"]), where
         plain_model, plain_optim = _fresh(None)
         plain_model.load_state_dict(r["sd"])
         plain_optim.load_state_dict(osd)

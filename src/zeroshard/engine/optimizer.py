@@ -25,7 +25,7 @@ import torch
 from .chunks import bucket_state, flatten_state
 from .engine import Engine
 from .flat import FlatBucket
-from .optimizer_state import load_torch_state_dict, torch_state_dict
+from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 
 __all__ = ["ShardedOptimizer"]
 
@@ -117,6 +117,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self.engine.scale_grads(coef)
         return total
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, dict[str, Any]]:
+        """Per user parameter, the optimizer state of this rank's piece (views; DTensors
+        at stages >= 1). Whole state in torch's format: ``state_dict()``."""
+        if not getattr(self, "_built", False):
+            return {}
+        return state_view(self.engine, self.optim)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Optimizer.__init__ assigns an empty state; the state lives in the inner
+        optimizer, per chunk."""
 
     @property
     def loss_scale(self) -> float:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
 
-__all__ = ["torch_state_dict", "load_torch_state_dict"]
+__all__ = ["torch_state_dict", "load_torch_state_dict", "state_view"]
 
 
 def _numbering(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -179,3 +179,34 @@ def _agree_scalar(values: dict[str, Any], k: str, v: Any, name: str) -> None:
 def _inner_group(inner: torch.optim.Optimizer, b: FlatBucket) -> dict[str, Any] | None:
     ids = {id(c) for c in b.chunks}
     return next((g for g in inner.param_groups if any(id(p) in ids for p in g["params"])), None)
+
+
+def state_view(engine: Engine, inner: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+    """``optimizer.state`` as torch keys it — by parameter — for this rank's shard:
+    per-element state as views shaped like the parameter's local piece (DTensors at
+    stages >= 1, whole tensors at stage 0), scalars as they are. Read-only in spirit:
+    writes into the views change the state; assigning new entries does nothing."""
+    from .params import dtensor
+
+    out: dict[Any, dict[str, Any]] = {}
+    for b in engine.buckets:
+        bstate = bucket_state(inner.state, b)
+        if not bstate:
+            continue
+        keys = set(_per_element(bstate, b))
+        for i, s in enumerate(b.slots):
+            if engine.group_of.get(s.names[0], 0) < 0:
+                continue
+            entry: dict[str, Any] = {}
+            for k, v in bstate.items():
+                if k not in keys:
+                    entry[k] = v
+                elif engine.policy.shard_optimizer:
+                    local = b.local(v.detach(), i)
+                    spec = engine.faces.specs[id(s.param)]
+                    entry[k] = dtensor(local, spec) if local.dtype == spec.tensor_meta.dtype \
+                        else local
+                else:
+                    entry[k] = b.slot_view(v.detach(), i)
+            out[engine.faces.user[id(s.param)]] = entry
+    return out
