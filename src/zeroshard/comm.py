@@ -225,11 +225,7 @@ class Comm:
             return
         if backend == "fake":
             return
-        if self.group is None and backend == "gloo":
-            self._check_group = dist.new_group(backend="gloo")
-        else:
-            self._check_group = dist.new_group(self._peers, backend="gloo",
-                                               use_local_synchronization=True)
+        self._check_group = _check_group(self._peers, self.group is None and backend == "gloo")
         self.check = mode
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -438,6 +434,36 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     hints.append("Every rank must run the same units in the same order each step; for "
                  "uneven data use zeroshard.join().")
     return "\n".join(hints)
+
+
+# Check groups by their ranks (global), one per set of ranks per process group world:
+# creating a gloo group connects every pair of its ranks, which costs more than many
+# steps of checks, so sharded models over the same ranks share one (their checks pair up
+# in program order, which every rank follows alike).
+_CHECK_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
+    key = tuple(peers)
+    group = _CHECK_GROUPS.get(key)
+    if group is not None and not _alive(group):
+        group = None
+    if group is None:
+        if whole_world:
+            group = dist.new_group(backend="gloo")
+        else:
+            group = dist.new_group(peers, backend="gloo", use_local_synchronization=True)
+        _CHECK_GROUPS[key] = group
+    return group
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """False once the default group it was made under has been destroyed."""
+    try:
+        dist.get_world_size(group)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
