@@ -334,3 +334,80 @@ def test_stage3_state_dict_holds_one_gathered_unit_at_a_time(world: int) -> None
     so the device holds its shards plus one gathered unit)."""
     r = run_ranks(_state_dict_peak, world)[0]
     assert r["result"] <= r["extra"] <= r["result"] + r["bucket"], r
+
+
+# -- what DDP scripts also do -------------------------------------------------------------
+class _Net(torch.nn.Module):
+    """A small CNN with BatchNorm: buffers that change in every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())])
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.flatten(1))
+
+
+def _cnn(rank: int, world: int, stage: int | None) -> dict:
+    """SGD + a scheduler built on the optimizer *before* wrapping, BatchNorm, and
+    ``zero_grad(set_to_none=False)``: under DDP (stage None) or zeroshard."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _Net()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    if stage is None:
+        model = DDP(model)
+    else:
+        model, optim = zeroshard.shard(model, optim, stage=stage)
+    out: dict = {"lrs": [], "zero_grads": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. "lr_scheduler.step() before ..."
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(10, (4,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=False)
+            out["lrs"].append(optim.param_groups[0]["lr"])
+            grads = [p.grad for p in model.parameters()]
+            out["zero_grads"].append(all(
+                gr is not None and tuple(gr.shape) == tuple(p.shape)
+                and float((gr.full_tensor() if hasattr(gr, "full_tensor") else gr).abs().sum()) == 0
+                for gr, p in zip(grads, model.parameters())))
+    raw = model.module
+    out["buffers"] = {n: t.clone() for n, t in raw.named_buffers()}
+    out["weights"] = {k: v.clone() for k, v in raw.state_dict().items()}
+    return out
+
+
+def _cnn_all(rank: int, world: int) -> list:
+    return [_cnn(rank, world, s) for s in (None, 0, 1, 2, 3)]
+
+
+def test_schedulers_buffers_and_zeroed_grads_as_under_ddp() -> None:
+    """An LR scheduler built on the optimizer before sharding drives the optimizer shard()
+    returns (no warning); BatchNorm's running statistics are broadcast from rank 0 before
+    each training forward as DDP does, so every rank's buffers equal DDP's on that rank;
+    ``zero_grad(set_to_none=False)`` leaves zeros of the parameters' shapes."""
+    per_rank = run_ranks(_cnn_all, 2, timeout=300)
+    for rank, runs in enumerate(per_rank):
+        ddp, *ours = runs
+        for stage, r in enumerate(ours):
+            where = (rank, stage)
+            assert r["lrs"] == ddp["lrs"] == [0.05, 0.025, 0.0125], where
+            assert r["zero_grads"] == ddp["zero_grads"] == [True] * 3, where
+            for n, t in ddp["buffers"].items():
+                assert torch.allclose(r["buffers"][n].float(), t.float(), atol=1e-6), (where, n)
+            for k, v in ddp["weights"].items():
+                assert torch.allclose(r["weights"][k].float(), v.float(), atol=1e-5), (where, k)

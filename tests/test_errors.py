@@ -68,6 +68,15 @@ def _case(name: str):
     if name == "assign_load":
         model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=1)
         return model.load_state_dict(model.state_dict(), assign=True)
+    if name == "no_optimizer":
+        return zeroshard.shard(model, stage=2)
+    if name == "instance_typo":
+        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stgae=2)
+    if name == "ddp_option":
+        return zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=2,
+                               find_unused_parameters=True)
+    if name == "ddp_option_class":
+        return zeroshard.shard(model, torch.optim.AdamW, stage=2, bucket_cap_mb=25)
     if name == "optimizer_string":
         return zeroshard.shard(model, "adamw", stage=2)
     if name == "optimizer_instance_kwargs":
@@ -114,6 +123,10 @@ EXPECT = {
     "scalar_param": (ValueError, "'temperature' is 0-dimensional.*shape \\(1,\\)"),
     "add_param_group": (NotImplementedError, "groups are fixed when the model is sharded"),
     "assign_load": (NotImplementedError, "without assign"),
+    "no_optimizer": (TypeError, "shard\\(\\) needs the optimizer: build it on model.parameters"),
+    "instance_typo": (TypeError, "unknown option 'stgae'; did you mean 'stage'"),
+    "ddp_option": (TypeError, "'find_unused_parameters' is a DistributedDataParallel option"),
+    "ddp_option_class": (TypeError, "'bucket_cap_mb' is a Distributed.*use bucket_bytes="),
     "optimizer_string": (TypeError, "optimizer='adamw' is not an optimizer: pass a torch"),
     "optimizer_instance_kwargs": (TypeError, r"keywords \['lr'\] were given with a AdamW"),
     "optimizer_instance_groups": (TypeError, "param_groups= goes with an optimizer class"),

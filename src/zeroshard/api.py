@@ -85,7 +85,7 @@ class ShardedModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, including the sharded ones the engine accumulates."""
-        self._zeroshard_engine.zero_grad()
+        self._zeroshard_engine.zero_grad(set_to_none)
 
 
 def engine_of(model: nn.Module) -> Engine:
@@ -105,12 +105,31 @@ def _swap_class(model: nn.Module) -> None:
     model.__class__ = type(f"ZeroShard{cls.__name__}", (ShardedModule, cls), {})
 
 
+# DistributedDataParallel's keywords, which a ported script may still pass.
+_DDP_OPTIONS = {
+    "device_ids": "zeroshard computes where the model is: move it first (model.to(device))",
+    "output_device": "zeroshard leaves outputs where the model computes them",
+    "find_unused_parameters": "zeroshard finds parameters without a gradient itself",
+    "static_graph": "zeroshard needs no static-graph hint",
+    "gradient_as_bucket_view": "zeroshard's gradients always live in its buckets",
+    "bucket_cap_mb": "use bucket_bytes= (bytes, e.g. bucket_bytes=25 * 2**20)",
+}
+
+
+def _refuse_ddp_option(k: str) -> None:
+    if k in _DDP_OPTIONS:
+        raise TypeError(f"{k!r} is a DistributedDataParallel option, not a zeroshard one: "
+                        f"{_DDP_OPTIONS[k]}; drop it")
+
+
 def _split_options(
     optimizer: OptimizerFactory, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate zeroshard's options from the optimizer's, catching misspellings."""
     ours = {k: v for k, v in options.items() if k in ShardConfig.option_names()}
     theirs = {k: v for k, v in options.items() if k not in ours}
+    for k in theirs:
+        _refuse_ddp_option(k)
     try:
         sig = inspect.signature(optimizer)
         accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
@@ -158,7 +177,7 @@ def _check_model(model: nn.Module, stage: int) -> None:
 
 def shard(
     model: nn.Module,
-    optimizer: OptimizerFactory,
+    optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
     *,
     stage: int = 0,
     process_group: dist.ProcessGroup | None = None,
@@ -201,6 +220,12 @@ def shard(
             "torch.distributed.init_process_group('gloo' or 'nccl') first, or launch with "
             "torchrun"
         )
+    if optimizer is None:
+        raise TypeError(
+            "shard() needs the optimizer: build it on model.parameters() before sharding "
+            "(where a DDP script builds it after wrapping, move it above the wrap line) and "
+            "pass it: model, optimizer = zeroshard.shard(model, optimizer, stage=2); or pass "
+            "its class and keywords: zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)")
     if isinstance(optimizer, torch.optim.Optimizer):
         if param_groups is not None:
             raise TypeError(
@@ -208,6 +233,12 @@ def shard(
                 f"{type(optimizer).__name__} instance brings its own param_groups")
         ours = {k: v for k, v in options.items() if k in ShardConfig.option_names()}
         optim_kwargs = {k: v for k, v in options.items() if k not in ours}
+        for k in optim_kwargs:
+            _refuse_ddp_option(k)
+            guess = suggest_option(k, ["process_group", "units", "param_init", "device",
+                                       "hybrid", "mesh"])
+            if guess:
+                raise TypeError(f"unknown option {k!r}; did you mean {guess!r}?")
     elif callable(optimizer):
         ours, optim_kwargs = _split_options(optimizer, options)
     else:
@@ -253,7 +284,7 @@ def shard(
         spec.kwargs["fused"] = True
     inner = _build_inner(engine, spec)
     optim = ShardedOptimizer(engine, inner, _user_groups(engine, spec, inner),
-                             defaults=spec.defaults or None)
+                             defaults=spec.defaults or None, replaces=spec.instance)
     if spec.state is not None:  # a resumed instance: its state carries over
         optim.load_state_dict(spec.state)
     _destroy_group_at_exit()
@@ -263,7 +294,7 @@ def shard(
     for c in (comm, replicate, world):
         if c is not None:
             c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
-                          "used", "grad_norm", "overflow", "join"])
+                          "forward", "buffers", "used", "grad_norm", "overflow", "join"])
     model._zeroshard_engine = engine
     _swap_class(model)
     if spec.instance is not None:
@@ -293,8 +324,14 @@ def _build_inner(engine: Engine, spec: OptimizerSpec) -> torch.optim.Optimizer:
 def _user_groups(engine: Engine, spec: OptimizerSpec,
                  inner: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The user's groups (see [Note: optimizer groups]): the inner groups' hyperparameters
-    over the model's user parameters."""
+    over the model's user parameters. From an instance, its own group dicts (holding the
+    user parameters now), so an LR scheduler built on it before sharding still sets the
+    learning rate that is stepped."""
     by_name = engine.user_params_by_name()
+    if spec.instance is not None:
+        for g, names in zip(spec.instance.param_groups, spec.groups):
+            g["params"] = [by_name[n] for n in names]
+        return spec.instance.param_groups
     return [{**{k: v for k, v in g.items() if k != "params"},
              "params": [by_name[n] for n in names]}
             for g, names in zip(inner.param_groups, spec.groups)]

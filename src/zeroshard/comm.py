@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import warnings
 import zlib
 from collections import defaultdict
 from collections.abc import Iterator
@@ -157,6 +158,8 @@ _PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "o
 #: NCCL's default process-group timeout. A rank that legitimately works alone longer
 #: (saving a large checkpoint from rank 0) needs ``timeout=`` raised.
 CHECK_TIMEOUT = 600.0
+#: Seconds after which a waiting check warns (once) that a peer has not arrived.
+SLOW_CHECK = 30.0
 
 
 def _key(name: str) -> int:
@@ -490,11 +493,31 @@ class _Check:
         return self.done or self.work.is_completed()
 
     def verify(self) -> None:
-        """Wait for the peers' descriptors (bounded) and raise on any difference."""
+        """Wait for the peers' descriptors (bounded; a warning after ``SLOW_CHECK`` s) and
+        raise on any difference."""
         if self.done:
             return
         c = self.comm
-        Pending([self.work], self.table, self.desc, c, timeout=c.timeout or CHECK_TIMEOUT).wait()
+        total = c.timeout or CHECK_TIMEOUT
+        if not self.work.is_completed():
+            first = min(SLOW_CHECK, total)
+            try:
+                Pending([self.work], self.table, self.desc, c, timeout=first).wait()
+            except CollectiveTimeout:
+                if first >= total:
+                    raise
+                warnings.warn(
+                    f"rank {c.global_rank} has waited {first:g} s for its peers in "
+                    f"{self.desc} (group {c.label!r}). If only some ranks run it (a stage-3 "
+                    "forward or a state dict on rank 0 alone, while the others wait in a "
+                    f"barrier), run it on every rank. It gives up after {total:g} s.",
+                    stacklevel=3)
+                try:
+                    Pending([self.work], self.table, self.desc, c, timeout=total - first).wait()
+                except CollectiveTimeout as e:  # report the whole wait
+                    raise CollectiveTimeout(str(e).replace(
+                        f"waited {total - first:g} s", f"waited {total:g} s", 1)) from e
+        Pending([self.work], self.table, self.desc, c).wait()  # surfaces a peer's failure
         self.done = True
         if self in c._unverified:
             c._unverified.remove(self)

@@ -174,6 +174,9 @@ class Engine(Stage3Hooks, JoinReplay):
             _materialize_buffers(model, self.device)
         else:
             self._sync_module_states()
+        # DDP syncs buffers before a forward that follows a training forward (and before
+        # the first): see _broadcast_buffers.
+        self._sync_buffers = True
         for b in self.all_buckets:
             self._materialize(b, param_init if meta else None)
         # See [Note: parameters the user sees] in params.py.
@@ -285,6 +288,33 @@ class Engine(Stage3Hooks, JoinReplay):
             if self.compute_dtype is not None and p.is_floating_point():
                 p.data = p.data.to(self.compute_dtype)
 
+    def _state_buffers(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """The model's persistent buffers (state, such as BatchNorm's running statistics;
+        non-persistent ones are derived, such as RoPE tables), grouped by dtype and
+        device: one broadcast each."""
+        groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        for prefix, m in self.model.named_modules():
+            for n, t in m._buffers.items():
+                if t is None or n in m._non_persistent_buffers_set or t.is_meta:
+                    continue
+                name = f"{prefix}.{n}" if prefix else n
+                groups.setdefault((t.dtype, t.device), []).append((name, t))
+        return list(groups.values())
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank before a forward that follows a training one —
+        DDP's ``broadcast_buffers`` (its default), so BatchNorm's running statistics are
+        rank 0's everywhere as under DDP. Version counters are kept (as DDP does): a
+        forward may have saved a buffer for a backward still to come."""
+        for group in self._state_buffers():
+            tensors = [t for _, t in group]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self.world.broadcast(flat, 0, phase="forward", unit="buffers")
+            with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+                torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
+                    flat.split([t.numel() for t in tensors]), tensors)])
+
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """With offload, a pinned host copy of ``t``; otherwise ``t`` itself."""
         return self.offloader.to_host(t) if self.offload else t
@@ -328,6 +358,7 @@ class Engine(Stage3Hooks, JoinReplay):
         b.full.untyped_storage().resize_(0)
 
     # -- forward hooks ------------------------------------------------------------------------
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
         if self._joinable is not None and not in_backward():
@@ -340,6 +371,9 @@ class Engine(Stage3Hooks, JoinReplay):
             # One rank alone in a forward (evaluation on rank 0 only) is refused here,
             # before any gather; see [Note: divergence] in comm.py.
             self.comm.sync_point("forward", phase="forward")
+        if self.config.broadcast_buffers and self._sync_buffers and not in_backward():
+            self._broadcast_buffers()
+        if self.units:
             root = self.units[-1]
             self._fwd_cursor = 0
             self._unshard(root, "forward")
@@ -360,7 +394,10 @@ class Engine(Stage3Hooks, JoinReplay):
             return x.to(self.compute_dtype)
         return x
 
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _post_forward(self, module: nn.Module, args, output):
+        if not in_backward():  # as DDP: the next forward syncs buffers after a training one
+            self._sync_buffers = torch.is_grad_enabled() and self.sync
         if self.units:
             self._recording = False
             if not torch.is_grad_enabled():
@@ -714,8 +751,22 @@ class Engine(Stage3Hooks, JoinReplay):
             b.gathered_to_full(gathered, b.full)
             del gathered
 
-    def zero_grad(self) -> None:
-        """Like ``set_to_none=True``: no memset of the whole-gradient buffers (see valid)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient. ``set_to_none=True``: no memset of the whole-gradient
+        buffers (see ``FlatBucket.valid``). False, as torch: the parameters' ``.grad``
+        stay, as zeros (stage 0: the buffer's views; otherwise the masters' gradients)."""
+        self._clear_grads()
+        if set_to_none:
+            return
+        for b in self.buckets:
+            if not self.policy.shard_optimizer and not self.faces.swap:
+                b.grad.zero_()
+                b.grad_views(b.grad)
+                continue
+            set_master_grad(b, torch.zeros_like(b.master.detach()))
+            self.faces.publish_grads(b)
+
+    def _clear_grads(self) -> None:
         for b in self.buckets:
             if b.grad_shard is not None:
                 if self._in_place(b):
@@ -731,7 +782,7 @@ class Engine(Stage3Hooks, JoinReplay):
         self._grads_prepared = False
 
     def skip_step(self) -> None:
-        self.zero_grad()
+        self._clear_grads()
         self.comm.ledger.mark_step()
 
     # -- state --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ torch's format ([Note: torch-format optimizer state] in optimizer_state.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +38,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     group); ``groups`` are the user's groups over the model's (user) parameters."""
 
     def __init__(self, engine: Engine, inner: torch.optim.Optimizer,
-                 groups: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> None:
+                 groups: list[dict[str, Any]], defaults: dict[str, Any] | None = None,
+                 replaces: torch.optim.Optimizer | None = None) -> None:
         self.engine = engine
         self.optim = inner
+        # The instance handed to shard(): schedulers built on it share our groups; its
+        # ``_opt_called`` tells them the optimizer did step (their first-step check).
+        self._replaces = weakref.ref(replaces) if replaces is not None else None
         self._built = False
         # Optimizer.__init__ sets up the hook dicts LR schedulers and profilers expect.
         super().__init__(groups, dict(defaults or inner.defaults))
@@ -88,13 +93,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         unused = engine.unused_slots()
         saved = [self._save_range(b, lo, hi) for b, lo, hi in unused]
         self.optim.step()  # its post-hook flattens the per-chunk state (chunks.py)
+        old = self._replaces() if self._replaces is not None else None
+        if old is not None:
+            old._opt_called = True  # type: ignore[attr-defined]
         for (b, lo, hi), old in zip(unused, saved):
             self._restore_range(b, lo, hi, old)
         engine.after_step()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        self.engine.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_built", True):  # Optimizer.__init__ building the groups

@@ -35,6 +35,8 @@ class JoinReplay:
     _last_clip: tuple[float, float] | None
     _replaying: bool
 
+    def _broadcast_buffers(self) -> None: ...
+
     def _count_active(self, mine: int) -> None:
         t = torch.tensor([float(mine)], device=self.device)
         self.world.all_reduce(t, phase="control", unit="join").wait()
@@ -67,8 +69,14 @@ class JoinReplay:
         seen: dict[str, int] = {}
         if self.units:  # the forward's check point (engine._pre_forward), as the others
             self.comm.sync_point("forward", phase="forward")
+        broadcast = False
         for r in self._last_iter:
             if r.phase not in ("forward", "backward") or r.group == "replicate":
+                continue
+            if r.op == "broadcast":  # rank 0's buffers (engine._broadcast_buffers)
+                if not broadcast:
+                    self._broadcast_buffers()  # every group's broadcast, in order
+                broadcast = True
                 continue
             if r.op == "all_gather":  # a stage-3 unit: serve our slice to the others
                 u = units[r.unit]

@@ -3,6 +3,17 @@
 The lifecycle itself is [Note: unit lifecycle] and the schedule [Note: prefetch], both in
 units.py; this mixin is the part of the :class:`~zeroshard.engine.engine.Engine` that
 runs them from module hooks.
+
+[Note: compile]
+The engine's forward hooks (root and unit, pre and post) are excluded from
+``torch.compile`` (``torch.compiler.disable``), as FSDP2 excludes its own: gathers,
+frees, the parameter swap and the collective checks are Python bookkeeping over
+communication, which a graph cannot hold, and a trace through them would recompile at
+every step (the ledger and the check counters change). So a compiled block is one graph
+of the block's own code; the hooks run eagerly just outside it, at the unit boundary
+(one graph break before and one after each hooked module when the whole model is
+compiled). The compute parameters a compiled block reads are always the same
+``nn.Parameter`` objects (only their storage is refilled), so guards hold across steps.
 """
 
 from __future__ import annotations
@@ -80,6 +91,7 @@ class Stage3Hooks:
         for u in order[start : start + self.config.prefetch]:
             self._unshard(u, "backward" if u.in_backward else "forward")
 
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
         if u.in_backward or in_backward():  # recomputation (activation checkpointing)
             self._unshard(u, "backward")
@@ -108,6 +120,7 @@ class Stage3Hooks:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _unit_post_forward(self, u: Unit, output):
         if u.in_backward or in_backward():
             # A recompute's graph only regenerates saved tensors; the hooks registered in
