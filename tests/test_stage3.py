@@ -116,17 +116,12 @@ def _meta_init(rank: int, world: int) -> dict:
     engine = zeroshard.engine_of(model)
     largest_unit = max(sum(b.padded_numel for b in u.buckets) for u in engine.units) * 4
     shard_state = sum(b.shard_numel for b in engine.all_buckets) * 4 * 2  # master + grad
-    # Spot check a few values against the same init on an unsharded small slice.
-    name = "blocks.3.mlp.up_proj.weight"
-    b, i = engine._slot_of[id(model.get_parameter(name))]
     return {
         "full_bytes": full_bytes,
         "peak": tracker.peak_total(),
         "largest_unit": largest_unit,
         "shard_state": shard_state,
         "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "slot": (b.index, b.slots[i].offset, b.slots[i].numel, b.shard_range),
-        "master_head": b.master.detach()[:8].clone(),
     }
 
 

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="memory per rank with a unit, e.g. 1.5GiB: pick the fastest configuration that fits")
     a("--mixed-precision", choices=["bf16", "fp16"], default=None,
       help="16-bit compute (default fp32)")
+    a("--compile", choices=["block", "whole"], default=None,
+      help="torch.compile every configuration: each block in place, or the whole model")
+    a("--compile-backend", default="inductor",
+      help="torch.compile backend with --compile (default inductor; aot_eager compiles fast)")
     a("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     a("--seed", type=int, default=0, help="model and data seed (default 0)")
     a("--timeout", type=float, default=120.0, metavar="SECONDS",
@@ -101,7 +105,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(configs)),
         baseline=args.baseline, mixed_precision=args.mixed_precision,
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
-        lr=args.lr, seed=args.seed, timeout_s=args.timeout)
+        lr=args.lr, seed=args.seed, timeout_s=args.timeout, compile=args.compile,
+        compile_backend=args.compile_backend)
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings

@@ -165,6 +165,9 @@ class BenchSettings:
     """How long a rank waits in one collective before its configuration is failed."""
     loss_tolerance: float | None = None
     """Relative loss deviation allowed vs the baseline; None: 2% (fp32), 5% (16-bit)."""
+    compile: str | None = None
+    """torch.compile every configuration: "block" (each block in place) or "whole"."""
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch", "seq", "steps"):
@@ -174,6 +177,9 @@ class BenchSettings:
                                  f"e.g. --{name.replace('_', '-')} 2")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"--warmup {self.warmup!r} must be an integer >= 0, e.g. 2")
+        if self.compile not in (None, "block", "whole"):
+            raise ValueError(f"--compile {self.compile!r} must be 'block' (each block, as "
+                             "torchtitan does) or 'whole' (the whole model)")
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(f"--mixed-precision {self.mixed_precision!r} is not supported; "
                              "use bf16 or fp16 (omit it for fp32)")

@@ -87,6 +87,24 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
 
 
+def _compiled(model: nn.Module, blocks: nn.Module, s: BenchSettings) -> nn.Module:
+    """``--compile``: each block compiled in place (what torchtitan and FSDP2 recipes do),
+    or the whole (wrapped) model; returns what to call for the forward."""
+    if s.compile == "block":
+        for block in blocks:
+            block.compile(backend=s.compile_backend)
+        return model
+    if s.compile == "whole":
+        return torch.compile(model, backend=s.compile_backend)
+    return model
+
+
+def _blocks(model: nn.Module) -> nn.Module:
+    from zeroshard.checkpointing import find_blocks
+
+    return find_blocks(model)
+
+
 def _autocast(device: torch.device, mp: str | None) -> Callable[[], contextlib.AbstractContextManager]:
     if mp is None:
         return contextlib.nullcontext
@@ -115,8 +133,8 @@ def _zeroshard(spec, model, group, s: BenchSettings, device) -> Runner:
         t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
         return t.track_optimizer(opt.optim).add_source(zeroshard.engine_of(model).memory_sources())
 
-    return Runner(_plain_step(model, opt, contextlib.nullcontext), tracker,
-                  zeroshard.engine_of(model).comm.ledger)
+    return Runner(_plain_step(_compiled(model, _blocks(model), s), opt, contextlib.nullcontext),
+                  tracker, zeroshard.engine_of(model).comm.ledger)
 
 
 def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
@@ -133,7 +151,8 @@ def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
         inner = opt.optim  # the local optimizer over this rank's whole parameters
     else:
         opt = inner = torch.optim.AdamW(model.parameters(), lr=s.lr)
-    step = _plain_step(ddp, opt, _autocast(device, s.mixed_precision))
+    step = _plain_step(_compiled(ddp, _blocks(model), s), opt,
+                       _autocast(device, s.mixed_precision))
     if fail_rank is not None:
         good, rank = step, dist.get_rank(group)
 
@@ -168,12 +187,15 @@ def _fsdp2(spec, model, group, s: BenchSettings, device) -> Runner:
         return MemoryTracker(device=_tracker_device(device)).add_source(
             _local_source(model, lambda: _state_tensors(opt)))
 
-    return Runner(_plain_step(model, opt, contextlib.nullcontext), tracker)
+    return Runner(_plain_step(_compiled(model, find_blocks(model), s), opt,
+                              contextlib.nullcontext), tracker)
 
 
 def _deepspeed(spec, model, group, s: BenchSettings, device) -> Runner:
     import deepspeed
 
+    if s.compile is not None:
+        raise SkipConfig("--compile is not applied to DeepSpeed (its engine wraps the model)")
     config = {
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
