@@ -9,7 +9,9 @@ Run: .venv/bin/python benchmarks/ab.py [--steps 20] [--model gpt2-small] [--seq 
 
 A SPEC is ``ddp``, ``fsdp2`` (per-block fully_shard, resharding after forward) or
 ``zs<stage>`` with zeroshard options after ``+``, e.g. ``zs3``,
-``zs3+check_collectives=0``, ``zs2+mixed_precision=bf16``. Prints the median step time
+``zs3+check_collectives=0``, ``zs2+mixed_precision=bf16``; ``@block`` or ``@whole``
+compiles it (each block in place, or the whole model) with inductor, ``@block:aot_eager``
+with another backend. Prints the median step time
 of each, and each one's speed relative to the first (ratio of medians, and the median of
 per-step ratios).
 """
@@ -33,7 +35,26 @@ def _value(v: str):
     return {"True": True, "False": False, "None": None}.get(v, v)
 
 
+def _compile(model, blocks, how: str | None):
+    if how is None:
+        return model
+    how, _, backend = how.partition(":")
+    backend = backend or "inductor"
+    if how == "block":
+        for b in blocks:
+            b.compile(backend=backend)
+        return model
+    return torch.compile(model, backend=backend)
+
+
 def _build(spec: str, cfg, rank: int):
+    spec, _, how = spec.partition("@")
+    model, opt = _build_eager(spec, cfg, rank)
+    blocks = (model.module if hasattr(model, "module") else model).blocks
+    return _compile(model, blocks, how or None), opt
+
+
+def _build_eager(spec: str, cfg, rank: int):
     import torch.distributed as dist
 
     import zeroshard

@@ -10,8 +10,8 @@ with the unsharded reference (tests/_training.py).
 
 Graph breaks: zeroshard's forward hooks are excluded from compilation (``[Note: compile]``
 in engine/stage3.py), so every graph break a run records must be at one of them — none
-inside a block's own code — and at stages 0-2, where no unit hooks exist, a compiled block
-has none at all. The counts are asserted.
+inside a block's own code; at stages 0-2, where no unit hooks exist, a compiled block has
+none at all, and at stage 3 the unit hooks do break (each unit's graph is its own code).
 """
 
 from __future__ import annotations
@@ -89,22 +89,29 @@ def _reference() -> tuple[dict, dict]:
     return ref, yard
 
 
-@pytest.mark.slow
 def test_compiled_stages_match_eager_and_the_reference() -> None:
     results = run_ranks(_all, 2, timeout=1800)[0]
     compiled, eager = results[: len(GRID)], results[len(GRID):]
     ref, yard = _reference()
     for point, c, e in zip(GRID, compiled, eager):
         bf16 = point.get("mixed_precision") == "bf16"
+        # inductor's fused CPU kernels round differently from eager ops, and Adam turns
+        # that into up to ~2e-4 relative after 3 steps at lr 1e-2 (a wrong or missing
+        # gradient would be O(1)); aot_eager runs the same ops as eager
+        inductor = point.get("backend") == "inductor"
         assert c["losses"] == pytest.approx(e["losses"], rel=1e-3 if bf16 else 1e-5), point
+        bound = 2e-3 if bf16 else 1e-3 if inductor else 1e-5
         for name, dev in rel_diffs(c["weights"], e["weights"]).items():
-            assert dev <= (2e-3 if bf16 else 1e-5), (point, name, dev)
+            # (the key bias's true gradient is 0: its noise, see test_parity's yardstick)
+            assert dev <= max(bound, 3 * yard[name] if inductor else 0), (point, name, dev)
         if not bf16:
             for name, dev in rel_diffs(c["weights"], ref).items():
-                assert dev <= max(1e-5, 3 * yard[name]), (point, name, dev)
+                assert dev <= max(bound, 3 * yard[name]), (point, name, dev)
         # every graph break is at one of zeroshard's hooks, never inside a block
         for reason in c["breaks"]:
             assert any(h in reason for h in OURS), (point, reason)
-        hooks_in_blocks = point["stage"] == 3 or point["how"] == "whole"
-        assert bool(c["breaks"]) == hooks_in_blocks, (point, c["breaks"])
+        if point["stage"] == 3:  # the unit hooks: one break before and one after
+            assert c["breaks"], point
+        elif point["how"] == "block":  # no unit hooks: a compiled block is one graph
+            assert not c["breaks"], (point, c["breaks"])
         assert c["graphs"] >= 1, point
