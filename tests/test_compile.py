@@ -1,7 +1,8 @@
 """torch.compile composes with every stage (issue #18).
 
-Both ways users compile — each block (``block.compile()``, as torchtitan and most FSDP2
-recipes do) and the whole model (``torch.compile(model)``) — at stages 0-3, with the
+Both ways users compile — each block (``block.compile()`` after sharding, or
+``torch.compile(block, fullgraph=True)`` wrappers before it, as torchtitan does) and the
+whole model (``torch.compile(model)``) — at stages 0-3, with the
 ``aot_eager`` backend across the options (activation checkpointing, prefetch off, bf16,
 weights kept between forward and backward) and with ``inductor`` (a C++ compiler builds
 CPU kernels) on one configuration per way of compiling. Each compiled run is compared with
@@ -40,6 +41,9 @@ def _train(rank: int, world: int, stage: int, how: str | None, backend: str = "a
     model = make_model("gpt2-tiny")
     if ckpt != "none":
         apply_checkpointing(model, ckpt)
+    if how == "wrap":  # torchtitan's order: compiled wrappers first, fullgraph, then shard
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
     model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2,
                                    weight_decay=0.1, **options)
     run = model
@@ -58,7 +62,9 @@ def _train(rank: int, world: int, stage: int, how: str | None, backend: str = "a
         optim.zero_grad()
         losses.append(loss.item())
     breaks = dict(counters["graph_break"])
-    return {"losses": losses, "weights": zeroshard.full_state_dict(model),
+    weights = {k.replace("._orig_mod", ""): v
+               for k, v in zeroshard.full_state_dict(model).items()}
+    return {"losses": losses, "weights": weights,
             "breaks": {k.split("\n")[1][:200] if "\n" in k else k: v for k, v in breaks.items()},
             "graphs": counters["stats"]["unique_graphs"]}
 
@@ -72,6 +78,8 @@ GRID = [
     {"stage": 3, "how": "block", "reshard_after_forward": False},
     {"stage": 3, "how": "block", "mixed_precision": "bf16"},
     {"stage": 2, "how": "block", "mixed_precision": "bf16"},
+    {"stage": 3, "how": "wrap"},
+    {"stage": 1, "how": "wrap"},
     {"stage": 3, "how": "block", "backend": "inductor"},
     {"stage": 0, "how": "whole", "backend": "inductor"},
 ]
@@ -110,7 +118,9 @@ def test_compiled_stages_match_eager_and_the_reference() -> None:
         # every graph break is at one of zeroshard's hooks, never inside a block
         for reason in c["breaks"]:
             assert any(h in reason for h in OURS), (point, reason)
-        if point["stage"] == 3:  # the unit hooks: one break before and one after
+        if point["how"] == "wrap":  # hooks on the wrappers: fullgraph blocks
+            assert not c["breaks"], (point, c["breaks"])
+        elif point["stage"] == 3:  # the unit hooks: one break before and one after
             assert c["breaks"], point
         elif point["how"] == "block":  # no unit hooks: a compiled block is one graph
             assert not c["breaks"], (point, c["breaks"])
