@@ -7,7 +7,8 @@ configurations alternates each step (A B, B A, ...), so noise hits all alike.
 Run: .venv/bin/python benchmarks/ab.py [--steps 20] [--model gpt2-small] [--seq 128]
          [--world 2] SPEC SPEC [SPEC ...]
 
-A SPEC is ``ddp``, ``fsdp2`` (per-block fully_shard, resharding after forward) or
+A SPEC is ``ddp``, ``zro`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (per-block
+fully_shard, resharding after forward) or
 ``zs<stage>`` with zeroshard options after ``+``, e.g. ``zs3``,
 ``zs3+check_collectives=0``, ``zs2+mixed_precision=bf16``; ``@block`` or ``@whole``
 compiles it (each block in place, or the whole model) with inductor, ``@block:aot_eager``
@@ -61,11 +62,17 @@ def _build_eager(spec: str, cfg, rank: int):
     from zeroshard.models import build_model
 
     model = build_model(cfg, seed=0)
-    if spec == "ddp":
+    if spec in ("ddp", "zro"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        params = list(model.parameters())
         model = DDP(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if spec == "zro":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return model, ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                                  lr=1e-4)
+        return model, torch.optim.AdamW(params, lr=1e-4)
     if spec == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -76,7 +83,8 @@ def _build_eager(spec: str, cfg, rank: int):
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     if not spec.startswith("zs"):
-        raise SystemExit(f"unknown spec {spec!r}: use ddp, fsdp2 or zs<stage>[+opt=value...]")
+        raise SystemExit(f"unknown spec {spec!r}: use ddp, zro, fsdp2 or "
+                         "zs<stage>[+opt=value...]")
     stage, *opts = spec[2:].split("+")
     options = {k: _value(v) for k, v in (o.split("=", 1) for o in opts)}
     if "check_collectives" in options:

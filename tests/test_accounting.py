@@ -50,9 +50,10 @@ def _measure(rank: int, world: int, stage: int, mixed_precision: str | None,
             x, y = next(data)
             F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
             optim.step()
+            del x, y  # saved for backward; held here they would read as activations
+            mem = {k.value: v for k, v in tracker.current().items()}  # after the step
             optim.zero_grad()
-        del x, y  # the batch was saved for backward; held here it would read as activations
-    mem = {k.value: v for k, v in tracker.current().items()}
+        freed = {k.value: v for k, v in tracker.current().items()}  # between steps
     ledger = engine.comm.ledger
     step = [r for r in ledger.last_step() if r.phase in ("forward", "backward", "step")]
     return {
@@ -63,6 +64,7 @@ def _measure(rank: int, world: int, stage: int, mixed_precision: str | None,
         "units": [(u.name, u.is_root, sum(b.padded_numel for b in u.buckets))
                   for u in engine.units],
         "mem": mem,
+        "freed": freed,
         "comm": [(r.op, r.phase, r.logical_bytes, r.unit) for r in step],
         "peak_unsharded": engine.peak_unsharded_bytes,
     }
@@ -89,6 +91,8 @@ def _expected(stage: int, mp: str | None, world: int, padded: list[int],
     s = p // world
     steps = 4 * n_opt
     grads = {0: c * p, 1: c * p, 2: c * s, 3: c * s}[stage]
+    if mp:  # the fp32 (unscaled) master gradient, cast from the 16-bit reduced one
+        grads += 4 * (p if stage == 0 else s)
     return {
         "params": c * (s if stage == 3 else p),
         "grads": grads,
@@ -110,6 +114,10 @@ def test_model_state_bytes_equal_stage_formulas(world: int) -> None:
         got = {k: r["mem"][k] for k in exp}
         assert got == exp, (point, got, exp)
         assert r["mem"]["comm"] == 0 and r["mem"]["activations"] == 0, (point, r["mem"])
+        # zero_grad() (set_to_none=True) frees every gradient buffer, at every stage
+        assert r["freed"]["grads"] == 0, (point, r["freed"])
+        assert {k: r["freed"][k] for k in ("params", "optim")} == {
+            k: exp[k] for k in ("params", "optim")}, (point, r["freed"])
 
 
 @pytest.mark.parametrize("world", [2, 3])

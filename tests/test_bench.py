@@ -10,6 +10,7 @@ Timing is never asserted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
@@ -140,6 +141,29 @@ def test_plot_has_both_panels(fast_run: dict[str, Any]) -> None:
     assert fast_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     titles = plot(fast_run["json"], fast_run["dir"] / "again.png")
     assert titles == ["Peak memory by category", "Throughput against peak memory"]
+
+
+def test_memory_timeline_shows_each_phase_and_the_peak(fast_run: dict[str, Any]) -> None:
+    """--plot also draws bytes by category over the measured step (r-timeline.png); the
+    JSON carries the series: phases marked in order, and its highest point is the peak."""
+    from zeroshard.bench.render import plot_timeline, timeline_path
+
+    assert timeline_path(fast_run["png"]) == fast_run["dir"] / "r-timeline.png"
+    ok = [r for r in fast_run["json"]["rows"] if r["status"] == "ok"]
+    for r in ok:
+        tl = r["memory_timeline"]
+        assert [label for _, label in tl["marks"]] == ["forward", "backward", "step"], r["name"]
+        ops = [op for op, _ in tl["marks"]]
+        assert ops == sorted(ops) and len(tl["op"]) <= 600
+        totals = [sum(tl[c][i] for c in CATEGORIES if c != "total")
+                  for i in range(len(tl["op"]))]
+        assert max(totals) == r["peak_bytes"]["total"], r["name"]
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    assert timeline_path(fast_run["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    titles = plot_timeline(fast_run["json"], fast_run["dir"] / "t.png")
+    assert titles == [f"{r['name']}: peak {r['peak_bytes']['total'] / 2**20:,.0f} MiB"
+                      for r in ok]
 
 
 def test_table_is_printed(fast_run: dict[str, Any]) -> None:

@@ -177,7 +177,8 @@ def bench_in_group(rank: int, world: int, config_path: str) -> dict[str, str]:
     os.environ[zhf.BENCH_CONFIG_ENV] = config_path
     s = BenchSettings(model=None, model_factory="zeroshard.hf:bench_model", vocab=VOCAB,
                       world_size=world, micro_batch=1, seq=SEQ, warmup=0, steps=1,
-                      configs=tuple(parse_configs("zs-s3,zs-s3-full")), baseline="zs-s3")
+                      configs=tuple(parse_configs("zs-s3,zs-s3-full,zs-s3-selective")),
+                      baseline="zs-s3")
     meta = rank_main(s, progress=False)
     return {} if meta is None else {r["spec"].name: r["status"] + r["error"] for r in meta["rows"]}
 
@@ -302,7 +303,8 @@ def test_no_layer_list_error_says_how_to_pass_units(world_run) -> None:
 
 
 def test_bench_runs_an_hf_config_on_every_rank(world_run) -> None:
-    assert world_run["bench"] == {"zs-s3": "ok", "zs-s3-full": "ok"}
+    assert world_run["bench"] == {"zs-s3": "ok", "zs-s3-full": "ok", "zs-s3-selective": "ok"}
+
 
 
 # -- single process ---------------------------------------------------------------------
@@ -440,13 +442,16 @@ def test_bench_cli_hf_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     s = settings_from_args(build_parser().parse_args(["bench", "--hf-config", str(path)]))
     assert (s.model_factory, s.vocab) == ("zeroshard.hf:bench_model", VOCAB)
     assert os.environ[zhf.BENCH_CONFIG_ENV] == str(path)
-    assert [c.name for c in s.configs if c.activation_checkpointing == "selective"] == []
+    # HF models checkpoint with zeroshard.hf's policies: -selective stays in the list
+    assert [c.name for c in s.configs if c.activation_checkpointing == "selective"] == [
+        "zs-s3-selective"]
+    assert s.model_label == "llama (config.json)"  # tables and plots: its architecture or type
     assert f"--hf-config {path}" in _command(s)
     logits = zhf.bench_model()(torch.zeros(2, 5, dtype=torch.long))
     assert logits.shape == (2, 5, VOCAB)
     selective = ["bench", "--hf-config", str(path), "--configs", "ddp,zs-s3-selective"]
-    with pytest.raises(ValueError, match="drop them from --configs"):
-        settings_from_args(build_parser().parse_args(selective))
+    s = settings_from_args(build_parser().parse_args(selective))
+    assert [c.name for c in s.configs] == ["ddp", "zs-s3-selective"]
     missing = ["bench", "--hf-config", str(tmp_path / "nope.json")]
     with pytest.raises(ValueError, match="does not exist"):
         settings_from_args(build_parser().parse_args(missing))

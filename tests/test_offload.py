@@ -10,10 +10,11 @@ Memory (notation of test_accounting.py: S = this rank's slice of the padded trai
 buckets, P = N·S, c = compute-dtype bytes, n_b = optimizer parameters), between steps, forced
 copies, AdamW (fp32 master + 2 moments + a 4-byte step per bucket; without mixed
 precision the master of stages 1-2 is its own copy once offloaded). The reduced gradient
-slices live on the host only (stage 1 keeps its slice inside the whole gradient buffer):
+slices live on the host only (stage 1 keeps its slice inside the whole gradient buffer
+until zero_grad frees it):
 
     where   stage 1 ("optimizer")   stage 2          stage 3          stage 3, "optimizer+params"
-    device  params c·P, grads c·P   params c·P       params c·S       (nothing)
+    device  params c·P              params c·P       params c·S       (nothing)
     host    optim 12·S + 4·n_b, grads c·S (all)                       + params c·S
             + params c·S under bf16 (the pinned staging slice the updated weights are
               cast into, so they cross PCIe in 16 bits)
@@ -194,8 +195,6 @@ def _expected_split(stage: int, mp: str | None, mode: str, r: dict) -> dict:
     c = 2 if mp else 4
     P, S, n_b = r["P"], r["S"], r["n_b"]
     device = {"params": c * (S if stage == 3 else P)}
-    if stage == 1:
-        device["grads"] = c * P  # the whole gradient buffer
     if mode == "optimizer+params":
         device.pop("params")  # between steps no unit is gathered: nothing on the device
     host = {"optim": 12 * S + 4 * n_b, "grads": c * S}

@@ -50,7 +50,7 @@ from torch import nn
 import zeroshard
 from zeroshard.checkpointing import apply_checkpointing
 from zeroshard.memory import analytic
-from zeroshard.memory.traced import TraceError, run_steps, trace_step
+from zeroshard.memory.traced import TraceError, grad_buffer_bytes, run_steps, trace_step
 from zeroshard.models import GPT2Config, build_model
 from zeroshard.testing import run_ranks, sweep
 
@@ -109,14 +109,21 @@ def _measure(rank: int, world: int, config: GPT2Config, stage: int, checkpointin
     model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-3,
                                    mixed_precision="bf16")
     tracker = zeroshard.memory_tracker(model, optim)
-    with tracker:
-        run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len, steps=2)
-    now = {c.value: v for c, v in tracker.current().items()}
     engine = zeroshard.engine_of(model)
+    seen = {}
+
+    def after_step() -> None:  # model state after the last step, before zero_grad (as a
+        seen.update(tracker.current())  # trace reads it), less the same gradient buffers
+        seen["buffers"] = grad_buffer_bytes(engine)[0]
+
+    with tracker:
+        run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len, steps=2,
+                  after_step=after_step)
+    now = {getattr(c, "value", c): v for c, v in seen.items()}
     # A real run steps its masters in chunks, with AdamW's 4-byte step each; a trace keeps
     # one per bucket (engine/chunks.py): the one difference in model state.
     chunk_steps = 4 * (len(engine.master_params()) - len(engine.buckets))
-    return {"peak": tracker.peak_total(), "state": now["params"] + now["grads"] + now["optim"],
+    return {"peak": tracker.peak_total(), "state": now["params"] + now["grads"] + now["optim"] - now["buffers"],
             "chunk_steps": chunk_steps}
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # before the imports below: zeroshard.state reads it
-
 from . import models
+from ._version import __version__
 from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CommLedger, CommRecord
 from .config import ShardConfig

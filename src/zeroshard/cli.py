@@ -18,7 +18,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from zeroshard import __version__
+from zeroshard._version import __version__
+from zeroshard.errors import UsageError
 
 if TYPE_CHECKING:
     from zeroshard.memory.planner import Plan
@@ -32,10 +33,6 @@ INTERCONNECTS = {"nvlink": 400.0, "ib": 45.0, "pcie": 20.0}
 _UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-class UsageError(ValueError):
-    """A bad command-line value; the message names the value and the fix."""
 
 
 def parse_bytes(text: str) -> int:

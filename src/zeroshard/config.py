@@ -11,7 +11,19 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "suggest_option"]
+__all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "auto_bucket_bytes", "suggest_option"]
+
+MAX_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
+MIN_BUCKET_BYTES = 2**20
+
+
+def auto_bucket_bytes(grad_bytes: int) -> int:
+    """The default reduction bucket: a 16th of the model's gradient bytes, within
+    [1 MiB, 25 MiB]. Stage 2 holds up to three whole buckets in backward (two reductions
+    in flight and one filling) and stages 1-2 gather one after the step, so a fixed 25 MiB
+    would be most of a small model's gradient (gpt2-small: 97 MiB in 4 buckets); big
+    models get DDP's 25 MiB."""
+    return min(MAX_BUCKET_BYTES, max(MIN_BUCKET_BYTES, grad_bytes // 16))
 
 #: Supported mixed-precision recipes: the compute (and communication) dtype of weights
 #: and gradients. Master weights and optimizer state are always fp32.
@@ -52,8 +64,9 @@ class ShardConfig:
     #: dtype gradients are reduced (and, at stage >= 1, kept) in. Default: the compute
     #: dtype (ZeRO's 2-byte gradients); "fp32" trades 2x gradient traffic for exact sums.
     reduce_dtype: torch.dtype | str | None = None
-    #: Stages 0-2: bytes of gradient per reduction bucket (at the compute dtype).
-    bucket_bytes: int = 25 * 2**20
+    #: Stages 0-2: bytes of gradient per reduction bucket (at the compute dtype); None:
+    #: auto_bucket_bytes of the model's gradient bytes (1/16 of them, 1-25 MiB).
+    bucket_bytes: int | None = None
     #: Reduce gradients asynchronously while backward continues (stages 0-3).
     overlap: bool = True
     #: Stage 3: free gathered weights after forward (3 Psi traffic) or keep them (2 Psi).
@@ -98,6 +111,8 @@ class ShardConfig:
         object.__setattr__(self, "reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype))
         for name in ("bucket_bytes", "growth_interval"):
             value = getattr(self, name)
+            if name == "bucket_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or (

@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.cli import UsageError
+    from zeroshard.errors import UsageError
     from zeroshard.launch import run_ranks_local
     from zeroshard.models import get_preset
 

@@ -364,7 +364,7 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.cli import UsageError
+    from zeroshard.errors import UsageError
     from zeroshard.launch import run_ranks_local, under_torchrun
 
     try:

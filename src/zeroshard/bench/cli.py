@@ -14,6 +14,7 @@ import time
 
 from zeroshard.bench.configs import (
     DEFAULT_CONFIGS,
+    HF_FACTORY,
     BenchSettings,
     describe_configs,
     parse_bytes,
@@ -70,8 +71,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     from zeroshard.launch import under_torchrun
 
     factory, vocab, configs = args.model_factory, args.vocab, args.configs
+    label = None
     if getattr(args, "hf_config", None) is not None:
-        factory, vocab, configs = _hf_model(args.hf_config, vocab, configs)
+        factory, vocab, label = _hf_model(args.hf_config, vocab)
     model = args.model if factory is None else None
     if factory is None:
         from zeroshard.models import get_preset
@@ -100,7 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          "NCCL needs one GPU per rank: use --world-size "
                          f"{_cuda_devices()} or less")
     settings = BenchSettings(
-        model=model, model_factory=factory, vocab=vocab,
+        model=model, model_factory=factory, model_label=label, vocab=vocab,
         world_size=world, micro_batch=args.micro_batch, seq=args.seq,
         steps=args.steps, warmup=args.warmup, configs=tuple(parse_configs(configs)),
         baseline=args.baseline, mixed_precision=args.mixed_precision,
@@ -112,26 +114,18 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return settings
 
 
-def _hf_model(path: str, vocab: int | None, configs: str) -> tuple[str, int, str]:
+def _hf_model(path: str, vocab: int | None) -> tuple[str, int, str]:
     """--hf-config: every rank builds the model with zeroshard.hf.bench_model, which reads
-    the config's path from the environment the ranks inherit."""
+    the config's path from the environment the ranks inherit. Returns (factory, vocab,
+    the model's name for tables and plots)."""
     import os
 
     from zeroshard import hf
 
     config = hf.load_config(path)  # fails here, once, naming the problem
     os.environ[hf.BENCH_CONFIG_ENV] = os.path.abspath(path)
-    if "selective" in configs:  # CoreAttention-based; HF models need zeroshard.hf's policy
-        if configs != ",".join(DEFAULT_CONFIGS):
-            raise ValueError("--hf-config: -selective configurations checkpoint zeroshard's "
-                             "CoreAttention modules, which HF models lack (zeroshard.hf."
-                             "apply_checkpointing has an HF selective policy); drop them "
-                             "from --configs")
-        configs = ",".join(c for c in DEFAULT_CONFIGS if not c.endswith("-selective"))
-    return HF_FACTORY, vocab or config.vocab_size, configs
-
-
-HF_FACTORY = "zeroshard.hf:bench_model"
+    arch = (getattr(config, "architectures", None) or [config.model_type])[0]
+    return HF_FACTORY, vocab or config.vocab_size, f"{arch} ({os.path.basename(path)})"
 
 
 def _cuda_devices() -> int:

@@ -43,6 +43,8 @@ SYSTEMS: dict[str, tuple[str, int, str]] = {
 HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1")}
 _RESHARDABLE = ("fsdp2", "zs-s3")
 POLICIES = ("none", "full", "selective", "sqrt")  # plus every-<k>
+HF_FACTORY = "zeroshard.hf:bench_model"
+"""The factory ``--hf-config`` uses (an HF model: checkpointed with zeroshard.hf's policies)."""
 
 DEFAULT_CONFIGS = (
     "ddp", "zero-redundancy", "fsdp2", "fsdp2-noreshard",
@@ -145,6 +147,8 @@ class BenchSettings:
     """A preset name (``zeroshard.models.PRESETS``); ignored when ``model_factory`` is set."""
     model_factory: str | None = None
     """``module:function`` returning an nn.Module mapping LongTensor[B, T] to logits."""
+    model_label: str | None = None
+    """What tables and plots call the model (default: the preset or the factory)."""
     vocab: int | None = None
     """Vocabulary of a factory model (default: its ``config.vocab`` or first Embedding)."""
     world_size: int = 2

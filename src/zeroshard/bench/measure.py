@@ -131,6 +131,8 @@ class StepMemory:
 
     peak: dict[str, int] = field(default_factory=dict)
     """Bytes by category at the moment the tracked total was highest, plus ``total``."""
+    timeline: dict[str, Any] = field(default_factory=dict)
+    """Bytes by category over the step (``MemoryTracker.timeline``), phases marked."""
     rss_bytes: int = 0
     cuda_peak_bytes: int | None = None
     comm_bytes: int | None = None
@@ -145,17 +147,19 @@ def measured_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     counter = CommCounter() if count_comm else None
+    tracker.record_timeline()
     with RssSampler() as rss, tracker:
         if counter is not None:
             with counter:
-                loss = step(x, y)
+                loss = step(x, y, mark=tracker.mark)
         else:
-            loss = step(x, y)
+            loss = step(x, y, mark=tracker.mark)
         value = float(loss)
         sync(device)
     out = StepMemory(loss=value, rss_bytes=rss.peak)
     out.peak = {c.value: v for c, v in tracker.peak().items()}
     out.peak["total"] = tracker.peak_total()
+    out.timeline = tracker.timeline()
     if device.type == "cuda":
         out.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(device))
     if counter is not None:

@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "plot", "require_matplotlib"]
+__all__ = ["format_table", "plot", "plot_timeline", "require_matplotlib", "timeline_path"]
 
 MIB = 2**20
 _CATS = ("params", "grads", "optim", "activations", "comm", "other")
@@ -91,9 +91,17 @@ def require_matplotlib() -> None:
                           "pip install 'zeroshard[plot]' (or matplotlib), or drop --plot") from None
 
 
+def timeline_path(path: str | Path) -> Path:
+    """Where ``--plot PATH`` puts the memory timeline: ``PATH`` with ``-timeline`` added."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}-timeline{p.suffix or '.png'}")
+
+
 def plot(result: dict[str, Any], path: str | Path) -> list[str]:
-    """One PNG, two panels: memory by category per configuration (stacked bars), and
-    throughput against peak memory with the budget line. Returns the panel titles."""
+    """Two PNGs. ``path``: memory by category per configuration (stacked bars), and
+    throughput against peak memory with the budget line. :func:`timeline_path`: each
+    configuration's bytes by category over one training step (:func:`plot_timeline`).
+    Returns the panel titles of the first."""
     require_matplotlib()
     import matplotlib
 
@@ -130,9 +138,71 @@ def plot(result: dict[str, Any], path: str | Path) -> list[str]:
     ax2.set_ylabel("tokens/s (median, min-max)")
     ax2.set_title("Throughput against peak memory")
     s = result["settings"]
-    fig.suptitle(f"zeroshard bench: {s['model']}, world {s['world_size']}, {s['device']}")
+    fig.suptitle(f"zeroshard bench: {_title(s)}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    plot_timeline(result, timeline_path(path))
     return [ax1.get_title(), ax2.get_title()]
+
+
+def _title(s: dict[str, Any]) -> str:
+    return f"{s['model']}, world {s['world_size']}, {s['device']}"
+
+
+def plot_timeline(result: dict[str, Any], path: str | Path) -> list[str]:
+    """One panel per configuration: bytes per rank by category (stacked) over the ops of
+    its measured step, on the rank with the highest peak; forward, backward and the
+    optimizer step marked, the peak dotted. Same scales everywhere, so panels compare.
+    Returns the panel titles."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("memory_timeline")]
+    if not rows:
+        return []
+    cols = min(4, len(rows))
+    nrows = -(-len(rows) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.1 * nrows), sharey=True,
+                             squeeze=False)
+    top = max(r["peak_bytes"]["total"] for r in rows) / MIB
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    titles = []
+    for ax, r in zip(axes.flat, rows):
+        tl = r["memory_timeline"]
+        n = max(tl["op"][-1], 1) if tl["op"] else 1
+        x = [i / n for i in tl["op"]]
+        ys = [[v / MIB for v in tl[c]] for c in _CATS]
+        ax.stackplot(x, ys, labels=_CATS, colors=colors[: len(_CATS)], linewidth=0)
+        totals = [sum(v) for v in zip(*ys)]
+        if totals:
+            k = max(range(len(totals)), key=totals.__getitem__)
+            ax.plot([x[k]], [totals[k]], "k.", markersize=6)
+            ax.annotate(f"{totals[k]:,.0f}", (x[k], totals[k]), textcoords="offset points",
+                        xytext=(3, 3), fontsize=7)
+        for op, label in tl["marks"]:
+            ax.axvline(op / n, color="black", linewidth=0.6, linestyle=":")
+            ax.annotate(label, (op / n, top * 1.02), fontsize=7, rotation=90, va="bottom")
+        title = f"{r['name']}: peak {r['peak_bytes']['total'] / MIB:,.0f} MiB"
+        ax.set_title(title, fontsize=9)
+        titles.append(title)
+        ax.set_ylim(0, top * 1.25)
+        ax.set_xlim(0, 1)
+        ax.tick_params(labelsize=7)
+    for ax in axes.flat[len(rows):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("MiB per rank", fontsize=8)
+    for ax in axes[-1, :]:
+        ax.set_xlabel("ops of one training step (fraction)", fontsize=8)
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"Memory over one training step: {_title(result['settings'])}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return titles

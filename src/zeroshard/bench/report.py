@@ -24,6 +24,7 @@ ROW_KEYS = (
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
     "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
+    "memory_timeline",
 )
 
 #: Dense 16-bit peak FLOP/s per device, for MFU (vendor datasheets, no sparsity).
@@ -83,7 +84,8 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
         step_s_max=times[-1], step_s_all=raw["step_s"], steps_measured=len(times),
         peak_bytes=peak, peak_rank=mem["peak_rank"], rss_bytes=mem["rss_bytes"],
         cuda_peak_bytes=mem["cuda_peak_bytes"], loss=raw["loss"],
-        measured_model_state_bytes=peak["params"] + peak["grads"] + peak["optim"])
+        measured_model_state_bytes=peak["params"] + peak["grads"] + peak["optim"],
+        memory_timeline=mem.get("timeline"))
     if raw["comm"]:
         row["comm_bytes_per_step"] = int(statistics.median(raw["comm"]))
         row["comm_source"] = "zeroshard ledger (median over timed steps)"
@@ -146,7 +148,7 @@ def build_result(s: BenchSettings, meta: dict[str, Any], command: str,
                      "fit in memory at once), not interleaved: ratios include machine drift")
     budget = choose(rows, s.budget_bytes)
     settings = {
-        "model": s.model_factory or s.model, "params": meta["psi"], "vocab": meta["vocab"],
+        "model": s.model_label or s.model_factory or s.model, "params": meta["psi"], "vocab": meta["vocab"],
         "world_size": meta["world_size"], "micro_batch": s.micro_batch, "seq": s.seq,
         "global_batch": s.global_batch, "tokens_per_step": s.global_batch * s.seq,
         "warmup": s.warmup, "steps": s.steps, "mixed_precision": s.mixed_precision,

@@ -4,7 +4,8 @@ Every runner trains the same freshly built model (same seed) with ``torch.optim.
 at the same learning rate on the same batches, computing the loss as
 ``cross_entropy(logits.float(), targets)``. A runner is built on every rank with the
 configuration's own process group (see [Note: failing configurations] in worker.py) and
-exposes: ``step(x, y)`` (one optimizer step, returning the detached local loss),
+exposes: ``step(x, y, mark=)`` (one optimizer step, returning the detached local loss;
+``mark(phase)`` is called as forward, backward and the optimizer step begin),
 ``tracker()`` (a fresh :class:`~zeroshard.memory.MemoryTracker` that attributes this
 system's params / grads / optimizer state) and, for zeroshard, its communication ledger.
 
@@ -12,12 +13,29 @@ Systems other than zeroshard get 16-bit compute from ``torch.autocast`` (fp32 we
 optimizer), FSDP2 from its ``MixedPrecisionPolicy``; no loss scaling for fp16 there.
 DDP uses ``gradient_as_bucket_view=True`` (its memory-saving mode): gradients are views
 of the all-reduce buckets, so they are counted once.
+
+[Note: every system measured the same way]
+The tracker counts what a system holds when the measured step starts (its sources) and
+everything allocated during the step. So each runner must name, as sources, all memory
+its system keeps between steps, or that system would look smaller than it is:
+* DDP keeps its gradient buckets for its whole life (the reducer, in C++, allocates them
+  at construction; ``zero_grad(set_to_none=True)`` drops only the ``.grad`` views). The
+  runner notes (weakly) the storages the last backward's ``.grad`` views, and files them
+  as gradients, so the tracker sees the whole buckets from the start of the step.
+* ZeroRedundancyOptimizer and DeepSpeed keep buffers as attributes of their optimizer
+  (DeepSpeed: flat 16-bit groups, fp32 partitions, gradient partitions, reduction
+  buckets). Every tensor held in those attributes (directly, or in lists, tuples and
+  dicts of them) is a source: gradients where the attribute's name says so, else other.
+* zeroshard and FSDP2 hold nothing outside their parameters, gradients and optimizer
+  state that the step does not allocate itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -83,6 +101,33 @@ def _local_source(model: nn.Module, optim_state: Callable[[], Iterable[torch.Ten
     return source
 
 
+def _held(obj: object, depth: int = 3) -> dict[str, list[torch.Tensor]]:
+    """Tensors an object keeps in its attributes, directly or in (nested) lists, tuples and
+    dicts, by attribute name (see [Note: every system measured the same way])."""
+    def walk(v: object, d: int) -> list[torch.Tensor]:
+        if isinstance(v, torch.Tensor):
+            return [v]
+        if d == 0:
+            return []
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, (list, tuple)):
+            return [t for x in v for t in walk(x, d - 1)]
+        return []
+    return {k: ts for k, v in vars(obj).items() if (ts := walk(v, depth))}
+
+
+def _held_source(*objs: object) -> Callable[[], dict[Category, list[torch.Tensor]]]:
+    def source() -> dict[Category, list[torch.Tensor]]:
+        grads, other = [], []
+        for obj in objs:
+            for name, ts in _held(obj).items():
+                (grads if "grad" in name or "ipg" in name else other).extend(
+                    _local(t) for t in ts if not t.is_meta)
+        return {Category.GRADS: grads, Category.OTHER: other}
+    return source
+
+
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
 
@@ -111,11 +156,22 @@ def _autocast(device: torch.device, mp: str | None) -> Callable[[], contextlib.A
     return lambda: torch.autocast(device.type, dtype=_DTYPES[mp])
 
 
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, cast) -> Callable:
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _no_mark(label: str) -> None:
+    pass
+
+
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, cast,
+                after_backward: Callable[[], None] | None = None) -> Callable:
+    def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None] = _no_mark
+             ) -> torch.Tensor:
+        mark("forward")
         with cast():
             loss = loss_fn(model(x), y)
+        mark("backward")
         loss.backward()
+        if after_backward is not None:
+            after_backward()
+        mark("step")
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -151,19 +207,35 @@ def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
         inner = opt.optim  # the local optimizer over this rank's whole parameters
     else:
         opt = inner = torch.optim.AdamW(model.parameters(), lr=s.lr)
+    buckets: dict[int, weakref.ref] = {}  # DDP's gradient bucket storages (see the Note)
+
+    def note_buckets() -> None:  # weakly: a bucket rebuild frees the old ones, as it should
+        buckets.clear()
+        for p in model.parameters():
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                buckets[st._cdata] = weakref.ref(st)
+
+    def bucket_tensors() -> dict[Category, list[torch.Tensor]]:
+        live = [st for ref in buckets.values() if (st := ref()) is not None]
+        return {Category.GRADS: [torch.empty(0, dtype=torch.uint8).set_(st) for st in live]}
+
     step = _plain_step(_compiled(ddp, _blocks(model), s), opt,
-                       _autocast(device, s.mixed_precision))
+                       _autocast(device, s.mixed_precision), note_buckets)
     if fail_rank is not None:
         good, rank = step, dist.get_rank(group)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def step(x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
             if rank == fail_rank:
                 raise RuntimeError(f"deliberate failure on rank {rank} (test-only config 'fail')")
-            return good(x, y)
+            return good(x, y, **kw)
 
     def tracker() -> MemoryTracker:
-        return MemoryTracker(device=_tracker_device(device)).track_module(model).track_optimizer(
-            inner)
+        t = MemoryTracker(device=_tracker_device(device)).track_module(model)
+        t.add_source(bucket_tensors)
+        if zero:
+            t.add_source(_held_source(opt))
+        return t.track_optimizer(inner)
 
     return Runner(step, tracker)
 
@@ -194,12 +266,17 @@ def _fsdp2(spec, model, group, s: BenchSettings, device) -> Runner:
 def _deepspeed(spec, model, group, s: BenchSettings, device) -> Runner:
     import deepspeed
 
+    # DeepSpeed calls c10d functions torch deprecates, and torch warns at every call:
+    # thousands of lines per step in the bench's output.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
     if s.compile is not None:
         raise SkipConfig("--compile is not applied to DeepSpeed (its engine wraps the model)")
     config = {
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": spec.stage},
+        "gradient_clipping": 0.0,  # no runner clips
+        "zero_optimization": {"stage": spec.stage, **deepspeed_buckets(model, spec.stage)},
         "bf16": {"enabled": s.mixed_precision == "bf16"},
         "fp16": {"enabled": s.mixed_precision == "fp16"},
     }
@@ -207,9 +284,13 @@ def _deepspeed(spec, model, group, s: BenchSettings, device) -> Runner:
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
                                                 dist_init_required=False)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None] = _no_mark
+             ) -> torch.Tensor:
+        mark("forward")
         loss = loss_fn(engine(x), y)
+        mark("backward")
         engine.backward(loss)
+        mark("step")
         engine.step()
         return loss.detach()
 
@@ -219,9 +300,35 @@ def _deepspeed(spec, model, group, s: BenchSettings, device) -> Runner:
             out = [t for n in names for t in getattr(ds_opt, n, None) or []]
             return out + _state_tensors(getattr(ds_opt, "optimizer", opt))
         return MemoryTracker(device=_tracker_device(device)).add_source(
-            _local_source(engine.module, flat))
+            _local_source(engine.module, flat)).add_source(_held_source(ds_opt))
 
     return Runner(step, tracker, note="DeepSpeed uses the world process group")
+
+
+def hidden_size(model: nn.Module) -> int | None:
+    """The model's width: its config's ``hidden`` / ``hidden_size``, else the widest
+    embedding."""
+    cfg = getattr(model, "config", None)
+    for name in ("hidden", "hidden_size", "n_embd", "d_model"):
+        if isinstance(getattr(cfg, name, None), int):
+            return getattr(cfg, name)
+    dims = [m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(dims) if dims else None
+
+
+def deepspeed_buckets(model: nn.Module, stage: int) -> dict[str, int]:
+    """DeepSpeed's bucket sizes as its Hugging Face integration sets them for ``"auto"``
+    (huggingface.co/docs/transformers/deepspeed): reduce bucket hidden², and at stage 3
+    prefetch 0.9·hidden², parameters under 10·hidden kept whole. Its own defaults (5e8
+    elements, ~1.9 GB of buffers in fp32) are sized for billion-parameter models."""
+    h = hidden_size(model)
+    if h is None:
+        return {}
+    out = {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h}
+    if stage == 3:
+        out.update(stage3_prefetch_bucket_size=int(0.9 * h * h),
+                   stage3_param_persistence_threshold=10 * h)
+    return out
 
 
 def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.bench.configs import BenchSettings, ConfigSpec
+from zeroshard.bench.configs import HF_FACTORY, BenchSettings, ConfigSpec
 from zeroshard.bench.measure import StepMemory, measured_step, timed_step
 from zeroshard.bench.runners import Runner, SkipConfig, build_runner
 from zeroshard.data import SyntheticLanguage, TokenLoader
@@ -139,7 +139,12 @@ def _build(c: _Config, s: BenchSettings, device: torch.device, ctrl: dist.Proces
     try:
         model = make_model(s, device)
         if c.spec.activation_checkpointing != "none":
-            apply_checkpointing(model, c.spec.activation_checkpointing)
+            if s.model_factory == HF_FACTORY:  # HF layers: zeroshard.hf's policies
+                from zeroshard.hf import apply_checkpointing as apply_hf
+
+                apply_hf(model, c.spec.activation_checkpointing)
+            else:
+                apply_checkpointing(model, c.spec.activation_checkpointing)
         c.runner = build_runner(c.spec, model, group, s, device)
         c.note = c.runner.note
     except SkipConfig as exc:
@@ -198,6 +203,7 @@ def _merge_memory(c: _Config, mem: StepMemory | None, ctrl: dist.ProcessGroup) -
         "cuda_peak_bytes": max(cuda) if cuda else None,
         "comm_bytes": got[0]["comm_bytes"],
         "comm_calls": got[0]["comm_calls"],
+        "timeline": top["timeline"],
     }
 
 

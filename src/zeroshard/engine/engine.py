@@ -9,15 +9,18 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   layout. Stage 0: whole, and without mixed precision it *is* ``full`` (no copy).
   Stages >= 1: this rank's shard only, a tensor of its own.
 * ``grad`` — compute-dtype gradients, whole, in the gathered layout (stage 0: the same as
-  full). Stage 0: allocated at shard time and kept; a parameter's first gradient after
-  ``zero_grad`` is copied in and its ``.grad`` becomes a view of the buffer, so further
-  backwards (accumulation) add in place. Stage 1: kept too; each gradient is copied (or
-  added) into its chunks and the parameter's ``.grad`` dropped. Stages 2-3: allocated by
-  the first gradient of the bucket in backward and freed as soon as its reduction
-  completes, so at most ``_MAX_PENDING`` + 1 whole buckets exist at once.
+  full). Every stage allocates it with the bucket's first gradient in backward, never
+  at shard time. Stage 0: a parameter's first gradient after ``zero_grad`` is copied in
+  and its ``.grad`` becomes a view of the buffer, so further backwards (accumulation)
+  add in place. Stage 1: each gradient is copied (or added) into its chunks and the
+  parameter's ``.grad`` dropped. Stages 0-1 keep it until ``zero_grad(set_to_none=True)``
+  (torch's default) frees it, so it never lives through a forward as DDP's buckets do.
+  Stages 2-3: freed as soon as its reduction completes, so at most ``_MAX_PENDING`` + 1
+  whole buckets (stage 3: ``_MAX_PENDING_UNITS`` + 1 units) exist at once.
 * ``grad_shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
-  the step; reductions of several backwards (accumulation without ``no_sync``) add up in
-  it. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
+  the step: the first reduction's result itself, and reductions of later backwards
+  (accumulation without ``no_sync``) add up in it. ``zero_grad(set_to_none=True)`` frees
+  it, as FSDP2 frees its sharded gradients. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
   it costs nothing beyond the whole buffer; the rest of ``grad`` is marked stale (see
   ``FlatBucket.valid``), since a reduce-scatter leaves other ranks' slices unreduced. Only
   if another backward is about to reuse the buffer before the step is the reduced slice
@@ -51,7 +54,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
-from ..config import ShardConfig
+from ..config import ShardConfig, auto_bucket_bytes
 from .chunks import make_chunks, set_master_grad
 from .flat import FlatBucket, cut_buckets
 from .offload import Offload
@@ -70,9 +73,12 @@ __all__ = ["Engine"]
 # its logic is exercised on machines without an accelerator.
 _FORCE_HOST_COPIES = False
 
-# Stage 2: reductions allowed in flight before backward waits for the oldest; bounds the
-# number of whole-bucket gradient buffers alive at once.
+# Stages 2-3: reductions allowed in flight before backward waits for the oldest; bounds
+# the number of whole-bucket gradient buffers alive at once. Stage 3's buckets are whole
+# units, so it allows one, as FSDP2 does (a unit's reduce-scatter overlaps the next
+# unit's backward).
 _MAX_PENDING = 2
+_MAX_PENDING_UNITS = 1
 
 
 def _named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
@@ -139,9 +145,10 @@ class Engine(Stage3Hooks, JoinReplay):
             # Stage 0 shards nothing: its layout is that of one rank (no padding, and the
             # gathered and full layouts coincide, see [Note: flat buckets]).
             world_, rank_ = (comm.size, comm.rank) if self.policy.shard_optimizer else (1, 0)
-            self.all_buckets = cut_buckets(
-                list(reversed(trainable)), config.bucket_bytes, world_, rank_
-            )
+            itemsize = (self.compute_dtype or torch.float32).itemsize
+            bucket = config.bucket_bytes or auto_bucket_bytes(
+                sum(p.numel() for _, p in trainable) * itemsize)
+            self.all_buckets = cut_buckets(list(reversed(trainable)), bucket, world_, rank_)
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
         self._pending: deque[FlatBucket] = deque()
@@ -154,8 +161,11 @@ class Engine(Stage3Hooks, JoinReplay):
         self._recording = True
         self._fwd_cursor = 0
         self._bwd_cursor = 0
+        self._prefetch_due = False
         self.unsharded_bytes = 0
         self.peak_unsharded_bytes = 0
+        # Most whole-bucket gradient bytes (``b.grad``) alive at once, for tests and plans.
+        self.peak_grad_buffer_bytes = 0
         # Uneven inputs (see [Note: join] in join.py).
         self._joinable: Any = None
         self.active_ranks: int | None = None  # ranks with data this step, inside join()
@@ -264,14 +274,8 @@ class Engine(Stage3Hooks, JoinReplay):
             master_src = flat if self.compute_dtype is None else flat.float()
         b.master = nn.Parameter(self._on_host(master_src))
         make_chunks(b, self.group_of)
-        if self.policy.keep_full_grads:
-            b.grad = torch.zeros(b.padded_numel, dtype=compute, device=b.device)
-            if not self.policy.shard_optimizer:
-                b.grad_views(b.grad)
-        if self.policy.shard_optimizer and not self._in_place(b) and not self.offload:
-            b.grad_shard = torch.zeros(
-                b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
-            )
+        # Gradient buffers are allocated by the first gradient of a backward and freed by
+        # zero_grad(set_to_none=True): see [Note: buffer lifetimes].
 
     @torch.no_grad()
     def _sync_module_states(self) -> None:
@@ -323,7 +327,7 @@ class Engine(Stage3Hooks, JoinReplay):
         """Stage 1: the reduced slice stays in the whole buffer (see [Note: buffer
         lifetimes]) unless it is reduced in another dtype."""
         return (self.policy.keep_full_grads and self.policy.shard_optimizer
-                and self.reduce_dtype_of(b) == b.grad.dtype)
+                and self.reduce_dtype_of(b) == (self.compute_dtype or b.dtype))
 
     def _stash(self, b: FlatBucket) -> None:
         """Stage 1: move a reduced slice out of the way before the buffer is reused."""
@@ -340,10 +344,6 @@ class Engine(Stage3Hooks, JoinReplay):
             master = src.float() if self.compute_dtype else src
             b.master = nn.Parameter(self._on_host(master))
             make_chunks(b, self.group_of)
-            if not self.offload:  # offloaded slices go straight to the host
-                b.grad_shard = torch.zeros(
-                    b.shard_numel, dtype=self.reduce_dtype_of(b), device=b.device
-                )
         params_on_host = self.offloader.params
         if b.master is not None and b.master.dtype == b.full.dtype and (
             params_on_host or not self.offload
@@ -447,16 +447,22 @@ class Engine(Stage3Hooks, JoinReplay):
         b.used[i] = 1.0
         self._grads_prepared = False
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
+            if b.grad is None:
+                b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
+                self._count_grad_buffers()
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
                 view.copy_(p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
+        elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
+            self.prefetch_backward()
         elif self.policy.keep_full_grads or self.sync:
             if self.policy.keep_full_grads:
                 self._stash(b)
             if b.grad is None:
                 b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
+                self._count_grad_buffers()
             b.put_grad(b.grad, i, p.grad, add=b.valid[i])
             b.valid[i] = True
             p.grad = None
@@ -466,11 +472,49 @@ class Engine(Stage3Hooks, JoinReplay):
             return
         b.ready += 1
         if b.ready == len(b.slots) and (self.config.overlap or self.units):
-            self._launch(b)
             u = self._unit_of.get(id(b))
-            if (u is not None and not u.inputs_hooked and len(u.trainable) == len(u.buckets)
+            if u is None:
+                self._launch(b)
+                return
+            if u.inputs_hooked and not u.backward_done:
+                return  # reduced by _post_backward, once the unit's weights are freed
+            self._fold(b)
+            self._launch(b)
+            if (not u.inputs_hooked and len(u.trainable) == len(u.buckets)
                     and all(c.launched for c in u.trainable)):
                 self._reshard(u)  # see [Note: unit lifecycle]
+
+    def _post_backward(self, u: Unit) -> None:
+        """Stage 3: every node that read the unit's weights has run (see _PostBackward):
+        free the weights, then reduce the buckets whose gradients have all arrived, so the
+        whole gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
+        u.backward_done = True
+        self._reshard(u)
+        for b in u.trainable:
+            if not b.launched and b.ready == len(b.slots):
+                self._fold(b)
+                self._launch(b)
+
+    def _fold(self, b: FlatBucket) -> None:
+        """Stage 3: move a unit's gradients, as autograd left them on its parameters, into
+        one whole buffer for its reduce-scatter. A unit's buffer is allocated only once its
+        last gradient has arrived, as FSDP2 does: early in a unit's backward, where its
+        activations are all still alive, the unit holds only the gradients produced so far,
+        not a whole unit's worth (the cost: both for a moment at the end, once the unit's
+        activations are gone)."""
+        b.grad = torch.empty(b.padded_numel, dtype=self.compute_dtype or b.dtype,
+                             device=b.device)
+        self._count_grad_buffers()
+        for i, s in enumerate(b.slots):
+            if s.param.grad is not None:
+                b.put_grad(b.grad, i, s.param.grad, add=False)
+                b.valid[i] = True
+                s.param.grad = None
+
+    def _count_grad_buffers(self) -> None:
+        alive = sum(b.grad.untyped_storage().nbytes() for b in self.buckets
+                    if b.grad is not None)
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, alive)
 
     def _launch(self, b: FlatBucket) -> None:
         """Start reducing a bucket's gradient (average over ranks)."""
@@ -494,7 +538,8 @@ class Engine(Stage3Hooks, JoinReplay):
         b.pending = (pending, buf)
         b.launched = True
         self._pending.append(b)
-        if not self.policy.keep_full_grads and len(self._pending) > _MAX_PENDING:
+        limit = _MAX_PENDING_UNITS if self.units else _MAX_PENDING
+        if not self.policy.keep_full_grads and len(self._pending) > limit:
             self._complete(self._pending.popleft())
 
     def _complete(self, b: FlatBucket) -> None:
@@ -518,6 +563,9 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._start_host_copy(b)
         elif self.offload:
             self._add_to_host(b, out)
+        elif b.grad_shard is None:  # the first reduction since zero_grad: keep its result
+            # (a copy where it is a view of the whole buffer, which is freed below)
+            b.grad_shard = out.clone() if self._shares(out, buf) else out
         else:
             b.grad_shard.add_(out)
         b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes]
@@ -559,6 +607,7 @@ class Engine(Stage3Hooks, JoinReplay):
         """See [Note: end of backward]."""
         self._backward_queued = False
         self._bwd_cursor = 0
+        self._prefetch_due = False
         for u in self.units:
             u.in_backward = False
             self._reshard(u)
@@ -570,7 +619,9 @@ class Engine(Stage3Hooks, JoinReplay):
             return
         for b in self.buckets:
             if not b.launched:
-                if b.grad is None:  # stage 2, no gradient at all for this bucket
+                if self.units:
+                    self._fold(b)  # some parameters got no gradient in this backward
+                elif b.grad is None:  # stage 2, no gradient at all for this bucket
                     b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
                                          device=b.device)
                 self._launch(b)
@@ -633,6 +684,10 @@ class Engine(Stage3Hooks, JoinReplay):
                     self.offloader.zero_grad(b, self.reduce_dtype_of(b))
                 grads.append(b.host_grad)
                 continue
+            if self.policy.reduce_op == "all_reduce" and b.grad is None:
+                # no backward since zero_grad: a zero gradient
+                b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
+                                     device=b.device)
             grads.append(b.grad if self.policy.reduce_op == "all_reduce"
                          else self._reduced_slice(b))
         if self.offload:
@@ -656,7 +711,11 @@ class Engine(Stage3Hooks, JoinReplay):
         return self._overflow
 
     def _reduced_slice(self, b: FlatBucket) -> torch.Tensor:
-        if not self._in_place(b):
+        if b.grad_shard is None and (not self._in_place(b) or b.grad is None):
+            # no backward since zero_grad: a zero gradient
+            b.grad_shard = torch.zeros(b.shard_numel, dtype=self.reduce_dtype_of(b),
+                                       device=b.device)
+        if not self._in_place(b) or b.grad is None:
             return b.grad_shard
         own = b.shard_of(b.grad)
         if not b.reduced and b.grad_shard is None:  # no backward since zero_grad
@@ -752,27 +811,26 @@ class Engine(Stage3Hooks, JoinReplay):
             del gathered
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every gradient. ``set_to_none=True``: no memset of the whole-gradient
-        buffers (see ``FlatBucket.valid``). False, as torch: the parameters' ``.grad``
+        """Clear every gradient. ``set_to_none=True``: free the gradient buffers (the next
+        backward allocates them; see [Note: buffer lifetimes]). False, as torch: the parameters' ``.grad``
         stay, as zeros (stage 0: the buffer's views; otherwise the masters' gradients)."""
         self._clear_grads()
         if set_to_none:
             return
         for b in self.buckets:
             if not self.policy.shard_optimizer and not self.faces.swap:
-                b.grad.zero_()
+                b.grad = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
                 b.grad_views(b.grad)
                 continue
             set_master_grad(b, torch.zeros_like(b.master.detach()))
             self.faces.publish_grads(b)
 
     def _clear_grads(self) -> None:
+        """Free every gradient buffer (see [Note: buffer lifetimes]); the next backward
+        allocates them again."""
         for b in self.buckets:
-            if b.grad_shard is not None:
-                if self._in_place(b):
-                    b.grad_shard = None  # only a stash; see _stash
-                else:
-                    b.grad_shard.zero_()
+            b.grad_shard = None
+            b.grad = None
             b.reduced = False
             b.host_fresh = False
             set_master_grad(b, None)
@@ -827,6 +885,9 @@ class Engine(Stage3Hooks, JoinReplay):
                 if b.master.grad is not None:
                     grads.append(b.master.grad)
             params += self.frozen
+            if self.units:  # stage 3: gradients autograd left on a unit until its _fold
+                grads += [s.param.grad for b in self.buckets for s in b.slots
+                          if s.param.grad is not None]
             # Stage 3's all-gathers in flight (gathered layout, before the copy-out).
             comm = [b.gathering for b in self.all_buckets if b.gathering is not None]
             # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.

@@ -138,8 +138,8 @@ class Faces:
             user = self.user[id(s.param)]
             if self.sharded:
                 user.grad = dtensor(b.local(g, i), self.specs[id(s.param)])
-            elif user is not s.param:  # stage 0, mixed precision
-                user.grad = b.slot_view(g, i)
+            elif user is not s.param or user.grad is None:  # stage 0, mixed precision
+                user.grad = b.slot_view(g, i)  # (or a parameter only other ranks used)
             # else: stage 0 without mixed precision, .grad is already the reduced view
 
     def unpublish(self, buckets) -> None:

@@ -18,6 +18,7 @@ compiled). The compute parameters a compiled block reads are always the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +74,8 @@ class Stage3Hooks:
     _recording: bool
     _fwd_cursor: int
     _bwd_cursor: int
+    _prefetch_due: bool
+    _post_backward: Callable[[Unit], None]
 
     def _unshard(self, u: Unit, phase: str) -> None:
         if u.state is UnitState.SHARDED:
@@ -101,11 +104,13 @@ class Stage3Hooks:
             self._order.append(u)
         self._fwd_cursor += 1
         self._unshard(u, "forward")
+        # Wait (copy out, free the gather buffer) before prefetching the next unit, so
+        # never more than one gather buffer beside the gathered units ([Note: prefetch]).
+        u.wait()
         self._prefetch(self._order, self._fwd_cursor)
-        u.inputs_hooked = False
+        u.inputs_hooked = u.backward_done = False
         if torch.is_grad_enabled():
             args = self._hook_inputs(u, args)
-        u.wait()
         return args
 
     def _hook_inputs(self, u: Unit, args: tuple) -> tuple:
@@ -115,7 +120,7 @@ class Stage3Hooks:
         if not idx:
             return args
         u.inputs_hooked = True
-        outs = _PostBackward.apply(lambda: self._reshard(u), *(flat[i] for i in idx))
+        outs = _PostBackward.apply(lambda: self._post_backward(u), *(flat[i] for i in idx))
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -140,13 +145,24 @@ class Stage3Hooks:
         u.in_backward = True
         self._queue_finish()
         self._unshard(u, "backward")  # no-op if kept or prefetched
+        u.wait()
         if not call[0]:  # first output of this call to get its gradient: advance schedule
             call[0] = True
             self._bwd_cursor += 1
-            backward_order = self._order[::-1]
-            for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
-                v.in_backward = True
-                self._unshard(v, "backward")
-        u.wait()
+            # The next units' gathers start with this unit's first parameter gradient
+            # (prefetch_backward), not now: by then the unit's last layer has run its
+            # backward and freed what it saved, and the gathers still overlap the rest.
+            self._prefetch_due = True
         return grad
+
+    def prefetch_backward(self) -> None:
+        """Start the gathers of the next ``prefetch`` units of backward, once per unit
+        (called by the engine's gradient hook; see [Note: prefetch])."""
+        if not self._prefetch_due:
+            return
+        self._prefetch_due = False
+        backward_order = self._order[::-1]
+        for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
+            v.in_backward = True
+            self._unshard(v, "backward")
 

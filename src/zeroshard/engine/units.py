@@ -6,14 +6,17 @@ rest of the model forms the root unit) whose parameters live in flat buckets
 (see [Note: flat buckets]). Between uses each rank keeps only its slice (``shard16``, in the
 compute dtype). Around the unit's compute:
 
-    forward:  pre-hook  -> unshard (all-gather; maybe already prefetched), hook the inputs
+    forward:  pre-hook  -> unshard (all-gather; maybe already prefetched) and wait for it,
+                           then prefetch the next unit; hook the inputs
               post-hook -> reshard (free) if reshard_after_forward, and hook the outputs
-    backward: output-gradient hook -> unshard again if freed; prefetch the next unit
-              all parameters' gradients arrived -> reduce-scatter them
-              input-gradient hook -> reshard: every node that read the weights has run
-              (without inputs that need gradients: once all gradients arrived, or at
-              the end of backward if the unit has frozen weights, which no gradient
-              tracks)
+    backward: output-gradient hook -> unshard again if freed, wait
+              first parameter gradient -> prefetch the next unit
+              input-gradient hook (post-backward) -> reshard: every node that read the
+              weights has run; then, once all its parameters' gradients have arrived
+              (autograd leaves them on the parameters until then), copy them into one
+              whole buffer and reduce-scatter it (without inputs that need gradients:
+              once all gradients arrived, or at the end of backward if the unit has
+              frozen weights, which no gradient tracks)
 
 An all-gather fills a transient buffer in the gathered (rank-major) layout, which
 ``wait`` copies out into ``full`` (parameter-major, see [Note: flat buckets]) and
@@ -31,10 +34,20 @@ freed at the end of backward, or at the end of forward under ``torch.no_grad()``
 
 [Note: prefetch]
 The first forward records the order units run in. Afterwards, entering unit i starts
-the all-gathers of units i+1 … i+prefetch (asynchronously), and entering unit i's
-backward starts those of units i-1 … i-prefetch. So at most ``prefetch`` gathers are in
-flight beyond the unit computing, and unsharded weights never exceed
-(prefetch + 1) units + the root (+ units kept by reshard_after_forward=False).
+the all-gathers of units i+1 … i+prefetch (asynchronously) once unit i's own gather is
+done, and unit i's first parameter gradient in backward starts those of units
+i-1 … i-prefetch. So at most ``prefetch`` gathers are in flight beyond the unit
+computing, and unsharded weights never exceed (prefetch + 1) units + the root (+ units
+kept by reshard_after_forward=False).
+
+Why these moments (each measured: tests/test_peaks.py, docs/bench.md): a step's peak
+is early in backward, where every activation is still alive. There, each unit holds
+only what it must: its weights, one gather in flight (the unit's own gather buffer is
+freed before the next one is started), the gradients produced so far (no whole-unit
+buffer until the unit's backward is over and its weights are freed, FSDP2's order), and
+the backward prefetch waits for the unit's first gradient, by which time its last layer
+has freed what it saved. On the default bench this puts stage 3's peak 2.4% under
+FSDP2's (reshard after forward).
 """
 
 from __future__ import annotations
@@ -72,6 +85,7 @@ class Unit:
         self.pending: list[Pending] = []
         self.in_backward = False  # prefetched for, or running, its backward
         self.inputs_hooked = False  # post-backward is signalled by its input gradients
+        self.backward_done = False  # that signal came, in the current backward
 
     @property
     def trainable(self) -> list[FlatBucket]:

@@ -231,7 +231,8 @@ def unit_buffer_bytes(
 def grad_bucket_bytes(bucket_bytes: int, *, in_flight: int = 3) -> int:
     """Stage 2's transient whole-gradient buckets: each lives from its first gradient
     until its reduce-scatter completes. The engine lets 2 reductions be pending plus the
-    one filling (``_MAX_PENDING + 1`` in engine.py)."""
+    one filling (``_MAX_PENDING + 1`` in engine.py). ``bucket_bytes``: the engine's
+    (``zeroshard.config.auto_bucket_bytes`` unless set)."""
     return bucket_bytes * in_flight
 
 

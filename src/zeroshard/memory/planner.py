@@ -29,7 +29,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from zeroshard.config import auto_bucket_bytes
 from zeroshard.memory import analytic
+from zeroshard.memory.plan_rows import PlanRow, Setup
 from zeroshard.memory.recommend import Recommendation, describe, gb, ranks_per_node, recommend
 from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig, get_preset
 
@@ -86,53 +88,6 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanRow:
-    """One (N, stage, policy[, hybrid]) estimate. Bytes are per device; times per step."""
-
-    gpus: int
-    stage: int
-    activation_checkpointing: str
-    params_bytes: int
-    grads_bytes: int
-    optim_bytes: int
-    """Optimizer state on the device: 0 when it is offloaded (see ``host_bytes``)."""
-    model_state_bytes: int
-    activation_bytes: int
-    buffer_bytes: int
-    total_bytes: int
-    usable_bytes: int
-    fits: bool
-    comm_bytes_per_step: int
-    comm_time_s: float
-    exposed_comm_time_s: float
-    compute_time_s: float
-    step_time_s: float
-    tokens_per_s: float
-    break_even_tokens: float
-    hybrid: str | None = None
-    """"R x G": shard over the G devices of a node, replicate over R nodes; None: plain."""
-    cross_node_bytes_per_step: int = 0
-    """Logical bytes per device crossing nodes: all of them on several nodes without
-    hybrid sharding, the replicate all-reduce (2Ψ·grad_bytes/G) with it, 0 on one node."""
-    cross_node_time_s: float = 0.0
-    offload: bool = False
-    """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
-    offload_params: bool = False
-    """Stage 3 with offload="optimizer+params": the weight slices on the host too."""
-    host_bytes: int = 0
-    """Host memory per device for what is offloaded (× ranks per node per host)."""
-    offload_time_s: float = 0.0
-    """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
-    ``step_time_s`` (not overlapped)."""
-    traced_model_state_bytes: int | None = None
-    """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
-    traced_peak_bytes: int | None = None
-    """Peak total of a traced step on the device, transients included; None unless traced."""
-    traced_host_bytes: int | None = None
-    """Offloaded rows: peak host memory of a traced step; None otherwise."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class Plan:
     model: str
     params: int
@@ -165,45 +120,7 @@ class Plan:
         return {"rows": [asdict(r) for r in self.rows], "recommendation": rec}
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Setup:
-    """Everything a row needs that does not vary with (N, stage, policy)."""
-
-    cfg: ModelConfig
-    recipe: analytic.Recipe
-    psi: int
-    seq_len: int
-    micro_batch: int
-    usable: int
-    mfu: float
-    peak_flops: float
-    intra_GBps: float
-    inter_GBps: float
-    gpus_per_node: int | None
-    offload: bool
-    offload_params: bool
-    pcie_GBps: float
-    host_GBps: float
-    host_mem: int | None
-    bucket_bytes: int
-    prefetch: int
-    act: dict[str, int]
-    """Activation bytes per policy (same at every stage: no sharding touches them)."""
-    layer_bytes: int
-    """One block's 16-bit weights + gradients + activations at micro-batch 1."""
-
-    @property
-    def unit(self) -> int:
-        """Largest stage-3 unit: a block, or everything outside the blocks (embeddings)."""
-        block = analytic.block_params(self.cfg)
-        return max(block, self.psi - self.cfg.n_layers * block)
-
-    def nodes(self, n: int) -> int:
-        g = self.gpus_per_node
-        return n // g if g and n > g else 1
-
-
-def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
+def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
     r, psi, nodes = su.recipe, su.psi, su.nodes(n)
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
     state = analytic.model_state_bytes(psi, stage=stage, n=shard, recipe=r)
@@ -259,7 +176,7 @@ def _row(su: _Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -
     )
 
 
-def _rows(su: _Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
+def _rows(su: Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
     """Stages 0-3 × policies at N, then hybrid stages 1-3 when N spans several nodes."""
     out = [_row(su, n=n, stage=s, policy=p) for s in analytic.STAGES for p in policies]
     if su.nodes(n) > 1 and (su.gpus_per_node or 0) > 1:
@@ -306,7 +223,7 @@ def plan(
     mfu: float = 0.4,
     policies: Sequence[str] = DEFAULT_POLICIES,
     recipe: str | analytic.Recipe = "bf16-adamw",
-    bucket_bytes: int = 25 * 2**20,
+    bucket_bytes: int | None = None,
     prefetch: int = 1,
     gpus_per_node: int | None = None,
     inter_GBps: float | None = None,
@@ -362,13 +279,14 @@ def plan(
                                  dtype_bytes=r.act_bytes)
 
     multi = gpus_per_node is not None and counts[-1] > gpus_per_node
-    su = _Setup(
+    su = Setup(
         cfg=cfg, recipe=r, psi=cfg.param_count(), seq_len=seq_len, micro_batch=micro_batch,
         usable=gpu_mem_bytes - reserve_bytes(gpu_mem_bytes), mfu=mfu, peak_flops=peak_flops,
         intra_GBps=interconnect_GBps, inter_GBps=inter_GBps or interconnect_GBps,
         gpus_per_node=gpus_per_node, offload=offload,
         offload_params=mode == "optimizer+params", pcie_GBps=pcie_GBps, host_GBps=host_GBps,
-        host_mem=host_mem_bytes, bucket_bytes=bucket_bytes, prefetch=prefetch,
+        host_mem=host_mem_bytes, prefetch=prefetch,
+        bucket_bytes=bucket_bytes or auto_bucket_bytes(cfg.param_count() * r.grad_bytes),
         act={p: act(p)[0] for p in policies},
         layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
         + act("none", 1)[1],
@@ -416,7 +334,7 @@ def _offload_mode(offload: bool | str | None) -> str | None:
                      "'optimizer+params' (stage 3 weights too) or False")
 
 
-def _versus_no_offload(rec: Recommendation, su: _Setup, n: int,
+def _versus_no_offload(rec: Recommendation, su: Setup, n: int,
                        policies: Sequence[str]) -> Recommendation:
     """Say so when the same N runs faster without offload (the host step is slow)."""
     alt = recommend(su, _rows(su, n, policies), n)
@@ -432,7 +350,7 @@ def _versus_no_offload(rec: Recommendation, su: _Setup, n: int,
     return replace(rec, reason=rec.reason + more)
 
 
-def _hybrid_notes(su: _Setup, rows: list[PlanRow], counts: list[int]) -> list[str]:
+def _hybrid_notes(su: Setup, rows: list[PlanRow], counts: list[int]) -> list[str]:
     """Full vs hybrid sharding's communication per step, for each N spanning nodes."""
     out = []
     for n in (n for n in counts if su.nodes(n) > 1):
@@ -451,7 +369,7 @@ def _hybrid_notes(su: _Setup, rows: list[PlanRow], counts: list[int]) -> list[st
     return out
 
 
-def _host_notes(su: _Setup, rows: list[PlanRow], recs: list[Recommendation]) -> list[str]:
+def _host_notes(su: Setup, rows: list[PlanRow], recs: list[Recommendation]) -> list[str]:
     """Host memory per node for each N's pick (or its leanest offloaded row)."""
     out = []
     for rec in recs:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from zeroshard.memory.planner import PlanRow, _Setup
+from zeroshard.memory.plan_rows import PlanRow, Setup
 
 __all__ = ["STAGE3_MARGIN", "Recommendation", "recommend"]
 
@@ -63,12 +61,12 @@ def devices(n: int) -> str:
     return f"{n} device{'s' if n != 1 else ''}"
 
 
-def ranks_per_node(su: _Setup, n: int) -> int:
+def ranks_per_node(su: Setup, n: int) -> int:
     """Ranks sharing one host: gpus_per_node, or all N on a single node."""
     return min(n, su.gpus_per_node) if su.gpus_per_node else n
 
 
-def _nothing_fits(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
+def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     if su.layer_bytes > su.usable:
         why = (f"One transformer block needs {gb(su.layer_bytes)} (16-bit weights and "
                f"gradients plus its activations at micro-batch 1) but a device has "
@@ -104,7 +102,7 @@ def _nothing_fits(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
                           action="more-devices", reason=why)
 
 
-def _hybrid_note(su: _Setup, rows: list[PlanRow], best: PlanRow) -> str:
+def _hybrid_note(su: Setup, rows: list[PlanRow], best: PlanRow) -> str:
     """Hybrid vs full sharding of the picked configuration, on several nodes."""
     same = [x for x in rows if (x.stage, x.activation_checkpointing) ==
             (best.stage, best.activation_checkpointing)]
@@ -128,7 +126,7 @@ def _hybrid_note(su: _Setup, rows: list[PlanRow], best: PlanRow) -> str:
             f"~{hyb.tokens_per_s:,.0f} tokens/s.")
 
 
-def _offload_note(su: _Setup, best: PlanRow, n: int) -> str:
+def _offload_note(su: Setup, best: PlanRow, n: int) -> str:
     if not best.offload:
         return ""
     rpn = ranks_per_node(su, n)
@@ -139,7 +137,7 @@ def _offload_note(su: _Setup, best: PlanRow, n: int) -> str:
             f"the host step add {best.offload_time_s:.3f} s per step.")
 
 
-def recommend(su: _Setup, rows: list[PlanRow], n: int) -> Recommendation:
+def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     """[Note: recommendation]"""
     fitting = [x for x in rows if x.fits]
     if not fitting:

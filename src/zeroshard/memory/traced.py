@@ -18,7 +18,8 @@ its collectives return at once, so one process plays rank ``rank`` of N. The ste
    :class:`~zeroshard.memory.MemoryTracker` active. AdamW's moments appear during the
    first step, so the steady-state peak is only reached in the second: ``steps=2``.
 4. Read: the per-category breakdown at the peak total, each category's own maximum,
-   model state between steps (params + grads + optimizer state after ``zero_grad``),
+   model state after the last optimizer step, before its ``zero_grad`` frees the
+   gradients (params + grads + optimizer state),
    the engine's stage-3 unsharded peak and the communication ledger of the last step.
 
 Offload (``offload=`` in the options): a trace runs on CPU, where host and device are one
@@ -91,10 +92,13 @@ def lm_loss(model: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
 
 def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: int,
               seq_len: int, steps: int, loss_fn: LossFn = lm_loss,
-              phase: list[str] | None = None) -> None:
+              phase: list[str] | None = None,
+              after_step: Callable[[], None] | None = None) -> None:
     """The training loop both a trace and a measured run execute (so they compare).
 
-    ``phase[0]`` is kept up to date for error messages.
+    ``phase[0]`` is kept up to date for error messages. ``after_step`` runs after the
+    last optimizer step, before its ``zero_grad``: the moment ZeRO's model state
+    (parameters, gradients, optimizer state) is all alive.
     """
     where = phase if phase is not None else [""]
     for i in range(1, steps + 1):
@@ -105,6 +109,8 @@ def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: in
         del loss
         where[0] = f"optimizer step {i}"
         optim.step()
+        if i == steps and after_step is not None:
+            after_step()
         optim.zero_grad()
 
 
@@ -124,7 +130,7 @@ class TracedResult:
     params: int
     """Trainable parameter elements Ψ (tied weights once), unpadded."""
     current: dict[str, int]
-    """Per category between steps (after the last ``zero_grad``)."""
+    """Per category after the last optimizer step, before its ``zero_grad``."""
     peak: dict[str, int]
     """Per category at the moment the total was highest."""
     max_per_category: dict[str, int]
@@ -191,6 +197,28 @@ def trace_step(
         return pool.submit(_trace, model_or_preset, **kwargs).result()
 
 
+def grad_buffer_bytes(engine: Any) -> tuple[int, int]:
+    """Gradient bytes alive at the step that ZeRO's model state does not count (the
+    planner prices them as buffers): stage 1's reduced-slice stash (see [Note: buffer
+    lifetimes] in engine.py) and the fp32 master gradients where they are a cast of the
+    reduced gradient (mixed precision), not a view of it. (all, on the device)"""
+    total = device = 0
+    for b in engine.buckets:
+        held = []
+        if engine.policy.shard_optimizer and engine.policy.keep_full_grads and (
+                b.grad_shard is not None):
+            held.append(b.grad_shard)
+        g = b.master.grad if b.master is not None else None
+        if g is not None and not any(engine._shares(g, t) for t in (
+                b.grad, b.grad_shard, b.host_grad) if t is not None):
+            held.append(g)
+        for t in held:
+            n = t.untyped_storage().nbytes()
+            total += n
+            device += 0 if engine.offload and t.device.type == "cpu" else n
+    return total, device
+
+
 def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
            mixed_precision: str | None, micro_batch: int, seq_len: int, checkpointing: str,
            optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
@@ -229,15 +257,18 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
             engine = zeroshard.engine_of(model)
             engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
             tracker = zeroshard.memory_tracker(model, optim)
+            seen: dict[str, Any] = {}
+
+            def after_step() -> None:
+                seen["now"] = {c.value: v for c, v in tracker.current().items()}
+                seen["dev"] = tracker.current_by_location()["device"]
+                seen["reduced"], seen["dev_reduced"] = grad_buffer_bytes(engine)
+
             with tracker:
                 run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
-                          steps=steps, loss_fn=loss_fn, phase=phase)
-            now = {c.value: v for c, v in tracker.current().items()}
-            dev_now = tracker.current_by_location()["device"]
-            reduced = 0
-            if engine.policy.shard_optimizer and engine.policy.keep_full_grads:
-                reduced = sum(b.grad_shard.untyped_storage().nbytes() for b in engine.buckets
-                              if b.grad_shard is not None)
+                          steps=steps, loss_fn=loss_fn, phase=phase, after_step=after_step)
+            now, dev_now, reduced = seen["now"], seen["dev"], seen["reduced"]
+            dev_reduced = seen["dev_reduced"]
             ledger = engine.comm.ledger
             last = ledger.last_step()
             zero = [r for r in last if r.phase in ("forward", "backward", "step")]
@@ -254,7 +285,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 activation_peak_bytes=tracker.max_per_category()[Category.ACTIVATIONS],
                 peak_unsharded_bytes=engine.peak_unsharded_bytes,
                 device_model_state_bytes=dev_now[Category.PARAMS] + dev_now[Category.GRADS]
-                + dev_now[Category.OPTIM] - reduced,
+                + dev_now[Category.OPTIM] - dev_reduced,
                 device_peak_bytes=tracker.peak_total_by_location()["device"],
                 host_peak_bytes=tracker.peak_total_by_location()["host"],
                 comm_per_step=ledger.by("phase", last),

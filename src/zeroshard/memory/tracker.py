@@ -177,6 +177,8 @@ class MemoryTracker(TorchDispatchMode):
         self._in_step = False  # see [Note: inside the optimizer step]
         self._classified_total = 0  # the total at the last re-classification
         self._snapshots: dict[str, dict[Category, int]] = {}
+        self._timeline: list[tuple[int, ...]] | None = None  # see record_timeline
+        self._marks: list[tuple[int, str]] = []
         self._sources: list[Source] = []
         self._source_ids: dict[int, Category] = {}  # last source scan, by id(storage)
         self._modules: list[nn.Module] = []
@@ -313,6 +315,32 @@ class MemoryTracker(TorchDispatchMode):
         self._snapshots[label] = self.current()
         return dict(self._snapshots[label])
 
+    def record_timeline(self) -> MemoryTracker:
+        """Also keep the bytes by category after every op (see :meth:`timeline`)."""
+        self._timeline, self._marks = [], []
+        return self
+
+    def mark(self, label: str) -> None:
+        """Mark the current point of the timeline (e.g. "backward" when it starts)."""
+        if self._timeline is not None:
+            self._marks.append((len(self._timeline), label))
+
+    def timeline(self, max_points: int = 600) -> dict[str, Any]:
+        """Bytes by category over the ops seen since :meth:`record_timeline`, in op order:
+        ``{"op": [...], "<category>": [...], "marks": [[op, label], ...]}``. Runs of ops
+        are folded into at most ``max_points`` points, each the op of its run with the
+        highest total, so every peak survives. A point's categories are as cached then:
+        exact at new peaks (see [Note: categories are resolved late])."""
+        points = self._timeline or []
+        size = max(1, -(-len(points) // max_points))
+        keep = [max(range(i, min(i + size, len(points))), key=lambda j: sum(points[j]))
+                for i in range(0, len(points), size)]
+        out: dict[str, Any] = {"op": keep}
+        for k, cat in enumerate(Category):
+            out[cat.value] = [points[j][k] for j in keep]
+        out["marks"] = [[i, label] for i, label in self._marks]
+        return out
+
     @property
     def snapshots(self) -> dict[str, dict[Category, int]]:
         return {k: dict(v) for k, v in self._snapshots.items()}
@@ -375,6 +403,8 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self._track(t)
             self._after_change()
+            if self._timeline is not None:
+                self._timeline.append(tuple(self._current.values()))
         return out
 
     # -- internals ---------------------------------------------------------------------

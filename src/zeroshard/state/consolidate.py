@@ -161,7 +161,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.cli import UsageError
+    from zeroshard.errors import UsageError
 
     try:
         r = consolidate(args.checkpoint, args.out, dtype=args.dtype, verify=not args.no_verify)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .. import __version__
+from .._version import __version__
 from ..api import engine_of
 from ..engine.chunks import bucket_state
 from ..engine.engine import Engine

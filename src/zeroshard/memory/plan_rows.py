@@ -1,0 +1,98 @@
+"""What a plan is made of: one row per (N, stage, policy) and the setup rows are priced
+under. Shared by the planner (planner.py), which builds rows, and the recommender
+(recommend.py), which picks among them; neither imports the other's types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroshard.memory import analytic
+from zeroshard.models.config import ModelConfig
+
+__all__ = ["PlanRow", "Setup"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    """One (N, stage, policy[, hybrid]) estimate. Bytes are per device; times per step."""
+
+    gpus: int
+    stage: int
+    activation_checkpointing: str
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    """Optimizer state on the device: 0 when it is offloaded (see ``host_bytes``)."""
+    model_state_bytes: int
+    activation_bytes: int
+    buffer_bytes: int
+    total_bytes: int
+    usable_bytes: int
+    fits: bool
+    comm_bytes_per_step: int
+    comm_time_s: float
+    exposed_comm_time_s: float
+    compute_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    break_even_tokens: float
+    hybrid: str | None = None
+    """"R x G": shard over the G devices of a node, replicate over R nodes; None: plain."""
+    cross_node_bytes_per_step: int = 0
+    """Logical bytes per device crossing nodes: all of them on several nodes without
+    hybrid sharding, the replicate all-reduce (2Ψ·grad_bytes/G) with it, 0 on one node."""
+    cross_node_time_s: float = 0.0
+    offload: bool = False
+    """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
+    offload_params: bool = False
+    """Stage 3 with offload="optimizer+params": the weight slices on the host too."""
+    host_bytes: int = 0
+    """Host memory per device for what is offloaded (× ranks per node per host)."""
+    offload_time_s: float = 0.0
+    """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
+    ``step_time_s`` (not overlapped)."""
+    traced_model_state_bytes: int | None = None
+    """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
+    traced_peak_bytes: int | None = None
+    """Peak total of a traced step on the device, transients included; None unless traced."""
+    traced_host_bytes: int | None = None
+    """Offloaded rows: peak host memory of a traced step; None otherwise."""
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """Everything a row needs that does not vary with (N, stage, policy)."""
+
+    cfg: ModelConfig
+    recipe: analytic.Recipe
+    psi: int
+    seq_len: int
+    micro_batch: int
+    usable: int
+    mfu: float
+    peak_flops: float
+    intra_GBps: float
+    inter_GBps: float
+    gpus_per_node: int | None
+    offload: bool
+    offload_params: bool
+    pcie_GBps: float
+    host_GBps: float
+    host_mem: int | None
+    bucket_bytes: int
+    prefetch: int
+    act: dict[str, int]
+    """Activation bytes per policy (same at every stage: no sharding touches them)."""
+    layer_bytes: int
+    """One block's 16-bit weights + gradients + activations at micro-batch 1."""
+
+    @property
+    def unit(self) -> int:
+        """Largest stage-3 unit: a block, or everything outside the blocks (embeddings)."""
+        block = analytic.block_params(self.cfg)
+        return max(block, self.psi - self.cfg.n_layers * block)
+
+    def nodes(self, n: int) -> int:
+        g = self.gpus_per_node
+        return n // g if g and n > g else 1
