@@ -21,12 +21,12 @@ Three checks, each against something independent of the trace:
   under ``other``, as on a real run, and are model state on neither side.
 * **A measured run** (``run_ranks`` at world 2 over gloo, real tensors, the same
   ``zeroshard.memory_tracker`` and the same ``run_steps`` loop): model state must agree
-  to the byte and the peak total within 5%. They differ only where the backends do: a
-  fake group runs native collectives (as NCCL would), where gloo's decomposed
-  reduce-scatter returns a view of the bucket instead of a new shard-sized tensor. On
-  gpt2-small that moves stage 3's peak by +0.71% (296,084,924 traced vs 293,988,796
-  measured); a trace forced to decompose like gloo gives the measured peak to the byte.
-  Every other stage, and the 0.86M config below, match to the byte.
+  to the byte and the peak total within 2%, the trace told to use gloo's collectives
+  (``collectives="gloo"``): gloo's decomposed reduce-scatter reduces in place where a
+  native one (NCCL, the default: a trace plans a GPU run) returns a new shard-sized
+  tensor, which moves a stage-1 or stage-3 peak by up to 1/N of the gradients in flight.
+  On the default bench (gpt2-small, world 2) every zeroshard configuration's traced peak
+  is within 0.65% of the bench's measured one, five of seven to the byte.
 * **Scale**: llama-7b at N=8 traces all stages and policies on 2 cores in minutes with
   a resident set far below the model's size (slow test).
 
@@ -138,10 +138,11 @@ def _compare_with_measured(config: GPT2Config, micro_batch: int, seq_len: int) -
     measured = run_ranks(_measure_grid, 2, grid, timeout=600)[0]
     for point, m in zip(grid, measured):
         r = trace_step(config, world_size=2, stage=point["stage"], micro_batch=micro_batch,
-                       seq_len=seq_len, checkpointing=point["checkpointing"], lr=1e-3)
+                       seq_len=seq_len, checkpointing=point["checkpointing"], lr=1e-3,
+                       collectives="gloo")  # the measured run's in-place gloo collectives
         assert r.model_state_bytes == m["state"] - m["chunk_steps"], (point, r.model_state_bytes,
                                                                       m)
-        assert abs(r.peak_bytes - m["peak"]) <= 0.05 * m["peak"], (point, r.peak_bytes, m)
+        assert abs(r.peak_bytes - m["peak"]) <= 0.02 * m["peak"], (point, r.peak_bytes, m)
 
 
 def test_traced_peak_matches_measured_small_config() -> None:

@@ -121,7 +121,8 @@ def plot(result: dict[str, Any], path: str | Path) -> list[str]:
     ax1.set_ylabel("peak MiB per rank")
     ax1.set_title("Peak memory by category")
     ax1.tick_params(axis="x", rotation=60)
-    ax1.legend(fontsize=8)
+    ax1.set_ylim(0, 1.35 * max(bottom + [1.0]))  # room for the legend above the bars
+    ax1.legend(fontsize=7, loc="upper center", ncol=4)
     xs = [r["peak_bytes"]["total"] / MIB for r in rows]
     ys = [r["tokens_per_s"] for r in rows]
     ax2.errorbar(xs, ys, yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
@@ -199,9 +200,10 @@ def plot_timeline(result: dict[str, Any], path: str | Path) -> list[str]:
         ax.set_ylabel("MiB per rank", fontsize=8)
     for ax in axes[-1, :]:
         ax.set_xlabel("ops of one training step (fraction)", fontsize=8)
-    axes.flat[0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"Memory over one training step: {_title(result['settings'])}")
-    fig.tight_layout()
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(_CATS), fontsize=8, frameon=False)
+    fig.suptitle(f"Memory over one training step: {_title(result['settings'])}", x=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -170,19 +170,25 @@ def trace_step(
     stage: int, mixed_precision: str | None = "bf16", micro_batch: int, seq_len: int,
     checkpointing: str = "none",
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 2,
-    loss_fn: LossFn = lm_loss, subprocess: bool | None = None, **options: Any,
+    loss_fn: LossFn = lm_loss, subprocess: bool | None = None, collectives: str = "native",
+    **options: Any,
 ) -> TracedResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` at ``stage``.
 
     ``model_or_preset``: a preset name, a model config, or an ``nn.Module`` built on the
     meta device (deep-copied; for a non-language model pass ``loss_fn``). ``options`` go
-    to :func:`zeroshard.shard` (``lr``, ``bucket_bytes``, ``prefetch`` ...). See
-    [Note: how a trace works] and [Note: one default process group per process].
+    to :func:`zeroshard.shard` (``lr``, ``bucket_bytes``, ``prefetch`` ...).
+    ``collectives``: "native" (NCCL's reduce-scatter and all-gather, each with its own
+    output buffer: a GPU run) or "gloo" (zeroshard's in-place decomposition on gloo, see
+    [Note: collectives per backend] in comm.py: a CPU run, e.g. ``zeroshard bench``'s).
+    See [Note: how a trace works] and [Note: one default process group per process].
     """
+    if collectives not in ("native", "gloo"):
+        raise ValueError(f"collectives={collectives!r}: use 'native' (NCCL) or 'gloo'")
     kwargs = dict(world_size=world_size, rank=rank, stage=stage,
                   mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
                   checkpointing=checkpointing, optimizer=optimizer, steps=steps,
-                  loss_fn=loss_fn, **options)
+                  loss_fn=loss_fn, collectives=collectives, **options)
     for name in ("world_size", "micro_batch", "seq_len", "steps"):
         v = kwargs[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -222,7 +228,7 @@ def grad_buffer_bytes(engine: Any) -> tuple[int, int]:
 def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
            mixed_precision: str | None, micro_batch: int, seq_len: int, checkpointing: str,
            optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
-           **options: Any) -> TracedResult:
+           collectives: str = "native", **options: Any) -> TracedResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -255,6 +261,9 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 model, optimizer, stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)
             engine = zeroshard.engine_of(model)
+            for c in {id(c): c for c in (engine.comm, engine.replicate, engine.world)
+                      if c is not None}.values():
+                c.decompose = collectives == "gloo"
             engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
             tracker = zeroshard.memory_tracker(model, optim)
             seen: dict[str, Any] = {}
