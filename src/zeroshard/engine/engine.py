@@ -39,6 +39,13 @@ The first gradient hook of a backward queues :meth:`Engine._finish_backward` on 
 autograd engine; it runs once backward is done, launches reductions of buckets that
 never became complete (parameters unused in this step), waits for all in flight and,
 after a synchronised backward, publishes the gradients to the user parameters.
+Reentrant activation checkpointing runs a backward per region from inside the outer
+one; a callback queued from inside ends with that region, so the finish then defers
+itself to the outer node's completion (and so on outwards). A parameter used in several
+such regions gets its gradient in parts: only the first counts towards its bucket being
+complete; at stage 3 later parts are reduced again at the end (the reduced slices add
+up); at stages 0-2 a part arriving after its bucket's reduction started is refused with
+the fix (tests/test_backward_edges.py).
 """
 
 from __future__ import annotations
@@ -446,6 +453,24 @@ class Engine(Stage3Hooks, JoinReplay):
         b, i = self._slot_of[id(p)]
         b.used[i] = 1.0
         self._grads_prepared = False
+        # A parameter's gradient can arrive in several parts in one backward: reentrant
+        # activation checkpointing (use_reentrant=True) runs a backward per region, each
+        # accumulating into .grad. Only the first part counts towards the bucket's
+        # readiness; a part arriving after the bucket's reduction has started is reduced
+        # again at the end of backward (stage 3) or refused (stages 0-2: it would land
+        # in a buffer being reduced).
+        first = not b.arrived[i]
+        b.arrived[i] = True
+        if self.sync and b.launched and not self.units:
+            raise RuntimeError(
+                f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
+                "backward after its bucket's reduction started. Reentrant activation "
+                "checkpointing (torch.utils.checkpoint with use_reentrant=True, the "
+                "default of HF's gradient_checkpointing_enable()) does this when a "
+                "parameter is used in several checkpointed regions. Use "
+                "use_reentrant=False (HF: gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), or shard "
+                "with overlap=False (buckets are then reduced once backward is done)")
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             if b.grad is None:
                 b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
@@ -468,7 +493,7 @@ class Engine(Stage3Hooks, JoinReplay):
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
-        if not self.sync:
+        if not self.sync or not first or b.launched:
             return
         b.ready += 1
         if b.ready == len(b.slots) and (self.config.overlap or self.units):
@@ -520,6 +545,12 @@ class Engine(Stage3Hooks, JoinReplay):
         """Start reducing a bucket's gradient (average over ranks)."""
         src = b.grad
         assert src is not None
+        if not self.policy.shard_optimizer:
+            # Stage 0's .grad are views of the buffer being reduced: detach them, so a late
+            # part of a gradient (see _on_grad) arrives as a new tensor and is refused
+            # instead of being added into the buffer in flight. publish_grads restores them.
+            for s in b.slots:
+                s.param.grad = None
         if self.policy.keep_full_grads:
             self._stash(b)
         for i, ok in enumerate(b.valid):
@@ -605,6 +636,14 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def _finish_backward(self) -> None:
         """See [Note: end of backward]."""
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            # A reentrant backward (torch.utils.checkpoint with use_reentrant=True runs one
+            # per region, from inside the outer backward's node) has ended, not the
+            # backward: finish when the outer node is done, in the outer backward.
+            outer.register_hook(lambda *_: torch.autograd.Variable._execution_engine
+                                .queue_callback(self._finish_backward))
+            return
         self._backward_queued = False
         self._bwd_cursor = 0
         self._prefetch_due = False
@@ -616,21 +655,44 @@ class Engine(Stage3Hooks, JoinReplay):
             for b in self.buckets:
                 b.ready = 0
                 b.launched = False
+                b.arrived = [False] * len(b.slots)
             return
         for b in self.buckets:
             if not b.launched:
                 if self.units:
                     self._fold(b)  # some parameters got no gradient in this backward
-                elif b.grad is None:  # stage 2, no gradient at all for this bucket
-                    b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
-                                         device=b.device)
+                else:
+                    if b.grad is None:  # stage 2, no gradient at all for this bucket
+                        b.grad = torch.zeros(b.padded_numel,
+                                             dtype=self.compute_dtype or b.dtype,
+                                             device=b.device)
+                    self._take_leftovers(b)
                 self._launch(b)
             b.ready = 0
+            b.arrived = [False] * len(b.slots)
         while self._pending:
             self._complete(self._pending.popleft())
+        if self.units:  # parts of gradients that arrived after their unit's reduction
+            late = [b for b in self.buckets if any(s.param.grad is not None for s in b.slots)]
+            for b in late:
+                self._fold(b)
+                self._launch(b)  # its reduced slice adds to the first one's
+            while self._pending:
+                self._complete(self._pending.popleft())
         for b in self.buckets:
             b.launched = False
         self.publish_grads()
+
+    def _take_leftovers(self, b: FlatBucket) -> None:
+        """Stage 2: a parameter with no gradient in this synchronised backward may still
+        hold one from earlier backwards under no_sync(); it goes into the bucket too."""
+        if self.policy.keep_full_grads:
+            return  # stage 1 accumulated them in the bucket already
+        for i, s in enumerate(b.slots):
+            if not b.valid[i] and s.param.grad is not None:
+                b.put_grad(b.grad, i, s.param.grad, add=False)
+                b.valid[i] = True
+                s.param.grad = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -696,7 +758,9 @@ class Engine(Stage3Hooks, JoinReplay):
             if g.dtype == b.master.dtype and not self.scaler.enabled:
                 set_master_grad(b, g)
             else:
-                set_master_grad(b, g.to(b.master.dtype))
+                # A copy even where the dtypes agree: ``g`` is the accumulator later
+                # backwards add (scaled) gradients to, so it must stay scaled.
+                set_master_grad(b, g.to(b.master.dtype, copy=True))
                 if self.scaler.enabled:
                     b.master.grad.div_(self.scaler.scale)
         self._overflow = False
