@@ -115,7 +115,8 @@ def _meta_init(rank: int, world: int) -> dict:
         model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-4)
     engine = zeroshard.engine_of(model)
     largest_unit = max(sum(b.padded_numel for b in u.buckets) for u in engine.units) * 4
-    shard_state = sum(b.shard_numel for b in engine.all_buckets) * 4 * 2  # master + grad
+    # the fp32 master slices (gradient slices are allocated in backward, not at shard())
+    shard_state = sum(b.shard_numel for b in engine.all_buckets) * 4
     return {
         "full_bytes": full_bytes,
         "peak": tracker.peak_total(),
@@ -128,13 +129,15 @@ def _meta_init(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_meta_init_llama_1b_world2_never_holds_the_model() -> None:
     """llama-1b (1.24B params, 4.9 GB in fp32) starts at world 2 with each rank's peak
-    at its shard (fp32 master + gradient slice: 4.9 GB at N = 2) plus about one unit (the
-    largest, the root with the 128k-token embedding, is 1.05 GB) — never the whole model.
-    Measured: peak 5.99 GB = shard 4.94 GB + 1.05 GB. Run time ~80 s, so kept out of CI."""
+    at its shard (the fp32 master slice: 2.5 GB at N = 2; gradient slices come with the
+    first backward) plus about one unit (the largest, the root with the 128k-token
+    embedding, is 1.05 GB, with its new slice 1.58 GB) — never the whole model. Measured:
+    peak 4.05 GB = slices 2.47 GB + 1.58 GB. Run time ~80 s, so kept out of CI."""
     for r in run_ranks(_meta_init, 2, timeout=900):
+        # beyond the slices: the unit being initialised, whole, and its new slice
         transient = r["peak"] - r["shard_state"]
-        assert 0 <= transient <= 2 * r["largest_unit"] + 64 * 2**20, r
-        assert transient < 0.25 * r["full_bytes"], r
+        assert 0 <= transient <= 1.5 * r["largest_unit"] + 64 * 2**20, r
+        assert r["peak"] < 0.85 * r["full_bytes"], r
         assert r["rss_peak"] - r["shard_state"] < 0.5 * r["full_bytes"], r
 
 
