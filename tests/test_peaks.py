@@ -98,6 +98,8 @@ def test_peak_bytes_per_stage_follow_the_layout() -> None:
         comm = r["unit"] if stage == 3 else 0
         tokens = GLOBAL_BATCH // n * CFG.seq_len
         other = r["largest_param"] + 2 * c * tokens * (CFG.vocab + 4 * CFG.hidden)
+        if stage == 3:  # the peak's moment, and so its "other", moves from run to run by
+            other += r["unit"]  # up to ~0.4 MB (1 in 5 runs): bounded by one unit
         if stage == 3:
             assert r["gathered"] <= 2 * r["unit"] + r["root"], r
             assert pk["params"] - params <= r["gathered"], (stage, pk, r)

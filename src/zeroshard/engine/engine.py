@@ -125,7 +125,7 @@ class Engine(Stage3Hooks, JoinReplay):
         self.replicate = replicate
         self.world = world or comm
         self.dp_size = comm.size * (replicate.size if replicate else 1)
-        for c in {id(x): x for x in (comm, replicate, world) if x is not None}.values():
+        for c in self.comms():
             c.timeout = config.timeout
             if config.check_collectives:
                 c.enable_check(config.check_collectives)
@@ -171,7 +171,8 @@ class Engine(Stage3Hooks, JoinReplay):
         self._prefetch_due = False
         self.unsharded_bytes = 0
         self.peak_unsharded_bytes = 0
-        # Most whole-bucket gradient bytes (``b.grad``) alive at once, for tests and plans.
+        # Whole-bucket gradient bytes (``b.grad``) alive now and at most (tests, plans).
+        self._grad_buffer_bytes = 0
         self.peak_grad_buffer_bytes = 0
         # Uneven inputs (see [Note: join] in join.py).
         self._joinable: Any = None
@@ -226,6 +227,11 @@ class Engine(Stage3Hooks, JoinReplay):
                     lambda m, a, o, u=u: self._unit_post_forward(u, o)))
 
     # -- set-up -----------------------------------------------------------------------------
+    def comms(self) -> list[Comm]:
+        """The engine's distinct communicators (sharding, replicate, world)."""
+        unique = {id(c): c for c in (self.comm, self.replicate, self.world) if c is not None}
+        return list(unique.values())
+
     def _mesh(self, mesh: Any):
         """The DeviceMesh the user parameters' DTensors live on: the sharding group, or
         with hybrid sharding the 2-D (replicate, shard) mesh."""
@@ -473,8 +479,7 @@ class Engine(Stage3Hooks, JoinReplay):
                 "with overlap=False (buckets are then reduced once backward is done)")
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             if b.grad is None:
-                b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
-                self._count_grad_buffers()
+                self._new_grad(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
                 view.copy_(p.grad)
@@ -486,8 +491,7 @@ class Engine(Stage3Hooks, JoinReplay):
             if self.policy.keep_full_grads:
                 self._stash(b)
             if b.grad is None:
-                b.grad = torch.empty(b.padded_numel, dtype=p.dtype, device=b.device)
-                self._count_grad_buffers()
+                self._new_grad(b)
             b.put_grad(b.grad, i, p.grad, add=b.valid[i])
             b.valid[i] = True
             p.grad = None
@@ -527,19 +531,32 @@ class Engine(Stage3Hooks, JoinReplay):
         activations are all still alive, the unit holds only the gradients produced so far,
         not a whole unit's worth (the cost: both for a moment at the end, once the unit's
         activations are gone)."""
-        b.grad = torch.empty(b.padded_numel, dtype=self.compute_dtype or b.dtype,
-                             device=b.device)
-        self._count_grad_buffers()
+        self._new_grad(b)
+        self._take_param_grads(b)
+
+    def _take_param_grads(self, b: FlatBucket) -> None:
+        """Move gradients autograd left on the bucket's parameters into its buffer, for
+        slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
+        unused in a synchronised backward that still holds gradients from no_sync()."""
         for i, s in enumerate(b.slots):
-            if s.param.grad is not None:
+            if not b.valid[i] and s.param.grad is not None:
                 b.put_grad(b.grad, i, s.param.grad, add=False)
                 b.valid[i] = True
                 s.param.grad = None
 
-    def _count_grad_buffers(self) -> None:
-        alive = sum(b.grad.untyped_storage().nbytes() for b in self.buckets
-                    if b.grad is not None)
-        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, alive)
+    def _new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
+        """Allocate the bucket's whole gradient buffer (compute dtype, gathered layout),
+        counting the most alive at once (``peak_grad_buffer_bytes``)."""
+        self._drop_grad(b)
+        make = torch.zeros if zeros else torch.empty
+        b.grad = make(b.padded_numel, dtype=self.compute_dtype or b.dtype, device=b.device)
+        self._grad_buffer_bytes += b.grad.untyped_storage().nbytes()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self._grad_buffer_bytes)
+
+    def _drop_grad(self, b: FlatBucket) -> None:
+        if b.grad is not None:
+            self._grad_buffer_bytes -= b.grad.untyped_storage().nbytes()
+            b.grad = None
 
     def _launch(self, b: FlatBucket) -> None:
         """Start reducing a bucket's gradient (average over ranks)."""
@@ -604,7 +621,7 @@ class Engine(Stage3Hooks, JoinReplay):
             for s in b.slots:
                 s.param.grad = None  # the next gradient is copied in, not added
         else:
-            b.grad = None
+            self._drop_grad(b)
 
     def _start_host_copy(self, b: FlatBucket) -> None:
         """Offload, stage 1: start copying the reduced slice (inside the whole gradient
@@ -663,10 +680,8 @@ class Engine(Stage3Hooks, JoinReplay):
                     self._fold(b)  # some parameters got no gradient in this backward
                 else:
                     if b.grad is None:  # stage 2, no gradient at all for this bucket
-                        b.grad = torch.zeros(b.padded_numel,
-                                             dtype=self.compute_dtype or b.dtype,
-                                             device=b.device)
-                    self._take_leftovers(b)
+                        self._new_grad(b, zeros=True)
+                    self._take_param_grads(b)
                 self._launch(b)
             b.ready = 0
             b.arrived = [False] * len(b.slots)
@@ -682,17 +697,6 @@ class Engine(Stage3Hooks, JoinReplay):
         for b in self.buckets:
             b.launched = False
         self.publish_grads()
-
-    def _take_leftovers(self, b: FlatBucket) -> None:
-        """Stage 2: a parameter with no gradient in this synchronised backward may still
-        hold one from earlier backwards under no_sync(); it goes into the bucket too."""
-        if self.policy.keep_full_grads:
-            return  # stage 1 accumulated them in the bucket already
-        for i, s in enumerate(b.slots):
-            if not b.valid[i] and s.param.grad is not None:
-                b.put_grad(b.grad, i, s.param.grad, add=False)
-                b.valid[i] = True
-                s.param.grad = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -747,9 +751,7 @@ class Engine(Stage3Hooks, JoinReplay):
                 grads.append(b.host_grad)
                 continue
             if self.policy.reduce_op == "all_reduce" and b.grad is None:
-                # no backward since zero_grad: a zero gradient
-                b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
-                                     device=b.device)
+                self._new_grad(b, zeros=True)  # no backward since zero_grad
             grads.append(b.grad if self.policy.reduce_op == "all_reduce"
                          else self._reduced_slice(b))
         if self.offload:
@@ -883,7 +885,7 @@ class Engine(Stage3Hooks, JoinReplay):
             return
         for b in self.buckets:
             if not self.policy.shard_optimizer and not self.faces.swap:
-                b.grad = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+                self._new_grad(b, zeros=True)
                 b.grad_views(b.grad)
                 continue
             set_master_grad(b, torch.zeros_like(b.master.detach()))
@@ -894,7 +896,7 @@ class Engine(Stage3Hooks, JoinReplay):
         allocates them again."""
         for b in self.buckets:
             b.grad_shard = None
-            b.grad = None
+            self._drop_grad(b)
             b.reduced = False
             b.host_fresh = False
             set_master_grad(b, None)

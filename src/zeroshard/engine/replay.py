@@ -88,8 +88,7 @@ class JoinReplay:
             b = buckets[r.unit][seen.get(r.unit, 0)]
             seen[r.unit] = seen.get(r.unit, 0) + 1
             if b.grad is None:
-                b.grad = torch.zeros(b.padded_numel, dtype=self.compute_dtype or b.dtype,
-                                     device=b.device)
+                self._new_grad(b, zeros=True)
             self._launch(b)  # stale slots are zeroed: this rank contributes nothing
             while self._pending:
                 self._complete(self._pending.popleft())

@@ -261,8 +261,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 model, optimizer, stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)
             engine = zeroshard.engine_of(model)
-            for c in {id(c): c for c in (engine.comm, engine.replicate, engine.world)
-                      if c is not None}.values():
+            for c in engine.comms():
                 c.decompose = collectives == "gloo"
             engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
             tracker = zeroshard.memory_tracker(model, optim)
