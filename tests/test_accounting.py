@@ -96,8 +96,8 @@ def _expected(stage: int, mp: str | None, world: int, padded: list[int],
     return {
         "params": c * (s if stage == 3 else p),
         "grads": grads,
-        "optim": k * (p if stage == 0 else s) + steps + (4 * s if stage in (1, 2) and not mp
-                                                       else 0),
+        # fp32 stages 1-2 step their chunks of the weights in place: no master of their own
+        "optim": k * (p if stage == 0 else s) + steps,
     }
 
 

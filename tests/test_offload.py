@@ -67,8 +67,8 @@ def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload
         del x, y
     where = {w: {c.value: v for c, v in d.items() if v}
              for w, d in tracker.current_by_location().items()}
-    masters_shared = [
-        engine._same_memory(b.master, b.shard_of(b.full)) if stage < 3
+    masters_shared = [  # fp32 stages 1-2 without offload step their chunks of ``full``
+        b.master_in_full if stage < 3
         else engine._same_memory(b.master, b.shard16) for b in engine.buckets
     ]
     out = {"state": zeroshard.full_state_dict(model), "offload": engine.offload,

@@ -8,8 +8,8 @@ elements, S = P/N this rank's slice, c = 4 bytes, n_opt = optimizer parameters):
     peak = params + grads + optim + activations + comm + other, where at the peak
       params  = c·P (stages 0-2), c·S + the gathered units (stage 3; ≤ the engine's most
                 gathered at once, itself ≤ (prefetch + 1) units + the root)
-      optim   = 8·P + 4·n_opt (stage 0), 12·S + 4·n_opt (stages 1-2: fp32 master + moments),
-                8·S + 4·n_opt (stage 3: the fp32 slice is the weights)
+      optim   = 8·P + 4·n_opt (stage 0), 8·S + 4·n_opt (stages 1-3: the moments; the fp32
+                masters are the weights: their chunks of the whole at 1-2, the slice at 3)
       grads   ≤ c·P (stages 0-1: the whole buffer), c·S + 3 buckets (stage 2: two
                 reductions in flight + one filling), c·S + 3 units + the root (stage 3:
                 one reduction in flight, and while a unit's gradients move from its
@@ -92,7 +92,7 @@ def test_peak_bytes_per_stage_follow_the_layout() -> None:
         P, S, pk = r["P"], r["P"] // 2, r["peak"]
         steps = 4 * r["n_opt"]
         params = {0: c * P, 1: c * P, 2: c * P, 3: c * S}[stage]
-        optim = {0: 8 * P, 1: 12 * S, 2: 12 * S, 3: 8 * S}[stage] + steps
+        optim = {0: 8 * P, 1: 8 * S, 2: 8 * S, 3: 8 * S}[stage] + steps
         grads = {0: c * P, 1: c * P, 2: c * S + 3 * r["bucket"],
                  3: c * S + 3 * r["unit"] + r["root"]}[stage]
         comm = r["unit"] if stage == 3 else 0
@@ -143,4 +143,8 @@ def test_peaks_at_or_below_the_anchors_measured_the_same_way() -> None:
     # GPU run) and the per-parameter "got a gradient" flags. On this model the two tie
     # apart from those (on the default bench's gpt2-small, stage 3 is 2.4% below FSDP2).
     assert got["zs-s3"] <= got["fsdp2"] + 512, got
-    assert got["zs-s0"] > got["zs-s1"] >= got["zs-s2"] > got["zs-s3"], got
+    # No order between stages 1-2 and 3 on this activation-dominated toy: at fp32, stages
+    # 1-2 keep no master apart from the weights, and all three peak in backward under the
+    # logits' gradients (here 1 = 2 = 7.13 MB, 3 = 7.21 MB with its gathered units;
+    # on gpt2-small stage 3 is the lowest: see benchmarks/bench-default-cpu.txt).
+    assert got["zs-s0"] > got["zs-s1"] >= got["zs-s2"], got

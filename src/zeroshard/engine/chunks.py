@@ -20,6 +20,19 @@ that much memory; then it finds the views in place and does nothing), so checkpo
 (``bucket_state``). Torch's optimizers update their state in place, so the views stay
 live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the optimizer
 increments each one.
+
+[Note: masters inside the weights]
+Stages 1-2 without mixed precision and without offload keep no master of their own: the
+weights the model computes with are already in the master dtype, and this rank's chunk
+of every parameter is a contiguous range of ``full`` (see [Note: flat buckets]). The
+chunks the optimizer steps are views of those ranges (cut at parameter boundaries too,
+since the shard as a whole is not contiguous in ``full``), so the step updates this
+rank's weights in place — as ZeroRedundancyOptimizer does, and as the ZeRO paper counts
+fp32 Adam (K = 8: no weights beyond the model's) — and the post-step all-gather takes
+its input from them (``FlatBucket.master_values``). This saves 4Ψ/N bytes per rank.
+Gradients and optimizer state keep the shard layout (``master_grad``, ``flat_state``);
+code that reads or writes the masters as one shard-layout tensor goes through
+``master_values`` / ``load_masters`` / ``master_range``.
 """
 
 from __future__ import annotations
@@ -45,9 +58,11 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
     any name not in it) a chunk never spans two groups, so each chunk joins its group
     (``b.chunk_groups``); the bucket's padding goes with its last parameter.
     """
-    data = b.master.detach()
-    n = data.numel()
+    data = b.master.detach() if b.master is not None else b.full
+    n = b.shard_numel
     runs = _group_runs(b, n, group_of or {})
+    if b.master is None:  # views of ``full``: never across a parameter's chunk
+        runs = _split_at_slots(b, runs)
     # Cutting by size helps only CPU masters (cache); a CUDA optimizer (foreach, fused)
     # gains nothing and a trace (fake tensors, memory/traced.py) would pay ~20 dispatched
     # ops per chunk and step: there, masters are cut at group boundaries only.
@@ -57,7 +72,28 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
         for lo in range(a, z, size):
             b.chunk_ranges.append((lo, min(lo + size, z)))
             b.chunk_groups.append(g)
-    b.chunks = [nn.Parameter(data[lo:hi]) for lo, hi in b.chunk_ranges]
+    b.chunks = [_chunk(b, lo, hi) for lo, hi in b.chunk_ranges]
+
+
+def _chunk(b: FlatBucket, lo: int, hi: int) -> nn.Parameter:
+    if b.master is not None:
+        return nn.Parameter(b.master.detach()[lo:hi])
+    # ``.data`` aliases the memory without sharing ``full``'s version counter (see
+    # FlatBucket.replace_meta_params): the step's in-place update must not look to
+    # autograd like a change of the compute weights' base.
+    c = nn.Parameter(torch.empty(0, dtype=b.full.dtype, device=b.full.device))
+    c.data = b.master_range(lo, hi)
+    return c
+
+
+def _split_at_slots(b: FlatBucket, runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    cuts = sorted({s.shard_offset for s in b.slots} | {s.shard_offset + s.chunk for s in b.slots})
+    out = []
+    for a, z, g in runs:
+        inner = [c for c in cuts if a < c < z]
+        for lo, hi in zip([a, *inner], [*inner, z]):
+            out.append((lo, hi, g))
+    return out
 
 
 def _group_runs(b: FlatBucket, n: int, group_of: dict[str, int]) -> list[tuple[int, int, int]]:
@@ -82,8 +118,11 @@ def _group_runs(b: FlatBucket, n: int, group_of: dict[str, int]) -> list[tuple[i
 
 
 def set_master_grad(b: FlatBucket, grad: torch.Tensor | None) -> None:
-    """``b.master.grad`` and, as views of it, each chunk's gradient."""
-    b.master.grad = grad
+    """``b.master_grad`` (also ``b.master.grad``) and, as views of it, each chunk's
+    gradient."""
+    b.master_grad = grad
+    if b.master is not None:
+        b.master.grad = grad
     for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
         c.grad = None if grad is None else grad[lo:hi]
 
@@ -119,7 +158,7 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
         if len(b.chunks) == 1:  # the chunk's own tensor is the flat buffer: no copy
             b.flat_state[k], b.flat_views[k] = v0, (v0,)
             continue
-        flat = torch.zeros(b.master.shape, dtype=v0.dtype, device=v0.device)
+        flat = torch.zeros(b.shard_numel, dtype=v0.dtype, device=v0.device)
         views = tuple(flat[lo:hi] for lo, hi in b.chunk_ranges)
         for c, view, v in zip(b.chunks, views, have):
             if v is not None:
@@ -148,7 +187,7 @@ def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any]) -> None
     for c in b.chunks:
         state.pop(c, None)
     b.flat_state = {k: v for k, v in values.items()
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape}
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,)}
     b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges)
                     for k, f in b.flat_state.items()}
     if not values:

@@ -7,7 +7,9 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   shard time, lives forever; stage 3: see units.py). Compute parameters are views into it.
 * ``master`` — what the optimizer steps, in fp32 under mixed precision, in the shard
   layout. Stage 0: whole, and without mixed precision it *is* ``full`` (no copy).
-  Stages >= 1: this rank's shard only, a tensor of its own.
+  Stages 1-2 without mixed precision or offload: none — the optimizer steps this rank's
+  chunks of ``full`` in place (see [Note: masters inside the weights] in chunks.py).
+  Otherwise (stage 3, mixed precision, offload): this rank's shard only, a tensor of its own.
 * ``grad`` — compute-dtype gradients, whole, in the gathered layout (stage 0: the same as
   full). Every stage allocates it with the bucket's first gradient in backward, never
   at shard time. Stage 0: a parameter's first gradient after ``zero_grad`` is copied in
@@ -28,7 +30,7 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
   With offload there is no device ``grad_shard``: each reduced slice goes straight to the
   bucket's ``host_grad`` (see [Note: offload] in offload.py).
-* ``master.grad`` — fp32, unscaled, formed when a synchronised backward ends (a view of
+* ``master_grad`` — fp32, unscaled, formed when a synchronised backward ends (a view of
   ``grad_shard`` where dtypes agree); the user parameters' ``.grad`` are views of it
   (see [Note: parameters the user sees] in params.py).
 * stages 1-2, after the step: a transient gathered buffer per bucket for the all-gather
@@ -278,6 +280,10 @@ class Engine(Stage3Hooks, JoinReplay):
         b.used = torch.zeros(len(b.slots), dtype=torch.float32, device=b.device)
         if self.policy.shard_params:
             self._materialize_sharded(b, flat)
+            return
+        if self.policy.shard_optimizer and not self.offload and full.dtype == b.dtype:
+            b.master_in_full = True  # see [Note: masters inside the weights] in chunks.py
+            make_chunks(b, self.group_of)
             return
         if self.policy.shard_optimizer:
             master_src = b.shard_from_full(flat)  # only the slice stays alive
@@ -757,19 +763,19 @@ class Engine(Stage3Hooks, JoinReplay):
         if self.offload:
             self.offloader.wait_copies()
         for b, g in zip(self.buckets, grads):
-            if g.dtype == b.master.dtype and not self.scaler.enabled:
+            if g.dtype == b.master_dtype and not self.scaler.enabled:
                 set_master_grad(b, g)
             else:
                 # A copy even where the dtypes agree: ``g`` is the accumulator later
                 # backwards add (scaled) gradients to, so it must stay scaled.
-                set_master_grad(b, g.to(b.master.dtype, copy=True))
+                set_master_grad(b, g.to(b.master_dtype, copy=True))
                 if self.scaler.enabled:
-                    b.master.grad.div_(self.scaler.scale)
+                    b.master_grad.div_(self.scaler.scale)
         self._overflow = False
         if self.scaler.enabled:
-            bad = torch.zeros(1, device=b.master.device)
+            bad = torch.zeros(1, device=b.master_grad.device)
             for b in self.buckets:
-                bad += (~torch.isfinite(b.master.grad)).any().float()
+                bad += (~torch.isfinite(b.master_grad)).any().float()
             bad = bad.to(self.device)  # collectives run on the device (NCCL needs it)
             self.world.all_reduce(bad, phase="control", unit="overflow").wait()
             self._overflow = bool(bad.item() > 0)
@@ -795,7 +801,7 @@ class Engine(Stage3Hooks, JoinReplay):
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The global gradient norm, equal to clip_grad_norm_'s on the unsharded model."""
         self.prepare_grads()
-        grads = [b.master.grad for b in self.buckets]
+        grads = [b.master_grad for b in self.buckets]
         device = grads[0].device
         sharded = self.policy.shard_optimizer
         if norm_type == float("inf"):
@@ -814,7 +820,7 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def scale_grads(self, coef: torch.Tensor) -> None:
         for b in self.buckets:
-            b.master.grad.mul_(coef.to(b.master.grad.dtype))
+            b.master_grad.mul_(coef.to(b.master_grad.dtype))
 
     def gather_used_flags(self) -> torch.Tensor:
         """Every rank's "got a gradient" flags, summed, in one persistent buffer (a new
@@ -870,6 +876,8 @@ class Engine(Stage3Hooks, JoinReplay):
             target = b.shard_of(gathered)
             if self.offload:
                 self.offloader.upload(b, target)
+            elif b.master_in_full:  # this rank's chunks of ``full``, already stepped
+                b.shard_from_full(b.full, out=target)
             else:
                 target.copy_(b.master.detach())
             self.comm.all_gather(gathered, phase=phase, unit=b.name).wait()
@@ -888,7 +896,8 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._new_grad(b, zeros=True)
                 b.grad_views(b.grad)
                 continue
-            set_master_grad(b, torch.zeros_like(b.master.detach()))
+            set_master_grad(b, torch.zeros(b.shard_numel, dtype=b.master_dtype,
+                                           device=b.master_device))
             self.faces.publish_grads(b)
 
     def _clear_grads(self) -> None:
@@ -918,7 +927,7 @@ class Engine(Stage3Hooks, JoinReplay):
         """
         if not self.policy.shard_optimizer:
             return b.master.detach()
-        if not self.policy.shard_params and b.master.dtype == b.full.dtype:
+        if not self.policy.shard_params and b.master_dtype == b.full.dtype:
             return b.full  # fp32 without mixed precision: already whole and current
         src = (b.master if b.master is not None else b.shard16).detach()
         return self.gather_shard(b, src, phase="state")
@@ -942,14 +951,14 @@ class Engine(Stage3Hooks, JoinReplay):
             for b in self.all_buckets:
                 params += [t for t in (b.full, b.shard16, b.host_weights) if t is not None]
                 grads += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
+                if b.master_grad is not None:
+                    grads.append(b.master_grad)
                 if b.master is None:
                     continue
                 if not self._shares(b.master, b.full) and not (
                     b.shard16 is not None and self._shares(b.master, b.shard16)
                 ):
                     optim.append(b.master)
-                if b.master.grad is not None:
-                    grads.append(b.master.grad)
             params += self.frozen
             if self.units:  # stage 3: gradients autograd left on a unit until its _fold
                 grads += [s.param.grad for b in self.buckets for s in b.slots

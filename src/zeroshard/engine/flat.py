@@ -137,6 +137,10 @@ class FlatBucket:
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
         self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)
+        # ... or, with ``master_in_full``, views of this rank's chunks of ``full`` (see
+        # [Note: masters inside the weights]); then ``master`` is None.
+        self.master_in_full = False
+        self.master_grad: torch.Tensor | None = None  # shard layout, see set_master_grad
         self.chunk_ranges: list[tuple[int, int]] = []
         self.chunk_groups: list[int] = []  # optimizer parameter group of each chunk
         self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
@@ -194,6 +198,46 @@ class FlatBucket:
             n = s.rows_of(self.rank) * s.row
             if n:
                 yield s, s.shard_offset, s.shard_offset + n
+
+    # -- the masters (see [Note: masters inside the weights]) -------------------------------
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.master.dtype if self.master is not None else self.full.dtype
+
+    @property
+    def master_device(self) -> torch.device:
+        return self.master.device if self.master is not None else self.full.device
+
+    def master_values(self) -> torch.Tensor:
+        """The masters in the shard layout: ``master`` itself, or a new copy of this
+        rank's chunks of ``full``."""
+        if self.master is not None:
+            return self.master.detach()
+        return self.shard_from_full(self.full)
+
+    def master_range(self, lo: int, hi: int) -> torch.Tensor:
+        """A writable view of the masters' shard-layout range ``[lo, hi)``; inside
+        ``full`` the range must lie within one parameter's chunk (each is contiguous
+        there, the shard as a whole is not)."""
+        if self.master is not None:
+            return self.master.detach()[lo:hi]
+        s = next((s for s in self.slots if s.shard_offset <= lo and hi <= s.shard_offset + s.chunk),
+                 None)
+        if s is None:
+            raise ValueError(f"bucket {self.name!r}: master range [{lo}, {hi}) spans two "
+                             "parameters; inside the weights only one parameter's chunk is "
+                             "contiguous")
+        start = s.offset + self.rank * s.chunk + lo - s.shard_offset
+        return self.full[start : start + hi - lo]
+
+    def load_masters(self, shard: torch.Tensor) -> None:
+        """Write shard-layout values into the masters (inverse of :meth:`master_values`)."""
+        if self.master is not None:
+            self.master.detach().copy_(shard)
+            return
+        for s in self.slots:
+            lo = s.offset + self.rank * s.chunk
+            self.full[lo : lo + s.chunk].copy_(shard[s.shard_offset : s.shard_offset + s.chunk])
 
     # -- copies between the layouts ----------------------------------------------------
     def _rank_major(self, gathered: torch.Tensor) -> list[torch.Tensor]:

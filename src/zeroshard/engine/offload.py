@@ -108,8 +108,8 @@ class Offload:
         out: list[torch.Tensor] = []
         for b in buckets:
             out += [t for t in (b.master, b.host_grad, b.host_weights) if t is not None]
-            if b.master is not None and b.master.grad is not None:
-                out.append(b.master.grad)
+            if b.master_grad is not None:
+                out.append(b.master_grad)
             if self.params and b.shard16 is not None:
                 out.append(b.shard16)
         return out

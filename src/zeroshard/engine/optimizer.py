@@ -146,18 +146,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- parameters no rank used this step: leave them and their state untouched --------
     def _save_range(self, b: FlatBucket, lo: int, hi: int) -> list[torch.Tensor]:
-        tensors = [b.master.detach()] + self._state_tensors(b)
-        return [t[lo:hi].clone() for t in tensors]
+        tensors = [b.master_range(lo, hi)] + [t[lo:hi] for t in self._state_tensors(b)]
+        return [t.clone() for t in tensors]
 
     def _restore_range(self, b: FlatBucket, lo: int, hi: int,
                        old: list[torch.Tensor]) -> None:
-        tensors = [b.master.detach()] + self._state_tensors(b)
+        tensors = [b.master_range(lo, hi)] + [t[lo:hi] for t in self._state_tensors(b)]
         for t, o in zip(tensors, old):
-            t[lo:hi].copy_(o)
+            t.copy_(o)
 
     def _state_tensors(self, b: FlatBucket) -> list[torch.Tensor]:
         return [v for v in bucket_state(self.optim.state, b).values()
-                if isinstance(v, torch.Tensor) and v.shape == b.master.shape]
+                if isinstance(v, torch.Tensor) and v.shape == (b.shard_numel,)]
 
     # -- state in torch's format ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

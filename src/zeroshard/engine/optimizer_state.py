@@ -45,7 +45,7 @@ def _numbering(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict
 
 def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
     return [k for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape]
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,)]
 
 
 @torch.no_grad()
@@ -124,7 +124,6 @@ def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
 
 def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
                  by_id: dict[int, Any]) -> None:
-    master = b.master.detach()
     values: dict[str, Any] = {}
     stepped = [s for s in b.slots if engine.group_of.get(s.names[0], 0) >= 0]
     have = [s for s in stepped if by_id.get(id(engine.faces.user[id(s.param)]))]
@@ -144,7 +143,8 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
                 _agree_scalar(values, k, v, s.names[0])
                 continue
             if k not in values:
-                values[k] = torch.zeros_like(master)
+                values[k] = torch.zeros(b.shard_numel, dtype=b.master_dtype,
+                                        device=b.master_device)
             lo, hi = s.piece(b.rank)
             dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
             dst.copy_(v.detach().reshape(-1)[lo:hi])
@@ -154,8 +154,8 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
     group = _inner_group(inner, b)
     on_device = bool(group and (group.get("capturable") or group.get("fused")))
     for k, v in list(values.items()):
-        if torch.is_tensor(v) and v.shape != master.shape:  # a scalar: one copy per chunk
-            dev = master.device if on_device else torch.device("cpu")
+        if torch.is_tensor(v) and v.shape != (b.shard_numel,):  # a scalar: one per chunk
+            dev = b.master_device if on_device else torch.device("cpu")
             values[k] = v.detach().clone().to(dev)
     set_bucket_state(inner.state, b, values)
 

@@ -23,7 +23,7 @@ faces (FSDP2 has the same two: its sharded DTensor and its unsharded tensor):
   ==================================  ======================================  ==========================
 
   The DTensors' local tensors are views of this rank's master slice and of its fp32
-  gradient (``master.grad``), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
+  gradient (``master_grad``), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
   scale exactly what the optimizer steps, and their norms and inf checks are global
   (DTensor reduces them over the mesh). Where nothing is sharded and no dtype differs
   (stages 0-2 without mixed precision) the user parameter *is* the compute parameter:
@@ -95,12 +95,12 @@ class Faces:
 
     def _build(self, model: nn.Module, b: FlatBucket) -> None:
         pairs = []
-        weights = self._weights(b) if self.swap or self.sharded else None
+        weights = self._weights(b) if self.swap else None
         for i, s in enumerate(b.slots):
             if self.sharded:
                 self.specs[id(s.param)] = make_spec(
                     self.mesh, self.placements, s.shape,
-                    b.master.dtype if b.master is not None else b.shard16.dtype)
+                    b.master_dtype if b.requires_grad else b.shard16.dtype)
             if not self.swap:
                 user = s.param
             elif not self.sharded:  # stage 0 under mixed precision: the whole master
@@ -131,8 +131,8 @@ class Faces:
 
     # -- gradients ----------------------------------------------------------------------
     def publish_grads(self, b: FlatBucket) -> None:
-        """Point each user parameter's ``.grad`` at its part of ``b.master.grad``."""
-        g = b.master.grad
+        """Point each user parameter's ``.grad`` at its part of ``b.master_grad``."""
+        g = b.master_grad
         self.published = True
         for i, s in enumerate(b.slots):
             user = self.user[id(s.param)]

@@ -17,8 +17,9 @@ weight, so P = 4 already holds it):
 
 Ψ = 7.5B, N = 64, K = 12 gives the paper's 120 / 31.4 / 16.6 / 1.9 GB. Our flat buffers
 pad each parameter's dim-0 chunks to equal size; ``padded=True`` approximates that by
-ceil(Ψ / N) elements per rank. Under pure fp32, stages 1-2 also keep each rank's fp32
-slice apart from the whole fp32 weights (P·Ψ/N more, ``Recipe.master_in_optim``).
+ceil(Ψ / N) elements per rank. Under pure fp32 (without offload) stages 1-2 step each
+rank's chunks of the whole fp32 weights in place, keeping no slice apart (see [Note:
+masters inside the weights] in engine/chunks.py), so the paper's K = 8 holds.
 
 [Note: communication volume]
 ZeRO §7, in the ledger's "logical bytes" (see [Note: logical vs wire bytes] in comm.py):
@@ -123,9 +124,9 @@ class Recipe:
     """Bytes per stored activation element (2 for 16-bit compute)."""
     master_in_optim: bool = True
     """K holds the fp32 master weights (16-bit recipes). Without mixed precision the
-    weights are the master, except at stages 1-2: each rank keeps its fp32 slice apart
-    from the whole weights (the weights' dim-0 chunks are not contiguous in the whole
-    buffer; see [Note: flat buckets]), P·Ψ/N more."""
+    weights are the master at every stage (stages 1-2 step each rank's chunks of the
+    whole weights in place; see [Note: masters inside the weights] in engine/chunks.py);
+    with offload that slice's master lives on the host (:func:`host_optimizer_bytes`)."""
 
     def __post_init__(self) -> None:
         for field in ("param_bytes", "grad_bytes", "optim_bytes", "act_bytes"):
@@ -196,11 +197,10 @@ def model_state_bytes(
             return psi * nbytes
         return math.ceil(psi / n) * nbytes if padded else math.ceil(psi * nbytes / n)
 
-    master = share(r.param_bytes, True) if stage in (1, 2) and not r.master_in_optim else 0
     return ModelState(
         params=share(r.param_bytes, stage >= 3),
         grads=share(r.grad_bytes, stage >= 2),
-        optim=share(r.optim_bytes, stage >= 1) + master,
+        optim=share(r.optim_bytes, stage >= 1),
     )
 
 

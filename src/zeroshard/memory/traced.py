@@ -214,7 +214,7 @@ def grad_buffer_bytes(engine: Any) -> tuple[int, int]:
         if engine.policy.shard_optimizer and engine.policy.keep_full_grads and (
                 b.grad_shard is not None):
             held.append(b.grad_shard)
-        g = b.master.grad if b.master is not None else None
+        g = b.master_grad
         if g is not None and not any(engine._shares(g, t) for t in (
                 b.grad, b.grad_shard, b.host_grad) if t is not None):
             held.append(g)

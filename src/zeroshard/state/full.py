@@ -38,7 +38,7 @@ def full_optimizer_state(model: nn.Module,
         flat: dict[str, torch.Tensor] = {}  # per-element state, whole padded bucket
         scalars: dict[str, Any] = {}
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == b.master.shape:
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,):
                 flat[k] = v
                 if engine.policy.shard_optimizer:
                     flat[k] = engine.gather_shard(b, v.detach(), phase="state")

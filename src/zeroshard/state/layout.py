@@ -46,7 +46,7 @@ from ..engine.engine import Engine
 from ..engine.flat import FlatBucket, ParamSlot
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_tensor_views",
-           "sharded_1d", "sharded_tensor", "quiet", "global_ranks"]
+           "weights_views", "sharded_1d", "sharded_tensor", "quiet", "global_ranks"]
 
 
 def global_ranks(group) -> list[int]:
@@ -170,6 +170,27 @@ def bucket_tensor_views(entry: ParamEntry, t: torch.Tensor, *, for_load: bool, g
         return entry.whole(t)
     return sharded_1d(entry.numel, entry.ranges(), entry.piece(t), entry.rank, peers, group,
                       t.dtype, t.device)
+
+
+def weights_views(entry: ParamEntry, *, for_load: bool, group, peers: list[int]) -> torch.Tensor:
+    """:func:`bucket_tensor_views` of the bucket's master weights (stage 3's frozen
+    ``shard16``), which may live inside ``full`` (see [Note: masters inside the weights]
+    in engine/chunks.py): each rank's piece is contiguous there, so DCP reads and writes
+    them in place."""
+    b = entry.bucket
+    assert b is not None
+    if not b.master_in_full:
+        src = b.master.detach() if b.master is not None else b.shard16
+        return bucket_tensor_views(entry, src, for_load=for_load, group=group, peers=peers)
+    if for_load and b.world == 1:
+        return entry.whole(b.full)
+    s = entry.slot
+    assert s is not None
+    mine = [(lo, hi) for q, lo, hi in entry.ranges() if q == entry.rank]
+    local = b.master_range(s.shard_offset, s.shard_offset + mine[0][1] - mine[0][0]) \
+        if mine else None
+    return sharded_1d(entry.numel, entry.ranges(), local, entry.rank, peers, group,
+                      b.full.dtype, b.full.device)
 
 
 def sharded_1d(numel: int, ranges: list[tuple[int, int, int]], local: torch.Tensor | None,

@@ -33,6 +33,7 @@ from .layout import (
     optim_key,
     param_entries,
     quiet,
+    weights_views,
 )
 from .manifest import CheckpointError, read_manifest
 from .reader import SafeReader, dcp_errors
@@ -51,9 +52,7 @@ def _weights_target(engine: Engine, e: ParamEntry) -> Any:
     comm = engine.comm
     if e.bucket is None:  # frozen, stages 0-2: the parameter itself
         return e.param.data.view(-1)
-    b = e.bucket
-    src = b.master.detach() if b.master is not None else b.shard16
-    return bucket_tensor_views(e, src, for_load=True, group=comm.group, peers=global_ranks(comm.group))
+    return weights_views(e, for_load=True, group=comm.group, peers=global_ranks(comm.group))
 
 
 def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim.Optimizer,
@@ -78,8 +77,9 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
         for k in order:
             if k in per_element:
                 t = old.get(k)
-                ok = isinstance(t, torch.Tensor) and t.shape == b.master.shape
-                state[k] = t if ok else torch.zeros_like(b.master.detach())
+                ok = isinstance(t, torch.Tensor) and t.shape == (b.shard_numel,)
+                state[k] = t if ok else torch.zeros(b.shard_numel, dtype=b.master_dtype,
+                                                    device=b.master_device)
             else:
                 state[k] = old.get(k)
         group = next(g for g in inner.param_groups if any(p is b.chunks[0] for p in g["params"]))
@@ -97,7 +97,7 @@ def _set_scalars(inner: torch.optim.Optimizer, fixups: list) -> None:
         on_device = bool(group.get("capturable") or group.get("fused"))
         for k, v in scal.items():
             if "dtype" in v:
-                dev = b.master.device if on_device else torch.device("cpu")
+                dev = b.master_device if on_device else torch.device("cpu")
                 state[k] = torch.tensor(v["value"], dtype=_dtype(v["dtype"]),
                                         device=dev).reshape(v["shape"])
             else:

@@ -41,6 +41,7 @@ from .layout import (
     param_entries,
     quiet,
     sharded_tensor,
+    weights_views,
 )
 from .manifest import (
     FORMAT,
@@ -60,15 +61,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _per_element(state: dict[str, Any], master: torch.Tensor) -> list[str]:
+def _per_element(state: dict[str, Any], numel: int) -> list[str]:
     return [k for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == master.shape]
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (numel,)]
 
 
-def _scalars(state: dict[str, Any], master: torch.Tensor, owner: str) -> dict[str, Any]:
+def _scalars(state: dict[str, Any], numel: int, owner: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in state.items():
-        if k in _per_element(state, master):
+        if k in _per_element(state, numel):
             continue
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             out[k] = {"value": v.item(), "dtype": _dtype_name(v.dtype), "shape": list(v.shape)}
@@ -139,13 +140,13 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         params.append(info)
         if inner is None or not e.trainable:
             continue
-        master = e.bucket.master
+        numel = e.bucket.shard_numel
         state = bucket_state(inner.state, e.bucket)
         if not state:
             continue
-        keys = _per_element(state, master)
+        keys = _per_element(state, numel)
         optim_params[e.name] = {"state_keys": list(state), "per_element": keys,
-                                "scalars": _scalars(state, master, e.name)}
+                                "scalars": _scalars(state, numel, e.name)}
         for k in keys:
             sd[optim_key(e.name, k)] = bucket_tensor_views(e, state[k], for_load=False,
                                                            group=group, peers=peers)
@@ -177,9 +178,8 @@ def _weights(engine: Engine, e: ParamEntry, group, peers) -> tuple[Any, str]:
         t = e.param.detach().reshape(-1)
         return t, _dtype_name(t.dtype)
     b = e.bucket
-    src = b.master.detach() if b.master is not None else b.shard16
-    return bucket_tensor_views(e, src, for_load=False, group=group, peers=peers), \
-        _dtype_name(src.dtype)
+    dtype = b.master_dtype if b.requires_grad else b.shard16.dtype
+    return weights_views(e, for_load=False, group=group, peers=peers), _dtype_name(dtype)
 
 
 def _rng_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, list]]:
