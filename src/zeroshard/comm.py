@@ -393,6 +393,28 @@ class Comm:
                 work = [_all_gather_single(full, full[lo : lo + shard], self.group, True)]
         return self._finish(work, full, desc, async_op, check)
 
+    def all_gather_pieces(
+        self, full: torch.Tensor, pieces: list[list[torch.Tensor]], *, phase: str = "step",
+        unit: str = "", async_op: bool = False,
+    ) -> Pending:
+        """All-gather where each rank's part is several contiguous pieces of ``full``
+        (``pieces[q]``: rank q's views into ``full``, the same count and sizes on every
+        rank; this rank's already hold its values). Only where ``decompose`` (gloo): each
+        piece is broadcast from its owner straight into place, so nothing is packed before
+        or copied out after. Logically one all-gather of ``full``, checked and counted as
+        one."""
+        n = self.size
+        if not self.decompose:
+            raise ValueError("all_gather_pieces runs as broadcasts: only on a decomposing "
+                             "(gloo) group; use all_gather with a gathered buffer")
+        desc, check = self._begin("all_gather", "broadcast", full, _nbytes(full), phase, unit)
+        if n == 1:
+            return Pending(None, full, "")
+        with _waiting_in(desc):
+            work = [dist.broadcast(t, src=self._peers[q], group=self.group, async_op=True)
+                    for q in range(n) for t in pieces[q] if t.numel()]
+        return self._finish(work, full, desc, async_op, check)
+
     def all_gather_into(
         self, full: torch.Tensor, shard: torch.Tensor, *, phase: str = "forward",
         unit: str = "",

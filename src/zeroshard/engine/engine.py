@@ -860,6 +860,7 @@ class Engine(Stage3Hooks, JoinReplay):
     @torch.no_grad()
     def refresh_weights(self, *, phase: str) -> None:
         """Re-derive the compute weights from the masters (after a step or a load)."""
+        pending = []
         for b in self.buckets:
             if self.policy.shard_params:
                 if self.offload and not self.offloader.params:
@@ -870,6 +871,16 @@ class Engine(Stage3Hooks, JoinReplay):
             if not self.policy.gather_after_step:  # stage 0: the whole master
                 if not self._same_memory(b.full, b.master):
                     b.full.copy_(b.master.detach())
+                continue
+            if self.comm.decompose and not self.offload:
+                # gloo: the updated slice into this rank's chunks of ``full`` (nothing to
+                # do where the optimizer stepped them in place), every rank's chunk of
+                # every parameter broadcast straight into place: no gathered buffer, no
+                # copy-out; all buckets in flight at once.
+                if not b.master_in_full:
+                    b.shard_to_full(b.master.detach(), b.full)
+                pending.append(self.comm.all_gather_pieces(
+                    b.full, b.rank_pieces(b.full), phase=phase, unit=b.name, async_op=True))
                 continue
             # Stages 1-2: the updated slice into a gathered buffer, all-gather, copy out.
             gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
@@ -883,6 +894,8 @@ class Engine(Stage3Hooks, JoinReplay):
             self.comm.all_gather(gathered, phase=phase, unit=b.name).wait()
             b.gathered_to_full(gathered, b.full)
             del gathered
+        for p in pending:
+            p.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient. ``set_to_none=True``: free the gradient buffers (the next

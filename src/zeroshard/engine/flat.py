@@ -234,10 +234,8 @@ class FlatBucket:
         """Write shard-layout values into the masters (inverse of :meth:`master_values`)."""
         if self.master is not None:
             self.master.detach().copy_(shard)
-            return
-        for s in self.slots:
-            lo = s.offset + self.rank * s.chunk
-            self.full[lo : lo + s.chunk].copy_(shard[s.shard_offset : s.shard_offset + s.chunk])
+        else:
+            self.shard_to_full(shard, self.full)
 
     # -- copies between the layouts ----------------------------------------------------
     def _rank_major(self, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -270,6 +268,19 @@ class FlatBucket:
             lo = s.offset + q * s.chunk
             out[s.shard_offset : s.shard_offset + s.chunk].copy_(full[lo : lo + s.chunk])
         return out
+
+    def shard_to_full(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """This rank's shard into its chunks of a full-layout tensor (casting if the
+        dtypes differ); inverse of :meth:`shard_from_full`."""
+        for s in self.slots:
+            lo = s.offset + self.rank * s.chunk
+            full[lo : lo + s.chunk].copy_(shard[s.shard_offset : s.shard_offset + s.chunk])
+
+    def rank_pieces(self, full: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per rank q, its chunk of each parameter inside a full-layout tensor: the
+        contiguous pieces an all-gather straight into ``full`` moves."""
+        return [[full[s.offset + q * s.chunk : s.offset + (q + 1) * s.chunk] for s in self.slots]
+                for q in range(self.world)]
 
     def grad_region(self, gathered: torch.Tensor, i: int) -> torch.Tensor:
         """Slot ``i``'s N chunks (padding included) inside a gathered-layout gradient."""
