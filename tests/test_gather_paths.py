@@ -5,7 +5,10 @@ all-gather, then the copy-out. And the masters live in one of two homes: inside 
 weights (fp32, see [Note: masters inside the weights] in engine/chunks.py) or apart
 (mixed precision). CPU tests run gloo, so the NCCL path is forced here on a gloo group
 (``decompose = False``: gloo's native all-gather and reduce-scatter) and both paths must
-train the same model, at a world size that pads (3) and with a parameter no rank uses."""
+train the same model, at a world size that pads (3) and with a parameter no rank uses.
+Between steps every rank halves every weight in place, as a script might (re-initialise,
+copy in an EMA): the next step must start from the halved weights, as under DDP — with
+the masters inside the weights (fp32) that is the memory the optimizer steps."""
 
 from __future__ import annotations
 
@@ -51,6 +54,10 @@ def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> d
                         y[rank * mb:(rank + 1) * mb]).backward()
         optim.step()
         optim.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
     gathers = [r for r in engine.comm.ledger.last_step() if r.op == "all_gather"]
     return {"state": zeroshard.full_state_dict(model),
             "in_full": [b.master_in_full for b in engine.buckets],
@@ -85,8 +92,30 @@ def test_both_gather_paths_and_master_homes_train_alike() -> None:
             mine = other[2 * i]["compute"]
             for name, ref in gloo["compute"].items():
                 assert torch.equal(mine[name], ref), (stage, mp, name)
-    # the untouched parameter stayed at its initial values on both paths
-    init = _Odd().spare.weight
+    # fp32: both paths equal one process on the whole batch, the in-place edit included;
+    # the parameter no rank used keeps its (halved) initial value
+    ref = _reference()
+    for stage in (1, 2):
+        for name, want in ref.items():
+            torch.testing.assert_close(by[(stage, None)]["state"][name], want, rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, k=(stage, name): f"{k}: {m}")
+    torch.testing.assert_close(ref["spare.weight"], _Odd().spare.weight.detach() * 0.5)
     for r in by.values():
         spare = r["state"]["spare.weight"]
-        torch.testing.assert_close(spare, init.to(spare.dtype))
+        torch.testing.assert_close(spare, ref["spare.weight"].to(spare.dtype))
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = _Odd()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 7, generator=g), torch.randint(0, 3, (12,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
