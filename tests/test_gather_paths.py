@@ -119,3 +119,55 @@ def _reference() -> dict[str, torch.Tensor]:
                 for p in model.parameters():
                     p.mul_(0.5)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _edit_then_forward(rank: int, world: int, stage: int, offload: str | None,
+                       mp: str | None) -> tuple[float, float]:
+    import zeroshard.engine.engine as engine_mod
+
+    engine_mod._FORCE_HOST_COPIES = offload is not None  # the offload path on CPU
+    try:
+        m = _Odd()
+        kw = {"units": [m.a, m.b]} if stage == 3 else {}
+        model, optim = zeroshard.shard(m, torch.optim.SGD, stage=stage, lr=0.1,
+                                       offload=offload, mixed_precision=mp, **kw)
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+        model(x).float().sum().backward()
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            before = model(x).float().sum().item()
+            for p in model.parameters():
+                p.mul_(0.5)
+            return before, model(x).float().sum().item()
+    finally:
+        engine_mod._FORCE_HOST_COPIES = False
+
+
+def _all_edits(rank: int, world: int) -> list:
+    grid = [{"stage": s, "offload": o, "mp": mp} for s in range(4)
+            for o in ((None,) if s == 0 else (None, "optimizer")) for mp in (None, "bf16")]
+    return sweep(functools.partial(_edit_then_forward, rank, world), grid)
+
+
+def test_in_place_edits_reach_the_next_forward_at_every_stage() -> None:
+    """Where the user parameters are the masters (mixed precision, stage 3, offload) the
+    compute weights are a copy: an in-place edit must still reach the next forward."""
+    m = _Odd()
+    optim = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+    m(x).sum().backward()  # every rank sees the same x: the mean gradient is this one
+    optim.step()
+    with torch.no_grad():
+        want_before = m(x).sum().item()
+        for p in m.parameters():
+            p.mul_(0.5)
+        want = m(x).sum().item()
+    for r in run_ranks(_all_edits, 2, timeout=300):
+        for (before, after), point in zip(r, ({"stage": s, "offload": o, "mp": mp}
+                                               for s in range(4)
+                                               for o in ((None,) if s == 0 else (None, "optimizer"))
+                                               for mp in (None, "bf16"))):
+            tol = 2e-2 if point["mp"] else 1e-5
+            assert abs(before - want_before) <= tol * abs(want_before), (point, before)
+            assert abs(after - want) <= tol * abs(want), (point, after, want)

@@ -202,12 +202,17 @@ class Engine(Stage3Hooks, JoinReplay):
         # See [Note: parameters the user sees] in params.py.
         self.faces = Faces(
             model, self.all_buckets, sharded=self.policy.shard_optimizer,
-            swap=self.compute_dtype is not None or self.policy.shard_params,
+            # Offloaded stages 1-2 step a host master: the user parameters must be it (so
+            # an in-place edit between steps is what the next step starts from), not the
+            # device weights the next gather overwrites.
+            swap=self.compute_dtype is not None or self.policy.shard_params
+            or (self.offload and self.policy.shard_optimizer),
             mesh=self._mesh(mesh) if self.policy.shard_optimizer else None,
             placements=self._placements(),
         )
         self.faces.show(self.all_buckets, compute=False)
         self._shown_compute = False  # stages 0-2: the modules hold the compute params
+        self._note_master_versions(self.buckets)  # compute weights derived from them
         # After materialising: a meta model's parameters are new objects by now.
         self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
             id(s.param) for b in self.all_buckets for s in b.slots}
@@ -281,7 +286,7 @@ class Engine(Stage3Hooks, JoinReplay):
         if self.policy.shard_params:
             self._materialize_sharded(b, flat)
             return
-        if self.policy.shard_optimizer and not self.offload and full.dtype == b.dtype:
+        if self.policy.shard_optimizer and not self.offload and self.compute_dtype is None:
             b.master_in_full = True  # see [Note: masters inside the weights] in chunks.py
             make_chunks(b, self.group_of)
             return
@@ -380,6 +385,8 @@ class Engine(Stage3Hooks, JoinReplay):
     @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
+        if not in_backward():
+            self._refresh_edited()
         if self._joinable is not None and not in_backward():
             from torch.distributed.algorithms.join import Join
 
@@ -858,10 +865,11 @@ class Engine(Stage3Hooks, JoinReplay):
         self.comm.ledger.mark_step()
 
     @torch.no_grad()
-    def refresh_weights(self, *, phase: str) -> None:
-        """Re-derive the compute weights from the masters (after a step or a load)."""
+    def refresh_weights(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
+        """Re-derive the compute weights from the masters (after a step or a load, or
+        for ``buckets`` whose masters the user edited; see _refresh_edited)."""
         pending = []
-        for b in self.buckets:
+        for b in self.buckets if buckets is None else buckets:
             if self.policy.shard_params:
                 if self.offload and not self.offloader.params:
                     self.offloader.upload(b, b.shard16)
@@ -896,6 +904,28 @@ class Engine(Stage3Hooks, JoinReplay):
             del gathered
         for p in pending:
             p.wait()
+        self._note_master_versions(self.buckets if buckets is None else buckets)
+
+    def _note_master_versions(self, buckets: list[FlatBucket]) -> None:
+        if self.faces.swap:
+            for b in buckets:
+                b.master_version = self.faces.edits(b)
+
+    def _refresh_edited(self) -> None:
+        """Before a forward: re-derive the compute weights of buckets whose masters
+        changed since they were last derived — the user edited a parameter in place
+        (``p.mul_()``, an EMA copy-in) where the user parameters are the masters (mixed
+        precision, stage 3, offload). Under DDP the next forward sees such an edit; here
+        the compute weights are a copy of (or gathered from) the masters, so they are
+        refreshed. Edits are seen as a change of the user parameters' version counters
+        (the optimizer steps the masters' chunks, which leaves those alone). At stages
+        1-2 the refresh is an all-gather: every rank must make the same edit, as DDP's
+        replicas must."""
+        if not self.faces.swap:
+            return  # the modules' parameters are the compute weights: edits are seen
+        stale = [b for b in self.buckets if self.faces.edits(b) != b.master_version]
+        if stale:
+            self.refresh_weights(phase="forward", buckets=stale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient. ``set_to_none=True``: free the gradient buffers (the next

@@ -17,8 +17,8 @@ faces (FSDP2 has the same two: its sharded DTensor and its unsharded tensor):
   where                               user parameter                          its ``.grad``
   ==================================  ======================================  ==========================
   stage 0                             whole (the master weights)              whole
-  stages 1-2 without mixed precision  whole (the compute parameter itself)    DTensor, ``Shard(0)``
-  stages 1-2 with mixed precision     DTensor ``Shard(0)`` of the masters     DTensor, ``Shard(0)``
+  stages 1-2, fp32, no offload        whole (the compute parameter itself)    DTensor, ``Shard(0)``
+  stages 1-2, mixed prec. or offload  DTensor ``Shard(0)`` of the masters     DTensor, ``Shard(0)``
   stage 3                             DTensor ``Shard(0)`` of the masters     DTensor, ``Shard(0)``
   ==================================  ======================================  ==========================
 
@@ -26,8 +26,8 @@ faces (FSDP2 has the same two: its sharded DTensor and its unsharded tensor):
   gradient (``master_grad``), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
   scale exactly what the optimizer steps, and their norms and inf checks are global
   (DTensor reduces them over the mesh). Where nothing is sharded and no dtype differs
-  (stages 0-2 without mixed precision) the user parameter *is* the compute parameter:
-  no swap, and identities survive ``shard()`` as under DDP.
+  (stages 0-2 without mixed precision or offload) the user parameter *is* the compute
+  parameter: no swap, and identities survive ``shard()`` as under DDP.
 
 While forward and backward run, the modules hold the compute parameters instead
 (``Faces.show``): from the root's forward to the end of backward at stages 0-2 (or to
@@ -125,6 +125,12 @@ class Faces:
         for b in buckets:
             for module, attr, c, u in self._pairs[id(b)]:
                 module._parameters[attr] = c if compute else u
+
+    def edits(self, b: FlatBucket) -> int:
+        """The sum of the bucket's user parameters' version counters: it changes when
+        the user modifies one in place (DTensor ops bump the wrapper's counter, not the
+        local tensor's)."""
+        return sum(self.user[id(s.param)]._version for s in b.slots)
 
     def known(self) -> set[int]:
         return {id(u) for u in self.user.values()}
