@@ -171,3 +171,20 @@ def test_in_place_edits_reach_the_next_forward_at_every_stage() -> None:
             tol = 2e-2 if point["mp"] else 1e-5
             assert abs(before - want_before) <= tol * abs(want_before), (point, before)
             assert abs(after - want) <= tol * abs(want), (point, after, want)
+
+
+def _bf16_model(rank: int, world: int, stage: int) -> str:
+    model, optim = zeroshard.shard(_Odd().to(torch.bfloat16), torch.optim.AdamW, stage=stage,
+                                   mixed_precision="bf16", lr=1e-2)
+    x = torch.randn(4, 7, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    optim.step()
+    engine = zeroshard.engine_of(model)
+    return str({b.master.dtype for b in engine.buckets if b.master is not None})
+
+
+def test_a_bf16_model_under_bf16_mixed_precision_keeps_fp32_masters() -> None:
+    """Compute dtype = the parameters' dtype, yet mixed precision: the masters are fp32
+    (config.py's promise), not the bf16 weights (found in review: it crashed)."""
+    for stage in (1, 2):
+        assert run_ranks(_bf16_model, 2, stage, timeout=120)[0] == "{torch.float32}"

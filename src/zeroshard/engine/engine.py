@@ -970,8 +970,8 @@ class Engine(Stage3Hooks, JoinReplay):
         """
         if not self.policy.shard_optimizer:
             return b.master.detach()
-        if not self.policy.shard_params and b.master_dtype == b.full.dtype:
-            return b.full  # fp32 without mixed precision: already whole and current
+        if b.master_in_full:
+            return b.full  # the masters are the weights' own chunks: whole and current
         src = (b.master if b.master is not None else b.shard16).detach()
         return self.gather_shard(b, src, phase="state")
 

@@ -42,7 +42,7 @@ __all__ = ["model_state_dict", "load_model_state_dict", "needs_collective"]
 def needs_collective(engine: Engine) -> bool:
     """Whether whole original-dtype weights must be gathered (see the Note)."""
     return engine.policy.shard_params or (
-        engine.policy.shard_optimizer and engine.compute_dtype is not None)
+        engine.policy.shard_optimizer and engine.faces.swap)  # masters apart: gather them
 
 
 def _check_outside_forward(engine: Engine, what: str) -> None:
