@@ -29,10 +29,11 @@ chunks the optimizer steps are views of those ranges (cut at parameter boundarie
 since the shard as a whole is not contiguous in ``full``), so the step updates this
 rank's weights in place — as ZeroRedundancyOptimizer does, and as the ZeRO paper counts
 fp32 Adam (K = 8: no weights beyond the model's) — and the post-step all-gather takes
-its input from them (``FlatBucket.master_values``). This saves 4Ψ/N bytes per rank.
+its input from them (``Engine.refresh_weights``). This saves 4Ψ/N bytes per rank.
 Gradients and optimizer state keep the shard layout (``master_grad``, ``flat_state``);
-code that reads or writes the masters as one shard-layout tensor goes through
-``master_values`` / ``load_masters`` / ``master_range``.
+code that reads or writes a range of the masters goes through ``master_range`` (one
+parameter's chunk at a time: the shard as a whole is not contiguous in ``full``), and
+checkpoints through ``state/layout.py: weights_views``.
 """
 
 from __future__ import annotations

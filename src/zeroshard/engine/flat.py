@@ -209,13 +209,6 @@ class FlatBucket:
     def master_device(self) -> torch.device:
         return self.master.device if self.master is not None else self.full.device
 
-    def master_values(self) -> torch.Tensor:
-        """The masters in the shard layout: ``master`` itself, or a new copy of this
-        rank's chunks of ``full``."""
-        if self.master is not None:
-            return self.master.detach()
-        return self.shard_from_full(self.full)
-
     def master_range(self, lo: int, hi: int) -> torch.Tensor:
         """A writable view of the masters' shard-layout range ``[lo, hi)``; inside
         ``full`` the range must lie within one parameter's chunk (each is contiguous
@@ -230,13 +223,6 @@ class FlatBucket:
                              "contiguous")
         start = s.offset + self.rank * s.chunk + lo - s.shard_offset
         return self.full[start : start + hi - lo]
-
-    def load_masters(self, shard: torch.Tensor) -> None:
-        """Write shard-layout values into the masters (inverse of :meth:`master_values`)."""
-        if self.master is not None:
-            self.master.detach().copy_(shard)
-        else:
-            self.shard_to_full(shard, self.full)
 
     # -- copies between the layouts ----------------------------------------------------
     def _rank_major(self, gathered: torch.Tensor) -> list[torch.Tensor]:
