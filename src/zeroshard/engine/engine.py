@@ -33,8 +33,9 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
 * ``master_grad`` — fp32, unscaled, formed when a synchronised backward ends (a view of
   ``grad_shard`` where dtypes agree); the user parameters' ``.grad`` are views of it
   (see [Note: parameters the user sees] in params.py).
-* stages 1-2, after the step: a transient gathered buffer per bucket for the all-gather
-  of the updated weights, copied out into ``full``.
+* stages 1-2, after the step: on NCCL a transient gathered buffer per bucket for the
+  all-gather of the updated weights, copied out into ``full``; on gloo none (each rank's
+  chunk of each parameter is broadcast straight into ``full``, see refresh_weights).
 
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
