@@ -37,15 +37,9 @@ class _Odd(nn.Module):
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> dict:
-    # bf16 gradients reduced in fp32: the two paths sum in different orders, which in
-    # bf16 differs by an ulp and AdamW's first steps amplify that into a visible change.
-    extra = {"reduce_dtype": "fp32"} if mp else {}
-    model, optim = zeroshard.shard(_Odd(), torch.optim.AdamW, stage=stage, lr=1e-2,
-                                   mixed_precision=mp, bucket_bytes=256, **extra)
-    engine = zeroshard.engine_of(model)
-    for c in engine.comms():
-        c.decompose = not native
+def _steps(model: nn.Module, optim: torch.optim.Optimizer, rank: int, world: int) -> None:
+    """Three steps on this rank's share of a 12-sample batch (world 1: all of it), every
+    weight halved in place after the first."""
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(12, 7, generator=g), torch.randint(0, 3, (12,), generator=g)
@@ -58,6 +52,18 @@ def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> d
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.5)
+
+
+def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> dict:
+    # bf16 gradients reduced in fp32: the two paths sum in different orders, which in
+    # bf16 differs by an ulp and AdamW's first steps amplify that into a visible change.
+    extra = {"reduce_dtype": "fp32"} if mp else {}
+    model, optim = zeroshard.shard(_Odd(), torch.optim.AdamW, stage=stage, lr=1e-2,
+                                   mixed_precision=mp, bucket_bytes=256, **extra)
+    engine = zeroshard.engine_of(model)
+    for c in engine.comms():
+        c.decompose = not native
+    _steps(model, optim, rank, world)
     gathers = [r for r in engine.comm.ledger.last_step() if r.op == "all_gather"]
     return {"state": zeroshard.full_state_dict(model),
             "in_full": [b.master_in_full for b in engine.buckets],
@@ -107,17 +113,7 @@ def test_both_gather_paths_and_master_homes_train_alike() -> None:
 
 def _reference() -> dict[str, torch.Tensor]:
     model = _Odd()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(12, 7, generator=g), torch.randint(0, 3, (12,), generator=g)
-        F.cross_entropy(model(x), y).backward()
-        optim.step()
-        optim.zero_grad()
-        if step == 0:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(0.5)
+    _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank=0, world=1)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -144,10 +140,12 @@ def _edit_then_forward(rank: int, world: int, stage: int, offload: str | None,
         engine_mod._FORCE_HOST_COPIES = False
 
 
+_EDIT_GRID = [{"stage": s, "offload": o, "mp": mp} for s in range(4)
+              for o in ((None,) if s == 0 else (None, "optimizer")) for mp in (None, "bf16")]
+
+
 def _all_edits(rank: int, world: int) -> list:
-    grid = [{"stage": s, "offload": o, "mp": mp} for s in range(4)
-            for o in ((None,) if s == 0 else (None, "optimizer")) for mp in (None, "bf16")]
-    return sweep(functools.partial(_edit_then_forward, rank, world), grid)
+    return sweep(functools.partial(_edit_then_forward, rank, world), _EDIT_GRID)
 
 
 def test_in_place_edits_reach_the_next_forward_at_every_stage() -> None:
@@ -164,10 +162,7 @@ def test_in_place_edits_reach_the_next_forward_at_every_stage() -> None:
             p.mul_(0.5)
         want = m(x).sum().item()
     for r in run_ranks(_all_edits, 2, timeout=300):
-        for (before, after), point in zip(r, ({"stage": s, "offload": o, "mp": mp}
-                                               for s in range(4)
-                                               for o in ((None,) if s == 0 else (None, "optimizer"))
-                                               for mp in (None, "bf16"))):
+        for (before, after), point in zip(r, _EDIT_GRID, strict=True):
             tol = 2e-2 if point["mp"] else 1e-5
             assert abs(before - want_before) <= tol * abs(want_before), (point, before)
             assert abs(after - want) <= tol * abs(want), (point, after, want)

@@ -213,7 +213,7 @@ class Engine(Stage3Hooks, JoinReplay):
         )
         self.faces.show(self.all_buckets, compute=False)
         self._shown_compute = False  # stages 0-2: the modules hold the compute params
-        self._note_master_versions(self.buckets)  # compute weights derived from them
+        self._note_edits(self.buckets)  # compute weights derived from them
         # After materialising: a meta model's parameters are new objects by now.
         self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
             id(s.param) for b in self.all_buckets for s in b.slots}
@@ -905,12 +905,12 @@ class Engine(Stage3Hooks, JoinReplay):
             del gathered
         for p in pending:
             p.wait()
-        self._note_master_versions(self.buckets if buckets is None else buckets)
+        self._note_edits(self.buckets if buckets is None else buckets)
 
-    def _note_master_versions(self, buckets: list[FlatBucket]) -> None:
+    def _note_edits(self, buckets: list[FlatBucket]) -> None:
         if self.faces.swap:
             for b in buckets:
-                b.master_version = self.faces.edits(b)
+                b.edits_seen = self.faces.edits(b)
 
     def _refresh_edited(self) -> None:
         """Before a forward: re-derive the compute weights of buckets whose masters
@@ -924,7 +924,7 @@ class Engine(Stage3Hooks, JoinReplay):
         replicas must."""
         if not self.faces.swap:
             return  # the modules' parameters are the compute weights: edits are seen
-        stale = [b for b in self.buckets if self.faces.edits(b) != b.master_version]
+        stale = [b for b in self.buckets if self.faces.edits(b) != b.edits_seen]
         if stale:
             self.refresh_weights(phase="forward", buckets=stale)
 

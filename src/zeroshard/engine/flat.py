@@ -141,7 +141,7 @@ class FlatBucket:
         # [Note: masters inside the weights]); then ``master`` is None.
         self.master_in_full = False
         self.master_grad: torch.Tensor | None = None  # shard layout, see set_master_grad
-        self.master_version = -1  # Faces.edits when the compute weights were derived
+        self.edits_seen = -1  # Faces.edits when the compute weights were derived
         self.chunk_ranges: list[tuple[int, int]] = []
         self.chunk_groups: list[int] = []  # optimizer parameter group of each chunk
         self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
