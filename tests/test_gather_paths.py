@@ -73,14 +73,44 @@ def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> d
                         for b in engine.buckets for i, s in enumerate(b.slots)}}
 
 
-def _all(rank: int, world: int) -> list:
+_SIZES = [5, 0, 40_000, 3, 1, 20_000, 7]  # elements per piece (fp32: 20 B to 160 KB)
+
+
+def _gather_pieces(rank: int, world: int, pack_below: int) -> tuple[bool, int]:
+    """``Comm.all_gather_pieces`` on a buffer cut into pieces of mixed sizes, rank q's
+    piece i at a distinct place, each owner's filled with its own values (the rest NaN):
+    whether every rank ends with every piece, and the collectives the ledger counted."""
+    from zeroshard.comm import Comm
+
+    comm = Comm()
+    comm.pack_below = pack_below
+    full = torch.full((world * sum(_SIZES),), float("nan"))
+    pieces, at = [[] for _ in range(world)], 0
+    for i, n in enumerate(_SIZES):  # interleaved as in a bucket: piece i of rank 0, 1, ...
+        for q in range(world):
+            pieces[q].append(full[at : at + n])
+            at += n
+    want = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * i + 100_000 * q
+                      for i, n in enumerate(_SIZES) for q in range(world)])
+    for t, w in zip(pieces[rank], [want[p.storage_offset():][: p.numel()] for p in pieces[rank]]):
+        t.copy_(w)
+    comm.all_gather_pieces(full, pieces, unit="u").wait()
+    return torch.equal(full, want), len(comm.ledger.records)
+
+
+def _all(rank: int, world: int) -> tuple[list, list]:
     grid = [{"stage": s, "mp": mp, "native": nat}
             for s in (1, 2) for mp in (None, "bf16") for nat in (False, True)]
-    return sweep(functools.partial(_train, rank, world), grid)
+    # nothing packed, the pieces under 64 KiB packed (the default), everything packed
+    pieces = [_gather_pieces(rank, world, b) for b in (0, 64 * 2**10, 2**30)]
+    return sweep(functools.partial(_train, rank, world), grid), pieces
 
 
 def test_both_gather_paths_and_master_homes_train_alike() -> None:
     ranks = run_ranks(_all, 3, timeout=300)
+    # pieces broadcast one by one or packed (see [Note: small pieces]) land in place
+    assert all(r[1] == [(True, 1)] * 3 for r in ranks), [r[1] for r in ranks]
+    ranks = [r[0] for r in ranks]
     results = ranks[0]
     by = {}
     for i, (stage, mp) in enumerate((s, mp) for s in (1, 2) for mp in (None, "bf16")):

@@ -157,7 +157,8 @@ class Engine(Stage3Hooks, JoinReplay):
             world_, rank_ = (comm.size, comm.rank) if self.policy.shard_optimizer else (1, 0)
             itemsize = (self.compute_dtype or torch.float32).itemsize
             bucket = config.bucket_bytes or auto_bucket_bytes(
-                sum(p.numel() for _, p in trainable) * itemsize)
+                sum(p.numel() for _, p in trainable) * itemsize,
+                keep_full_grads=self.policy.keep_full_grads)
             self.all_buckets = cut_buckets(list(reversed(trainable)), bucket, world_, rank_)
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
