@@ -86,7 +86,7 @@ def _gather_pieces(rank: int, world: int, pack_below: int) -> tuple[bool, int]:
     comm.pack_below = pack_below
     full = torch.full((world * sum(_SIZES),), float("nan"))
     pieces, at = [[] for _ in range(world)], 0
-    for i, n in enumerate(_SIZES):  # interleaved as in a bucket: piece i of rank 0, 1, ...
+    for n in _SIZES:  # interleaved as in a bucket: each piece of rank 0, 1, ...
         for q in range(world):
             pieces[q].append(full[at : at + n])
             at += n
