@@ -4,7 +4,8 @@ One group of ranks is spawned per world size; every configuration runs inside it
 zeroshard.testing.sweep). Bound, per parameter: 1e-5 in ||delta|| / ||reference||, or 3x
 the larger of two measured yardsticks where that is larger: what torch DDP reaches on the
 same batches (per model), and what single-process torch reaches when it merely sums the same batch in
-two halves (same maths, other rounding; see train_reference). Both are measured here and
+as many parts as the run does, ranks x micro-batches, at least two (same maths, other rounding;
+see train_reference). Both are measured here and
 printed. The yardsticks matter for parameters whose true gradient is zero, such as the
 key bias (softmax ignores a constant added to every key): their gradient is pure
 rounding noise, which Adam turns into whole-lr steps of either sign.
@@ -61,7 +62,10 @@ def test_stages_match_unsharded_training(world: int) -> None:
         ref_key = {k: v for k, v in point.items() if k in ("preset", "opt", "clip", "freeze")}
         ref_key.setdefault("preset", "gpt2-tiny")
         ref = _reference(tuple(sorted(ref_key.items())))
-        yard = rel_diffs(_reference(tuple(sorted({**ref_key, "split": 2}.items()))), ref)
+        # The same batch summed in as many parts as this run sums it (ranks x micro-batches):
+        # the same re-association, so the rounding this run may show.
+        split = max(2, world * point.get("accum", 1))
+        yard = rel_diffs(_reference(tuple(sorted({**ref_key, "split": split}.items()))), ref)
         for name, dev in rel_diffs(got, ref).items():
             bound = max(1e-5, 3 * yard[name], 3 * ddp[ref_key["preset"]].get(name, 0.0))
             worst_ratio = max(worst_ratio, dev / bound)

@@ -211,6 +211,7 @@ class Engine(Stage3Hooks, JoinReplay):
             or (self.offload and self.policy.shard_optimizer),
             mesh=self._mesh(mesh) if self.policy.shard_optimizer else None,
             placements=self._placements(),
+            tie_aliases=True,  # see [Note: tied parameters] in params.py
         )
         self.faces.show(self.all_buckets, compute=False)
         self._shown_compute = False  # stages 0-2: the modules hold the compute params
@@ -221,10 +222,11 @@ class Engine(Stage3Hooks, JoinReplay):
         self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
         for b in self.buckets:
             for i, s in enumerate(b.slots):
-                self._slot_of[id(s.param)] = (b, i)
+                for leaf in self.faces.leaves(s.param):
+                    self._slot_of[id(leaf)] = (b, i)
         self._handles = [
-            s.param.register_post_accumulate_grad_hook(self._on_grad)
-            for b in self.buckets for s in b.slots
+            leaf.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)
         ]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._post_forward))
@@ -407,11 +409,12 @@ class Engine(Stage3Hooks, JoinReplay):
             self._unshard(root, "forward")
             root.wait()
             self._prefetch(self._order, 0)
-        elif self.faces.swap and not self._shown_compute:
-            self.faces.show(self.all_buckets, compute=True)
-            self._shown_compute = True
-        elif not in_backward():
-            self.faces.unpublish(self.buckets)
+        else:
+            if not in_backward():
+                self.faces.unpublish(self.buckets)
+            if self.faces.swaps and not self._shown_compute:
+                self.faces.show(self.all_buckets, compute=True)
+                self._shown_compute = True
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -480,8 +483,11 @@ class Engine(Stage3Hooks, JoinReplay):
         # readiness; a part arriving after the bucket's reduction has started is reduced
         # again at the end of backward (stage 3) or refused (stages 0-2: it would land
         # in a buffer being reduced).
-        first = not b.arrived[i]
-        b.arrived[i] = True
+        leaves = b.arrived[i]  # ids of the slot's leaves heard from in this backward
+        first = id(p) not in leaves
+        others = bool(leaves - {id(p)})  # another leaf's part is in already (tied)
+        leaves.add(id(p))
+        completes = first and len(leaves) == len(self.faces.leaves(b.slots[i].param))
         if self.sync and b.launched and not self.units:
             raise RuntimeError(
                 f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
@@ -497,11 +503,29 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._new_grad(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
-                view.copy_(p.grad)
-                p.grad = view  # later backwards accumulate into the buffer in place
+                own = b.slots[i].param
+                # Add where the view already holds parts of this gradient: another
+                # leaf's from this backward, an earlier part of this leaf's (reentrant),
+                # or for an alias the sum the parameter's .grad keeps (accumulation).
+                kept = p is not own and own.grad is not None and self._same_memory(own.grad, view)
+                if others or not first or kept:
+                    view.add_(p.grad)
+                else:
+                    view.copy_(p.grad)
+                # The parameter's .grad is the view: later backwards accumulate into the
+                # buffer in place. An alias keeps none (see [Note: tied parameters]).
+                p.grad = view if p is own else None
             b.valid[i] = True
         elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
             self.prefetch_backward()
+            if self.sync and not b.launched and self.faces.aliases.get(id(b.slots[i].param)):
+                # A tied parameter's parts go into the bucket as they come, or the first
+                # would wait on its leaf for the last (see [Note: tied parameters]).
+                if b.grad is None:
+                    self._new_grad(b)
+                b.put_grad(b.grad, i, p.grad, add=b.valid[i])
+                b.valid[i] = True
+                p.grad = None
         elif self.policy.keep_full_grads or self.sync:
             if self.policy.keep_full_grads:
                 self._stash(b)
@@ -512,7 +536,7 @@ class Engine(Stage3Hooks, JoinReplay):
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
-        if not self.sync or not first or b.launched:
+        if not self.sync or not completes or b.launched:
             return
         b.ready += 1
         if b.ready == len(b.slots) and (self.config.overlap or self.units):
@@ -545,8 +569,9 @@ class Engine(Stage3Hooks, JoinReplay):
         last gradient has arrived, as FSDP2 does: early in a unit's backward, where its
         activations are all still alive, the unit holds only the gradients produced so far,
         not a whole unit's worth (the cost: both for a moment at the end, once the unit's
-        activations are gone)."""
-        self._new_grad(b)
+        activations are gone). A tied parameter's parts may be in the buffer already."""
+        if b.grad is None:
+            self._new_grad(b)
         self._take_param_grads(b)
 
     def _take_param_grads(self, b: FlatBucket) -> None:
@@ -554,10 +579,13 @@ class Engine(Stage3Hooks, JoinReplay):
         slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
         unused in a synchronised backward that still holds gradients from no_sync()."""
         for i, s in enumerate(b.slots):
-            if not b.valid[i] and s.param.grad is not None:
-                b.put_grad(b.grad, i, s.param.grad, add=False)
-                b.valid[i] = True
-                s.param.grad = None
+            for leaf in self.faces.leaves(s.param):
+                # The parameter's own .grad is the buffer's view where valid (stage 0);
+                # an alias's is always its own (see [Note: tied parameters]).
+                if leaf.grad is not None and (leaf is not s.param or not b.valid[i]):
+                    b.put_grad(b.grad, i, leaf.grad, add=b.valid[i])
+                    b.valid[i] = True
+                    leaf.grad = None
 
     def _new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
         """Allocate the bucket's whole gradient buffer (compute dtype, gathered layout),
@@ -687,7 +715,7 @@ class Engine(Stage3Hooks, JoinReplay):
             for b in self.buckets:
                 b.ready = 0
                 b.launched = False
-                b.arrived = [False] * len(b.slots)
+                b.arrived = [set() for _ in b.slots]
             return
         for b in self.buckets:
             if not b.launched:
@@ -699,11 +727,12 @@ class Engine(Stage3Hooks, JoinReplay):
                     self._take_param_grads(b)
                 self._launch(b)
             b.ready = 0
-            b.arrived = [False] * len(b.slots)
+            b.arrived = [set() for _ in b.slots]
         while self._pending:
             self._complete(self._pending.popleft())
         if self.units:  # parts of gradients that arrived after their unit's reduction
-            late = [b for b in self.buckets if any(s.param.grad is not None for s in b.slots)]
+            late = [b for b in self.buckets if any(
+                leaf.grad is not None for s in b.slots for leaf in self.faces.leaves(s.param))]
             for b in late:
                 self._fold(b)
                 self._launch(b)  # its reduced slice adds to the first one's

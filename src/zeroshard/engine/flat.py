@@ -153,14 +153,16 @@ class FlatBucket:
         self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
-        self.arrived: list[bool] = []  # per slot: its gradient (or a first part) arrived
+        # Per slot: the autograd leaves (ids) whose gradient, or a first part of it,
+        # arrived in this backward (several for a tied parameter: see params.py).
+        self.arrived: list[set[int]] = []
         self.launched = False  # its reduction was started this backward
         self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
         # Per slot: does ``grad`` hold this parameter's current gradient? Stale slots are
         # overwritten by the next gradient (a copy, not an add into zeros) or zeroed before
         # a reduction, so buffers never need a memset between steps.
         self.valid = [False] * len(self.slots)
-        self.arrived = [False] * len(self.slots)
+        self.arrived = [set() for _ in self.slots]
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
 
     # -- layout ------------------------------------------------------------------------
