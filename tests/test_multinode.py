@@ -42,7 +42,8 @@ def test_two_torchrun_agents_hybrid_stage3(tmp_path: Path) -> None:
     nodes = {r["layout"]["GROUP_RANK"] for r in results}
     assert nodes == {"0", "1"} and all(r["layout"]["LOCAL_WORLD_SIZE"] == "2" for r in results)
     ref = train_reference()
-    yard = rel_diffs(train_reference(split=2), ref)
+    # the batch summed in as many parts as the 4 ranks sum it (see tests/test_parity.py)
+    yard = rel_diffs(train_reference(split=4), ref)
     for r in results:
         for name, dev in rel_diffs(r["state"], ref).items():
             assert dev <= max(1e-5, 3 * yard[name]), (name, dev)

@@ -224,6 +224,9 @@ class Engine(Stage3Hooks, JoinReplay):
             for i, s in enumerate(b.slots):
                 for leaf in self.faces.leaves(s.param):
                     self._slot_of[id(leaf)] = (b, i)
+        self._tied_slots = [(b, i) for b in self.buckets for i, s in enumerate(b.slots)
+                            if len(self.faces.leaves(s.param)) > 1]
+        self._tied_earlier: dict[int, torch.Tensor] = {}  # see _set_aside_tied_grads
         self._handles = [
             leaf.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)
@@ -415,6 +418,8 @@ class Engine(Stage3Hooks, JoinReplay):
             if self.faces.swaps and not self._shown_compute:
                 self.faces.show(self.all_buckets, compute=True)
                 self._shown_compute = True
+        if self._tied_slots and not in_backward():
+            self._set_aside_tied_grads()
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -485,9 +490,9 @@ class Engine(Stage3Hooks, JoinReplay):
         # in a buffer being reduced).
         leaves = b.arrived[i]  # ids of the slot's leaves heard from in this backward
         first = id(p) not in leaves
-        others = bool(leaves - {id(p)})  # another leaf's part is in already (tied)
+        was_complete = len(leaves) == len(tied := self.faces.leaves(b.slots[i].param))
         leaves.add(id(p))
-        completes = first and len(leaves) == len(self.faces.leaves(b.slots[i].param))
+        completes = first and len(leaves) == len(tied)
         if self.sync and b.launched and not self.units:
             raise RuntimeError(
                 f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
@@ -498,34 +503,26 @@ class Engine(Stage3Hooks, JoinReplay):
                 "use_reentrant=False (HF: gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False})), or shard "
                 "with overlap=False (buckets are then reduced once backward is done)")
+        if len(tied) > 1:  # see [Note: tied parameters] in params.py
+            if was_complete:  # a late part (reentrant): onto the parameter's own .grad
+                p = self._move_part(p, tied[0])
+            else:
+                held = self._merge_parts(tied, p)
+                if len(leaves) < len(tied):  # other uses still to deliver
+                    if self.units:
+                        self.prefetch_backward()
+                    return
+                p = self._settle(tied[0], held)
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             if b.grad is None:
                 self._new_grad(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
-                own = b.slots[i].param
-                # Add where the view already holds parts of this gradient: another
-                # leaf's from this backward, an earlier part of this leaf's (reentrant),
-                # or for an alias the sum the parameter's .grad keeps (accumulation).
-                kept = p is not own and own.grad is not None and self._same_memory(own.grad, view)
-                if others or not first or kept:
-                    view.add_(p.grad)
-                else:
-                    view.copy_(p.grad)
-                # The parameter's .grad is the view: later backwards accumulate into the
-                # buffer in place. An alias keeps none (see [Note: tied parameters]).
-                p.grad = view if p is own else None
+                view.copy_(p.grad)
+                p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
         elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
             self.prefetch_backward()
-            if self.sync and not b.launched and self.faces.aliases.get(id(b.slots[i].param)):
-                # A tied parameter's parts go into the bucket as they come, or the first
-                # would wait on its leaf for the last (see [Note: tied parameters]).
-                if b.grad is None:
-                    self._new_grad(b)
-                b.put_grad(b.grad, i, p.grad, add=b.valid[i])
-                b.valid[i] = True
-                p.grad = None
         elif self.policy.keep_full_grads or self.sync:
             if self.policy.keep_full_grads:
                 self._stash(b)
@@ -552,6 +549,67 @@ class Engine(Stage3Hooks, JoinReplay):
                     and all(c.launched for c in u.trainable)):
                 self._reshard(u)  # see [Note: unit lifecycle]
 
+    # -- tied parameters (see [Note: tied parameters] in params.py) ------------------------
+    @staticmethod
+    def _merge_parts(tied: list[nn.Parameter], p: nn.Parameter) -> nn.Parameter:
+        """Add ``p``'s gradient part into the part another leaf of the same parameter
+        holds from this backward, in place (autograd gave that tensor to ``.grad``: it is
+        ours alone), and return the leaf holding the sum: one part alive, not two. Parts
+        add up in arrival order, as in autograd's input buffer."""
+        held = next((t for t in tied if t is not p and t.grad is not None), None)
+        if held is None:
+            return p
+        held.grad.add_(p.grad)
+        p.grad = None
+        return held
+
+    def _settle(self, own: nn.Parameter, held: nn.Parameter) -> nn.Parameter:
+        """Every use has delivered: the parameter's ``.grad`` becomes what earlier
+        backwards left plus this backward's sum, added in autograd's order (earlier +
+        (part + part), as ``AccumulateGrad`` adds the summed input), so accumulation
+        rounds exactly as under DDP."""
+        total, held.grad = held.grad, None
+        earlier = self._tied_earlier.pop(id(own), None)
+        if earlier is not None:
+            total = earlier.add_(total)
+        own.grad = total
+        return own
+
+    @staticmethod
+    def _move_part(p: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
+        """A part arriving after every use delivered (reentrant checkpointing): onto the
+        parameter's own ``.grad``, where autograd would have accumulated it."""
+        if p is not own:
+            if own.grad is None:
+                own.grad = p.grad
+            else:
+                own.grad.add_(p.grad)
+            p.grad = None
+        return own
+
+    def _set_aside_tied_grads(self) -> None:
+        """Before a forward: take what earlier backwards left on tied parameters off their
+        ``.grad``, so this backward's parts are summed apart first (see _settle)."""
+        for b, i in self._tied_slots:
+            own = b.slots[i].param
+            if own.grad is not None:
+                self._tied_earlier[id(own)] = own.grad
+                own.grad = None
+
+    def _settle_unfinished_tied(self) -> None:
+        """End of backward: a tied parameter some use of which delivered nothing (its
+        module did not run) still gets this backward's parts, or its earlier gradient
+        back."""
+        for b, i in self._tied_slots:
+            tied = self.faces.leaves(b.slots[i].param)
+            if len(b.arrived[i]) == len(tied):
+                continue
+            held = next((t for t in tied if t.grad is not None), None)
+            if held is not None:
+                self._settle(tied[0], held)
+            elif id(tied[0]) in self._tied_earlier:
+                tied[0].grad = self._tied_earlier.pop(id(tied[0]))
+
     def _post_backward(self, u: Unit) -> None:
         """Stage 3: every node that read the unit's weights has run (see _PostBackward):
         free the weights, then reduce the buckets whose gradients have all arrived, so the
@@ -569,9 +627,8 @@ class Engine(Stage3Hooks, JoinReplay):
         last gradient has arrived, as FSDP2 does: early in a unit's backward, where its
         activations are all still alive, the unit holds only the gradients produced so far,
         not a whole unit's worth (the cost: both for a moment at the end, once the unit's
-        activations are gone). A tied parameter's parts may be in the buffer already."""
-        if b.grad is None:
-            self._new_grad(b)
+        activations are gone)."""
+        self._new_grad(b)
         self._take_param_grads(b)
 
     def _take_param_grads(self, b: FlatBucket) -> None:
@@ -580,12 +637,15 @@ class Engine(Stage3Hooks, JoinReplay):
         unused in a synchronised backward that still holds gradients from no_sync()."""
         for i, s in enumerate(b.slots):
             for leaf in self.faces.leaves(s.param):
-                # The parameter's own .grad is the buffer's view where valid (stage 0);
-                # an alias's is always its own (see [Note: tied parameters]).
-                if leaf.grad is not None and (leaf is not s.param or not b.valid[i]):
-                    b.put_grad(b.grad, i, leaf.grad, add=b.valid[i])
-                    b.valid[i] = True
-                    leaf.grad = None
+                # Stage 0's .grad may be the buffer's own view: already in.
+                g = leaf.grad
+                if g is None or (b.valid[i] and self._same_memory(g, b.slot_view(b.grad, i))):
+                    continue
+                if self.policy.keep_full_grads:
+                    self._stash(b)
+                b.put_grad(b.grad, i, g, add=b.valid[i])
+                b.valid[i] = True
+                leaf.grad = None
 
     def _new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
         """Allocate the bucket's whole gradient buffer (compute dtype, gathered layout),
@@ -704,6 +764,7 @@ class Engine(Stage3Hooks, JoinReplay):
             outer.register_hook(lambda *_: torch.autograd.Variable._execution_engine
                                 .queue_callback(self._finish_backward))
             return
+        self._settle_unfinished_tied()
         self._backward_queued = False
         self._bwd_cursor = 0
         self._prefetch_due = False
@@ -986,6 +1047,7 @@ class Engine(Stage3Hooks, JoinReplay):
             b.used.zero_()
             b.valid = [False] * len(b.slots)
             self.faces.clear_grads(b)
+        self._tied_earlier.clear()
         self._grads_prepared = False
 
     def skip_step(self) -> None:

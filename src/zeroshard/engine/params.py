@@ -43,15 +43,17 @@ tensor, so at the last use three parameter-sized tensors exist at once (measured
 gpt2-124m 3 x 147 MiB, the peak of DDP, FSDP2 and every stage). So each home after the
 first holds its own compute parameter during forward and backward, an *alias*: another
 autograd leaf over the same memory (``alias.data`` is the compute parameter's, set again
-whenever the modules are shown the compute parameters). Each leaf's part arrives at its own gradient hook and goes into the
-bucket at once (the first copied, the others added: the same sum), so the held part
-lives in the gradient buffer the stage keeps anyway and the last use costs one part, not
-two plus a sum. The slot counts as complete once every leaf has delivered (a home that
-ran no forward leaves its bucket to the end of backward, as an unused parameter does).
-Outside forward and backward every home holds the user parameter again, so identities
-and ``model.parameters()`` are as before. At stage 3, where gradients otherwise wait on
-their parameters for the unit's fold (engine._fold), a tied parameter's parts go into
-the unit's buffer as they arrive.
+whenever the modules are shown the compute parameters). Each leaf's part arrives at its
+own gradient hook (engine._on_grad): later parts are added into the one held from this
+backward, in place, in arrival order (autograd's own order), so one part lives through
+backward, as under torch, and the last use costs one more part, not two plus a sum.
+When every leaf has delivered, the sum is added to what earlier backwards left
+(accumulation: set aside before the forward, engine._set_aside_tied_grads), which is
+``AccumulateGrad``'s order, earlier + (part + part), so sums round exactly as under
+DDP; from there the parameter's gradient takes the untied path of its stage. A home
+whose module did not run leaves its slot to the end of backward, as an unused parameter
+does. Outside forward and backward every home holds the user parameter again, so
+identities and ``model.parameters()`` are as before.
 """
 
 from __future__ import annotations
