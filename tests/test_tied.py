@@ -6,9 +6,9 @@ and forms the sum as a third table-sized tensor; zeroshard gives each home its o
 autograd leaf over the same memory and adds the later part into the held one in place.
 Checked here, at world 2 and every stage: the peak holds two table-sized parts beside
 the gradient buffers, not three (on a model whose table dominates, measured by the category
-tracker against DDP measured the same way); gradients equal one process's when a home
-is skipped, under accumulation with and without ``no_sync`` and under reentrant
-checkpointing; outside forward the homes hold one parameter, as before ``shard()``.
+tracker against DDP measured the same way); training equals one process's when a home
+is skipped, under accumulation with and without ``no_sync``, under reentrant
+checkpointing, with clipping after a ``no_grad`` evaluation; outside forward the homes hold one parameter, as before ``shard()``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def _train(rank: int, world: int, stage: int | None, use_no_sync: bool = True) -
                     (loss / len(micros)).backward()
             else:
                 (loss / len(micros)).backward()
+        with torch.no_grad():  # an evaluation between backward and step changes nothing
+            model(x)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the table's gradient too
         optim.step()
         optim.zero_grad()
         homes.append(model.head.weight is model.emb.weight)
@@ -134,9 +137,9 @@ def test_the_tied_table_costs_one_part_at_the_peak_not_three() -> None:
     # DDP (plain torch autograd): the head's part held, the embedding's part, their sum.
     assert ddp["peak"]["other"] >= 3 * TABLE, ddp
     for stage, r in enumerate(stages):
-        # The head's part, held on its leaf, and the embedding's, about to be added into
-        # it in place: no third tensor for the sum.
-        assert 2 * TABLE <= r["peak"]["other"] < 2.5 * TABLE, (stage, r)
+        # The embedding's part, about to be added in place into the head's (held on its
+        # leaf, filed as a gradient): no third tensor for the sum.
+        assert TABLE <= r["peak"]["other"] < 1.5 * TABLE, (stage, r)
         assert r["total"] <= ddp["total"] - TABLE, (stage, r, ddp)
 
 

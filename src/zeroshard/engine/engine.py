@@ -53,6 +53,7 @@ the fix (tests/test_backward_edges.py).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -226,11 +227,16 @@ class Engine(Stage3Hooks, JoinReplay):
                     self._slot_of[id(leaf)] = (b, i)
         self._tied_slots = [(b, i) for b in self.buckets for i, s in enumerate(b.slots)
                             if len(self.faces.leaves(s.param)) > 1]
-        self._tied_earlier: dict[int, torch.Tensor] = {}  # see _set_aside_tied_grads
+        self._tied_earlier: dict[int, torch.Tensor] = {}  # see _before_own_part
         self._handles = [
             leaf.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)
         ]
+        if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
+            self._handles += [s.param.register_hook(self._drop_published)
+                              for b in self.buckets for s in b.slots]
+        self._handles += [b.slots[i].param.register_hook(functools.partial(
+            self._before_own_part, b, i)) for b, i in self._tied_slots]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._post_forward))
         for u in self.units:
@@ -412,14 +418,9 @@ class Engine(Stage3Hooks, JoinReplay):
             self._unshard(root, "forward")
             root.wait()
             self._prefetch(self._order, 0)
-        else:
-            if not in_backward():
-                self.faces.unpublish(self.buckets)
-            if self.faces.swaps and not self._shown_compute:
-                self.faces.show(self.all_buckets, compute=True)
-                self._shown_compute = True
-        if self._tied_slots and not in_backward():
-            self._set_aside_tied_grads()
+        elif self.faces.swaps and not self._shown_compute:
+            self.faces.show(self.all_buckets, compute=True)
+            self._shown_compute = True
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -472,6 +473,17 @@ class Engine(Stage3Hooks, JoinReplay):
                 )
 
     # -- backward ---------------------------------------------------------------------------
+    def _drop_published(self, grad: torch.Tensor) -> None:
+        """Stages 1-2 without mixed precision or offload: the user parameters are the
+        compute ones, and their ``.grad`` are DTensor views of the reduced slices. Drop
+        them as the next backward reaches its first parameter, before autograd would add
+        into one (the sums live in the engine's buffers and are published again at the
+        end). Not at the forward: one under ``torch.no_grad()`` (an evaluation between
+        backward and step) or with no backward after it must leave the gradients that
+        ``clip_grad_norm_`` and the step read, as under DDP."""
+        if self.faces.published:
+            self.faces.unpublish(self.buckets)
+
     def _queue_finish(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
@@ -507,12 +519,12 @@ class Engine(Stage3Hooks, JoinReplay):
             if was_complete:  # a late part (reentrant): onto the parameter's own .grad
                 p = self._move_part(p, tied[0])
             else:
-                held = self._merge_parts(tied, p)
+                held = self._merge_parts(tied, p, leaves)
                 if len(leaves) < len(tied):  # other uses still to deliver
                     if self.units:
                         self.prefetch_backward()
                     return
-                p = self._settle(tied[0], held)
+                p = self._settle(tied[0], held, leaves)
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             if b.grad is None:
                 self._new_grad(b)
@@ -551,29 +563,48 @@ class Engine(Stage3Hooks, JoinReplay):
 
     # -- tied parameters (see [Note: tied parameters] in params.py) ------------------------
     @staticmethod
-    def _merge_parts(tied: list[nn.Parameter], p: nn.Parameter) -> nn.Parameter:
+    def _merge_parts(tied: list[nn.Parameter], p: nn.Parameter, leaves: set[int]
+                     ) -> nn.Parameter:
         """Add ``p``'s gradient part into the part another leaf of the same parameter
-        holds from this backward, in place (autograd gave that tensor to ``.grad``: it is
-        ours alone), and return the leaf holding the sum: one part alive, not two. Parts
-        add up in arrival order, as in autograd's input buffer."""
-        held = next((t for t in tied if t is not p and t.grad is not None), None)
+        holds from this backward (``leaves``: those heard from), in place (autograd gave
+        that tensor to ``.grad``: it is ours alone), and return the leaf holding the sum:
+        one part alive, not two. Parts add up in arrival order, as in autograd's input
+        buffer."""
+        held = next((t for t in tied if t is not p and id(t) in leaves
+                     and t.grad is not None), None)
         if held is None:
             return p
         held.grad.add_(p.grad)
         p.grad = None
         return held
 
-    def _settle(self, own: nn.Parameter, held: nn.Parameter) -> nn.Parameter:
-        """Every use has delivered: the parameter's ``.grad`` becomes what earlier
-        backwards left plus this backward's sum, added in autograd's order (earlier +
-        (part + part), as ``AccumulateGrad`` adds the summed input), so accumulation
-        rounds exactly as under DDP."""
+    def _settle(self, own: nn.Parameter, held: nn.Parameter, leaves: set[int]
+                ) -> nn.Parameter:
+        """This backward's parts are summed on ``held``: the parameter's ``.grad``
+        becomes what earlier backwards left plus that sum, added in autograd's order
+        (earlier + (part + part), as ``AccumulateGrad`` adds the summed input), so
+        accumulation rounds exactly as under DDP. What earlier backwards left is still
+        on ``own.grad`` if its own use did not deliver, else set aside (_before_own_part)."""
         total, held.grad = held.grad, None
-        earlier = self._tied_earlier.pop(id(own), None)
+        if id(own) in leaves:
+            earlier = self._tied_earlier.pop(id(own), None)
+        else:
+            earlier = own.grad
         if earlier is not None:
             total = earlier.add_(total)
         own.grad = total
         return own
+
+    def _before_own_part(self, b: FlatBucket, i: int, grad: torch.Tensor) -> None:
+        """Before autograd accumulates the parameter's own use's part: set aside what
+        earlier backwards left on its ``.grad``, so this backward's parts are summed
+        apart first (see _settle). Not for a late part, which accumulates as usual."""
+        own = b.slots[i].param
+        leaves = b.arrived[i]
+        if (own.grad is not None and id(own) not in leaves
+                and len(leaves) < len(self.faces.leaves(own))):
+            self._tied_earlier[id(own)] = own.grad
+            own.grad = None
 
     @staticmethod
     def _move_part(p: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
@@ -587,28 +618,17 @@ class Engine(Stage3Hooks, JoinReplay):
             p.grad = None
         return own
 
-    def _set_aside_tied_grads(self) -> None:
-        """Before a forward: take what earlier backwards left on tied parameters off their
-        ``.grad``, so this backward's parts are summed apart first (see _settle)."""
-        for b, i in self._tied_slots:
-            own = b.slots[i].param
-            if own.grad is not None:
-                self._tied_earlier[id(own)] = own.grad
-                own.grad = None
-
     def _settle_unfinished_tied(self) -> None:
         """End of backward: a tied parameter some use of which delivered nothing (its
         module did not run) still gets this backward's parts, or its earlier gradient
         back."""
         for b, i in self._tied_slots:
-            tied = self.faces.leaves(b.slots[i].param)
-            if len(b.arrived[i]) == len(tied):
+            tied, leaves = self.faces.leaves(b.slots[i].param), b.arrived[i]
+            if len(leaves) == len(tied):
                 continue
-            held = next((t for t in tied if t.grad is not None), None)
+            held = next((t for t in tied if id(t) in leaves and t.grad is not None), None)
             if held is not None:
-                self._settle(tied[0], held)
-            elif id(tied[0]) in self._tied_earlier:
-                tied[0].grad = self._tied_earlier.pop(id(tied[0]))
+                self._settle(tied[0], held, leaves)
 
     def _post_backward(self, u: Unit) -> None:
         """Stage 3: every node that read the unit's weights has run (see _PostBackward):
@@ -1099,6 +1119,9 @@ class Engine(Stage3Hooks, JoinReplay):
             if self.units:  # stage 3: gradients autograd left on a unit until its _fold
                 grads += [s.param.grad for b in self.buckets for s in b.slots
                           if s.param.grad is not None]
+            # A tied parameter's parts held until its other uses deliver (params.py).
+            grads += [t.grad for b, i in self._tied_slots
+                      for t in self.faces.leaves(b.slots[i].param) if t.grad is not None]
             # Stage 3's all-gathers in flight (gathered layout, before the copy-out).
             comm = [b.gathering for b in self.all_buckets if b.gathering is not None]
             # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.

@@ -119,6 +119,9 @@ class Faces:
                     if n > 1 and s.param.requires_grad:
                         self.aliases[id(s.param)] = [_alias(s.param) for _ in range(n - 1)]
         self._alias_homes: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
+        # id(alias) -> the user parameter it stands for (a module holds an alias between
+        # a forward with gradients and the end of its backward).
+        self.alias_of: dict[int, nn.Parameter] = {}
         self.mesh = mesh
         self.placements = placements
         self.user: dict[int, nn.Parameter] = {}  # id(compute parameter) -> user parameter
@@ -154,6 +157,7 @@ class Faces:
                                     requires_grad=s.param.requires_grad)
             self.user[id(s.param)] = user
             leaves = self.leaves(s.param)
+            self.alias_of.update((id(a), user) for a in leaves[1:])
             for k, (module, attr) in enumerate(_homes(model, s.names)):
                 pair = (module, attr, leaves[k] if len(leaves) > 1 else s.param, user)
                 pairs.append(pair)
@@ -209,10 +213,11 @@ class Faces:
             # else: stage 0 without mixed precision, .grad is already the reduced view
 
     def unpublish(self, buckets) -> None:
-        """Before a forward where the compute parameters are the user ones (stages 1-2
-        without mixed precision): drop their DTensor ``.grad``, or autograd would add
-        the next backward's gradient into it. The sum lives in the engine's buffers and
-        is published again when that backward ends."""
+        """Where the compute parameters are the user ones (stages 1-2 without mixed
+        precision or offload), as a backward reaches its first parameter: drop their
+        DTensor ``.grad``, or autograd would add into it (see engine._drop_published).
+        The sum lives in the engine's buffers and is published again when that backward
+        ends."""
         if self.sharded and not self.swap and self.published:
             for b in buckets:
                 for s in b.slots:

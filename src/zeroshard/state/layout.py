@@ -139,6 +139,7 @@ def param_entries(engine: Engine) -> list[ParamEntry]:
     names: dict[int, list[str]] = {}
     params: list[nn.Parameter] = []
     for n, p in engine.model.named_parameters(remove_duplicate=False):
+        p = engine.faces.alias_of.get(id(p), p)  # a tied parameter's alias: the parameter
         if id(p) not in names:
             names[id(p)] = []
             params.append(p)
