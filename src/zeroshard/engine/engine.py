@@ -530,7 +530,13 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._new_grad(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
-                view.copy_(p.grad)
+                # Under mixed precision or offload the compute .grad is ours and detached
+                # at every reduction: a fresh one after an earlier backward since zero_grad
+                # adds to it, as DDP's accumulation does (while the user's .grad shows the
+                # sum). Otherwise a fresh .grad means the user set it to None: replace.
+                user = self.faces.user[id(b.slots[i].param)]
+                keep = b.valid[i] and self.faces.swap and user.grad is not None
+                view.add_(p.grad) if keep else view.copy_(p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
         elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
