@@ -62,3 +62,49 @@ def test_two_backwards_sum_under_mixed_precision() -> None:
         for k, v in ref.items():
             dev = ((g[k] - v).norm() / v.norm()).item()
             assert dev < 2e-2, (point, k, dev)
+
+
+class _Branchy(nn.Module):
+    """``c`` runs only where asked: here on rank 1 in the first backward, then nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + (self.c(x) if use_c else 0)
+
+
+def _branchy(rank: int, world: int, stage: int | None, mp: str | None) -> dict:
+    model = _Branchy()
+    if stage is not None:
+        model, _ = zeroshard.shard(model, torch.optim.SGD, stage=stage, lr=0.1,
+                                   mixed_precision=mp)
+    g = torch.Generator().manual_seed(0)
+    for k in range(2):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        ranks = range(2) if stage is None else [rank]  # one process: both halves, averaged
+        loss = sum(F.cross_entropy(model(x[r * 2:r * 2 + 2], k == 0 and r == 1).float(),
+                                   y[r * 2:r * 2 + 2]) for r in ranks) / len(ranks)
+        loss.backward()
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+            for n, p in model.named_parameters()}
+
+
+BRANCHY = [{"stage": s, "mp": mp} for s in (0, 1, 2) for mp in (None, "bf16")]
+
+
+def _all_branchy(rank: int, world: int) -> list:
+    return sweep(functools.partial(_branchy, rank, world), BRANCHY)
+
+
+def test_a_parameter_one_rank_used_in_the_first_backward_only_keeps_its_average() -> None:
+    """Stage 0 marked only the slots this rank had a gradient for as holding one, so
+    after the reduction rank 0 zeroed (or overwrote) the average of ``c`` it held."""
+    got = run_ranks(_all_branchy, 2, timeout=300)[0]
+    ref = _branchy(0, 1, None, None)
+    for point, g in zip(BRANCHY, got):
+        for k, v in ref.items():
+            dev = ((g[k] - v).norm() / v.norm()).item()
+            assert dev < (2e-2 if point["mp"] else 1e-6), (point, k, dev)

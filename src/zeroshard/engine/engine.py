@@ -74,7 +74,7 @@ from .policy import StagePolicy
 from .precision import LossScaler
 from .replay import JoinReplay
 from .stage3 import Stage3Hooks, in_backward
-from .units import Unit, UnitSpec, build_units, iter_buckets
+from .units import Unit, UnitSpec, UnitState, build_units, iter_buckets
 
 ParamInit = Callable[[nn.Module, list[str]], None]
 
@@ -233,8 +233,9 @@ class Engine(Stage3Hooks, JoinReplay):
             for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)
         ]
         if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            self._handles += [s.param.register_hook(self._drop_published)
-                              for b in self.buckets for s in b.slots]
+            self._handles += [leaf.register_hook(self._drop_published)
+                              for b in self.buckets for s in b.slots
+                              for leaf in self.faces.leaves(s.param)]
         self._handles += [b.slots[i].param.register_hook(functools.partial(
             self._before_own_part, b, i)) for b, i in self._tied_slots]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -441,6 +442,8 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._reshard(self.units[-1])
         elif self._shown_compute and not torch.is_grad_enabled():
             self._show_user()  # no backward follows
+        if torch.is_grad_enabled() and not in_backward():
+            self._between_forward_and_backward(output)
         if self.scaler.enabled and torch.is_grad_enabled():
             # Scaling the gradient that enters the model equals scaling the loss (backward
             # is linear) and keeps the plain ``loss.backward()`` API. If the model returns a
@@ -452,6 +455,37 @@ class Engine(Stage3Hooks, JoinReplay):
             for t in scalars or leaves:
                 t.register_hook(self._scale_grad)
         return output
+
+    def _between_forward_and_backward(self, output: Any) -> None:
+        """[Note: between forward and backward]
+        A forward with gradients may have no backward after it (a validation loss computed
+        without ``torch.no_grad()``). Until a backward starts, the modules must hold the
+        user parameters, as they do between steps: torch APIs on ``model.parameters()``
+        (``clip_grad_norm_``, an optimizer, ``p.grad``) read those, and under DDP that
+        forward changes nothing. The autograd graph already holds the compute
+        parameters, so the backward needs them in the modules only to recompute
+        (activation checkpointing): the first gradient reaching an output shows them again
+        (_backward_begins). Gathered stage-3 units stay gathered for that backward; a
+        step frees them (after_step), so no forward uses weights gathered before it."""
+        if self.units:
+            for u in self.units:
+                if u.state is not UnitState.SHARDED:
+                    self.faces.show(u.buckets, compute=False)
+        else:
+            self._show_user()
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        """See [Note: between forward and backward]."""
+        if self.units:
+            for u in self.units:
+                if u.state is not UnitState.SHARDED:
+                    self.faces.show(u.buckets, compute=True)
+        elif self.faces.swaps and not self._shown_compute:
+            self.faces.show(self.all_buckets, compute=True)
+            self._shown_compute = True
 
     def _scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scaler.scale
@@ -530,13 +564,7 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._new_grad(b)
             view = b.slot_view(b.grad, i)
             if not self._same_memory(p.grad, view):  # fresh: we (or the user) set None
-                # Under mixed precision or offload the compute .grad is ours and detached
-                # at every reduction: a fresh one after an earlier backward since zero_grad
-                # adds to it, as DDP's accumulation does (while the user's .grad shows the
-                # sum). Otherwise a fresh .grad means the user set it to None: replace.
-                user = self.faces.user[id(b.slots[i].param)]
-                keep = b.valid[i] and self.faces.swap and user.grad is not None
-                view.add_(p.grad) if keep else view.copy_(p.grad)
+                self._stage0_put(b, i, view, p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
         elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
@@ -636,6 +664,21 @@ class Engine(Stage3Hooks, JoinReplay):
             if held is not None:
                 self._settle(tied[0], held, leaves)
 
+    def _stage0_put(self, b: FlatBucket, i: int, view: torch.Tensor, grad: torch.Tensor
+                    ) -> None:
+        """Stage 0: a fresh gradient into the parameter's view of the buffer. Without
+        mixed precision a fresh ``.grad`` means it was None (zero_grad, or the user):
+        it replaces. Under mixed precision the compute ``.grad`` is ours and detached at
+        every reduction, and the user's ``.grad`` (fp32, unscaled) is the sum so far,
+        which DDP would accumulate into: start from it (edits included), then add."""
+        user = self.faces.user[id(b.slots[i].param)]
+        if not self.faces.swap or user.grad is None:
+            view.copy_(grad)
+            return
+        base = user.grad.detach()
+        view.copy_(base * self.scaler.scale if self.scaler.enabled else base)
+        view.add_(grad)
+
     def _post_backward(self, u: Unit) -> None:
         """Stage 3: every node that read the unit's weights has run (see _PostBackward):
         free the weights, then reduce the buckets whose gradients have all arrived, so the
@@ -667,9 +710,12 @@ class Engine(Stage3Hooks, JoinReplay):
                 g = leaf.grad
                 if g is None or (b.valid[i] and self._same_memory(g, b.slot_view(b.grad, i))):
                     continue
-                if self.policy.keep_full_grads:
-                    self._stash(b)
-                b.put_grad(b.grad, i, g, add=b.valid[i])
+                if not self.policy.shard_optimizer:
+                    self._stage0_put(b, i, b.slot_view(b.grad, i), g)
+                else:
+                    if self.policy.keep_full_grads:
+                        self._stash(b)
+                    b.put_grad(b.grad, i, g, add=b.valid[i])
                 b.valid[i] = True
                 leaf.grad = None
 
@@ -726,6 +772,9 @@ class Engine(Stage3Hooks, JoinReplay):
         if self.policy.reduce_op == "all_reduce":
             if buf is not b.grad:  # reduced in another dtype: keep the reduced values
                 b.grad.copy_(buf)
+            # Every slot now holds the average on every rank, also where this rank had
+            # no gradient: a later backward before the step adds to it (accumulation).
+            b.valid = [True] * len(b.slots)
             return
         if self.replicate is not None:  # hybrid: sum the slice over the replicas too
             self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
@@ -976,6 +1025,8 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
+        for u in self.units:  # gathered by a forward no backward followed: now stale
+            self._reshard(u)  # (see [Note: between forward and backward])
         self.refresh_weights(phase="step")
         if self._joinable is not None and not self._replaying:
             self._last_iter = self.comm.ledger.records[self._iter_start :]
