@@ -212,7 +212,6 @@ class Engine(Stage3Hooks, JoinReplay):
             or (self.offload and self.policy.shard_optimizer),
             mesh=self._mesh(mesh) if self.policy.shard_optimizer else None,
             placements=self._placements(),
-            tie_aliases=True,  # see [Note: tied parameters] in params.py
         )
         self.faces.show(self.all_buckets, compute=False)
         self._shown_compute = False  # stages 0-2: the modules hold the compute params
@@ -419,9 +418,8 @@ class Engine(Stage3Hooks, JoinReplay):
             self._unshard(root, "forward")
             root.wait()
             self._prefetch(self._order, 0)
-        elif self.faces.swaps and not self._shown_compute:
-            self.faces.show(self.all_buckets, compute=True)
-            self._shown_compute = True
+        else:
+            self._show_compute()
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
@@ -467,10 +465,10 @@ class Engine(Stage3Hooks, JoinReplay):
         (activation checkpointing): the first gradient reaching an output shows them again
         (_backward_begins). Gathered stage-3 units stay gathered for that backward; a
         step frees them (after_step), so no forward uses weights gathered before it."""
+        if not (self.units or self.faces.swaps):
+            return  # the modules hold the user parameters throughout
         if self.units:
-            for u in self.units:
-                if u.state is not UnitState.SHARDED:
-                    self.faces.show(u.buckets, compute=False)
+            self._show_gathered(compute=False)
         else:
             self._show_user()
         for t in tree_flatten(output)[0]:
@@ -480,10 +478,19 @@ class Engine(Stage3Hooks, JoinReplay):
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """See [Note: between forward and backward]."""
         if self.units:
-            for u in self.units:
-                if u.state is not UnitState.SHARDED:
-                    self.faces.show(u.buckets, compute=True)
-        elif self.faces.swaps and not self._shown_compute:
+            self._show_gathered(compute=True)
+        else:
+            self._show_compute()
+
+    def _show_gathered(self, compute: bool) -> None:
+        """Stage 3: which face the modules of the gathered units hold."""
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self.faces.show(u.buckets, compute=compute)
+
+    def _show_compute(self) -> None:
+        """Stages 0-2: the modules hold the compute parameters (forward and backward)."""
+        if self.faces.swaps and not self._shown_compute:
             self.faces.show(self.all_buckets, compute=True)
             self._shown_compute = True
 

@@ -48,7 +48,7 @@ own gradient hook (engine._on_grad): later parts are added into the one held fro
 backward, in place, in arrival order (autograd's own order), so one part lives through
 backward, as under torch, and the last use costs one more part, not two plus a sum.
 When every leaf has delivered, the sum is added to what earlier backwards left
-(accumulation: set aside before the forward, engine._set_aside_tied_grads), which is
+(accumulation: set aside before the own use accumulates, engine._before_own_part), which is
 ``AccumulateGrad``'s order, earlier + (part + part), so sums round exactly as under
 DDP; from there the parameter's gradient takes the untied path of its stage. A home
 whose module did not run leaves its slot to the end of backward, as an unused parameter
@@ -104,7 +104,7 @@ class Faces:
     """The user parameters of one engine and where the modules hold them."""
 
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], *, sharded: bool,
-                 swap: bool, mesh, placements: tuple, tie_aliases: bool = False) -> None:
+                 swap: bool, mesh, placements: tuple) -> None:
         self.sharded = sharded  # user-visible weights/gradients are DTensor shards
         self.swap = swap  # user parameters differ from the compute ones
         # id(compute parameter) -> one alias per home after the first (see
@@ -112,12 +112,11 @@ class Faces:
         # A module shared by several parents is one home under several names: its
         # uses sum inside one leaf, as under torch.
         self.aliases: dict[int, list[nn.Parameter]] = {}
-        if tie_aliases:
-            for b in buckets:
-                for s in b.slots:
-                    n = len(_homes(model, s.names))
-                    if n > 1 and s.param.requires_grad:
-                        self.aliases[id(s.param)] = [_alias(s.param) for _ in range(n - 1)]
+        for b in buckets:
+            for s in b.slots:
+                n = len(_homes(model, s.names))
+                if n > 1 and s.param.requires_grad:
+                    self.aliases[id(s.param)] = [_alias(s.param) for _ in range(n - 1)]
         self._alias_homes: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
         # id(alias) -> the user parameter it stands for (a module holds an alias between
         # a forward with gradients and the end of its backward).
