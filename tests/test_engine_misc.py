@@ -99,10 +99,21 @@ def _stage2_grad_peak(rank: int, world: int) -> dict:
 
 def test_stage2_never_holds_all_gradients_in_backward() -> None:
     """Whole-bucket gradients alive at once ≤ _MAX_PENDING (2) in flight + 1 filling
-    (the engine's count), and the tracker's peak agrees: nothing else grows."""
+    (the engine's count; fewer when reductions finish early), and the tracker's peak
+    agrees: nothing else grows."""
     for r in run_ranks(_stage2_grad_peak, 2, timeout=120):
         assert r["n_buckets"] > 6, r
-        assert 2 * r["largest_bucket"] <= r["buffers"] <= 3 * r["largest_bucket"], r
+        assert r["largest_bucket"] <= r["buffers"] <= 3 * r["largest_bucket"], r
         assert r["buffers"] < r["whole"] / 2, r
         # at the end of backward: the reduced slices, nothing of the whole buckets
         assert r["grads_after"] == r["grad_shards"], r
+
+
+def test_stage2_frees_a_finished_reduction_at_the_next_gradient() -> None:
+    """A bucket whose reduction has finished is completed (its whole buffer freed) when
+    the next gradient arrives, not when the in-flight limit or the end of backward next
+    waits for it. On one rank every reduction finishes at once, so one whole bucket is
+    alive at a time (before: 3, the in-flight limit's 2 + the one filling)."""
+    r = run_ranks(_stage2_grad_peak, 1, timeout=120)[0]
+    assert r["n_buckets"] > 6, r
+    assert r["buffers"] <= r["largest_bucket"], r

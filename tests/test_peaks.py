@@ -10,8 +10,8 @@ elements, S = P/N this rank's slice, c = 4 bytes, n_opt = optimizer parameters):
                 gathered at once, itself ≤ (prefetch + 1) units + the root)
       optim   = 8·P + 4·n_opt (stage 0), 8·S + 4·n_opt (stages 1-3: the moments; the fp32
                 masters are the weights: their chunks of the whole at 1-2, the slice at 3)
-      grads   ≤ c·P (stages 0-1: the whole buffer), c·S + 3 buckets (stage 2: two
-                reductions in flight + one filling), c·S + 3 units + the root (stage 3:
+      grads   ≤ c·P (stages 0-1: the whole buffer), c·S + 3 buckets (stage 2: at most
+                two reductions in flight, fewer where they finish early, + one filling), c·S + 3 units + the root (stage 3:
                 one reduction in flight, and while a unit's gradients move from its
                 parameters into its bucket, both)
       comm    ≤ prefetch units being gathered (stage 3), else 0
@@ -113,8 +113,8 @@ def test_peak_bytes_per_stage_follow_the_layout() -> None:
         bound = params + (r["gathered"] if stage == 3 else 0) + optim + grads + comm + r[
             "act_max"] + other
         assert pk["params"] + optim <= r["total"] <= bound, (stage, r["total"], bound)
-        if stage == 2:  # whole-bucket gradients: at least 2 in flight, never more than 3
-            assert 2 * r["bucket"] <= r["grad_buffers"] <= 3 * r["bucket"], r
+        if stage == 2:  # whole-bucket gradients: one filling; at most 2 in flight beside it
+            assert r["bucket"] <= r["grad_buffers"] <= 3 * r["bucket"], r
     t = [r["total"] for r in _results()]
     assert t[0] > t[1] >= t[2] > t[3], t
 

@@ -608,6 +608,13 @@ class Pending:
         self._timeout = timeout
         self._check = check
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective, and its descriptor
+        check if any, have completed on this rank)."""
+        if self._check is not None and not self._check.ready():
+            return False
+        return not self._work or all(w.is_completed() for w in self._work)
+
     def wait(self) -> torch.Tensor:
         if self._check is not None:
             self._check.verify()

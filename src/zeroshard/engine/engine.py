@@ -17,8 +17,10 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   add in place. Stage 1: each gradient is copied (or added) into its chunks and the
   parameter's ``.grad`` dropped. Stages 0-1 keep it until ``zero_grad(set_to_none=True)``
   (torch's default) frees it, so it never lives through a forward as DDP's buckets do.
-  Stages 2-3: freed as soon as its reduction completes, so at most ``_MAX_PENDING`` + 1
-  whole buckets (stage 3: ``_MAX_PENDING_UNITS`` + 1 units) exist at once.
+  Stages 2-3: freed once its reduction has completed, at the latest before the next
+  whole buffer is allocated (``_complete_done``), so at most ``_MAX_PENDING`` + 1 whole
+  buckets (stage 3: ``_MAX_PENDING_UNITS`` + 1 units) exist at once, fewer where the
+  reductions keep up with backward.
 * ``grad_shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
   the step: the first reduction's result itself, and reductions of later backwards
   (accumulation without ``no_sync``) add up in it. ``zero_grad(set_to_none=True)`` frees
@@ -729,6 +731,7 @@ class Engine(Stage3Hooks, JoinReplay):
     def _new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
         """Allocate the bucket's whole gradient buffer (compute dtype, gathered layout),
         counting the most alive at once (``peak_grad_buffer_bytes``)."""
+        self._complete_done()
         self._drop_grad(b)
         make = torch.zeros if zeros else torch.empty
         b.grad = make(b.padded_numel, dtype=self.compute_dtype or b.dtype, device=b.device)
@@ -770,6 +773,21 @@ class Engine(Stage3Hooks, JoinReplay):
         self._pending.append(b)
         limit = _MAX_PENDING_UNITS if self.units else _MAX_PENDING
         if not self.policy.keep_full_grads and len(self._pending) > limit:
+            self._complete(self._pending.popleft())
+
+    def _complete_done(self) -> None:
+        """Stages 2-3, before a new whole buffer is allocated: complete the reductions
+        that have finished, oldest first, so their whole buffers are freed first rather
+        than when the in-flight limit or the end of backward next waits for them (on
+        gpt2-small a finished bucket's buffer beside the next one was most of stage 2's
+        peak above its floor). Only here: completing keeps the reduced slice (a copy, 1/N
+        of the bucket, where it views the whole buffer), and that transient must not land
+        on a gradient's arrival, which can be backward's largest moment (a tied table's
+        second part). Not with hybrid sharding: there completing issues a collective (the
+        replicas' all-reduce), which must not depend on when each rank polls."""
+        if self.policy.keep_full_grads or self.replicate is not None:
+            return
+        while self._pending and self._pending[0].pending[0].done():
             self._complete(self._pending.popleft())
 
     def _complete(self, b: FlatBucket) -> None:
