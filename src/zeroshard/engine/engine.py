@@ -94,6 +94,12 @@ _MAX_PENDING = 2
 _MAX_PENDING_UNITS = 1
 
 
+def _accumulate_node(leaf: torch.Tensor):
+    """The AccumulateGrad node of a leaf (created if it has none yet)."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
 def _named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
     """Unique parameters in registration order, each with every name it is known by."""
     names: dict[int, list[str]] = {}
@@ -233,12 +239,19 @@ class Engine(Stage3Hooks, JoinReplay):
             leaf.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)
         ]
+        # Hooks that prepare a leaf's .grad for accumulation sit on its AccumulateGrad
+        # node, not on the tensor: they must not run in torch.autograd.grad(..., params),
+        # which reads the gradients without accumulating (a tensor hook runs there too,
+        # and dropping the published gradients then left clip_grad_norm_ a norm of 0).
+        # A leaf holds its node weakly: keep them alive, or the hooks go with them.
+        self._acc_nodes = {id(leaf): _accumulate_node(leaf) for b in self.buckets
+                           for s in b.slots for leaf in self.faces.leaves(s.param)}
         if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            self._handles += [leaf.register_hook(self._drop_published)
-                              for b in self.buckets for s in b.slots
-                              for leaf in self.faces.leaves(s.param)]
-        self._handles += [b.slots[i].param.register_hook(functools.partial(
-            self._before_own_part, b, i)) for b, i in self._tied_slots]
+            self._handles += [self._acc_nodes[id(leaf)].register_prehook(
+                lambda grads: self._drop_published(grads[0]))
+                for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)]
+        self._handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
+            functools.partial(self._before_own_part, b, i)) for b, i in self._tied_slots]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._post_forward))
         for u in self.units:
@@ -638,7 +651,7 @@ class Engine(Stage3Hooks, JoinReplay):
         own.grad = total
         return own
 
-    def _before_own_part(self, b: FlatBucket, i: int, grad: torch.Tensor) -> None:
+    def _before_own_part(self, b: FlatBucket, i: int, grads: tuple) -> None:
         """Before autograd accumulates the parameter's own use's part: set aside what
         earlier backwards left on its ``.grad``, so this backward's parts are summed
         apart first (see _settle). Not for a late part, which accumulates as usual."""
