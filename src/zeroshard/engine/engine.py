@@ -227,6 +227,9 @@ class Engine(Stage3Hooks, JoinReplay):
         # After materialising: a meta model's parameters are new objects by now.
         self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
             id(s.param) for b in self.all_buckets for s in b.slots}
+        # requires_grad as sharded, per parameter the user holds (see _check_params).
+        self._grad_flags = {id(u): u.requires_grad for u in self.faces.user.values()}
+        self._grad_flags.update((id(p), False) for p in self.frozen)
         self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
         for b in self.buckets:
             for i, s in enumerate(b.slots):
@@ -415,6 +418,7 @@ class Engine(Stage3Hooks, JoinReplay):
         self._check_params()
         if not in_backward():
             self._refresh_edited()
+            self._backward_ended = False
         if self._joinable is not None and not in_backward():
             from torch.distributed.algorithms.join import Join
 
@@ -492,6 +496,15 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """See [Note: between forward and backward]."""
+        if self.units and getattr(self, "_backward_ended", False):
+            # The units were freed at the end of the last backward, and the graph's saved
+            # tensors view their (now empty) storage: refuse before autograd reads them.
+            raise RuntimeError(
+                "stage 3 runs one backward per forward: this backward goes through a graph "
+                "that an earlier backward already went through (retain_graph=True), or "
+                "through a second forward's graph after the first one's backward. Sum the "
+                "losses and call backward once ((loss_a + loss_b).backward()), run a "
+                "forward before each backward, or use stage 2")
         if self.units:
             self._show_gathered(compute=True)
         else:
@@ -527,6 +540,26 @@ class Engine(Stage3Hooks, JoinReplay):
                     "buffers no longer back it. Change the model before sharding it, or "
                     "build a new model and shard that"
                 )
+            was = self._grad_flags.get(id(p))
+            if was is None or p.requires_grad == was:
+                continue
+            # Freezing is honoured where the modules compute with the parameters you
+            # hold (fp32 stages 0-2: autograd skips them, the step restores them as
+            # unused). Elsewhere the model computes with other tensors, whose flag is
+            # the engine's; and a parameter frozen at shard() time has no optimizer
+            # state or bucket slot at all: either would train (or not) silently.
+            if was and not self.faces.swap:
+                continue
+            raise RuntimeError(
+                f"parameter {name!r} had requires_grad={was} when the model was sharded "
+                f"and has requires_grad={p.requires_grad} now: "
+                + ("a parameter frozen at shard() time has no optimizer state and is never "
+                   "stepped" if not was else "at this stage (or under mixed precision or "
+                   "offload) the model computes with zeroshard's own tensors, so the flag "
+                   "would not reach the backward")
+                + ". Set requires_grad before zeroshard.shard() (for a schedule that "
+                "unfreezes layers later, shard them trainable and keep their gradient out "
+                "with lr=0 in their own parameter group)")
 
     # -- backward ---------------------------------------------------------------------------
     def _drop_published(self, grad: torch.Tensor) -> None:
@@ -879,6 +912,7 @@ class Engine(Stage3Hooks, JoinReplay):
             return
         self._settle_unfinished_tied()
         self._backward_queued = False
+        self._backward_ended = True  # see _backward_begins
         self._bwd_cursor = 0
         self._prefetch_due = False
         for u in self.units:
@@ -952,6 +986,64 @@ class Engine(Stage3Hooks, JoinReplay):
         for b in self.buckets:
             self.faces.publish_grads(b)
 
+    def adopt_user_grads(self) -> None:
+        """Before the step (and zeroshard's own clipping): take in ``.grad`` the user
+        assigned since the gradients were published.
+
+        [Note: assigned gradients]
+        The optimizer steps the engine's ``master_grad``, and each parameter's ``.grad``
+        is a view of its part, so in-place edits (``p.grad.mul_``, torch's clipping) reach
+        the step. Torch also lets a script *assign* ``.grad``: ``p.grad = None`` makes
+        torch's optimizers skip the parameter, ``p.grad = p.grad * 0.5`` steps the new
+        tensor. Both once went unseen (the step used the reduced gradient: silently
+        wrong, at every stage). Now a new tensor's values (a DTensor like the published
+        one, or the whole gradient, of which this rank takes its rows) are copied into
+        ``master_grad`` and ``.grad`` views it again; ``None`` marks the parameter unused on
+        this rank, so where every rank cleared it the step leaves it and its optimizer
+        state as they were (as for a parameter no rank used; AdamW's ``step`` count still
+        advances: one per bucket)."""
+        if not self.faces.published:
+            return
+        for b in self.buckets:
+            for i, s in enumerate(b.slots):
+                user = self.faces.user[id(s.param)]
+                g = user.grad
+                target = (b.local(b.master_grad, i) if self.faces.sharded
+                          else b.slot_view(b.master_grad, i))
+                if g is None:  # torch's optimizers skip it: so does the step (unused)
+                    b.used[i] = 0.0
+                    target.zero_()
+                    continue
+                local = self._local_grad(b, i, g)
+                if self._same_memory(local, target):
+                    continue
+                target.copy_(local)
+                self.faces.publish_slot(b, i)
+
+    def _local_grad(self, b: FlatBucket, i: int, g: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a gradient the user assigned to slot ``i``'s parameter."""
+        from torch.distributed.tensor import DTensor
+
+        s = b.slots[i]
+        name = s.names[0]
+        if tuple(g.shape) != tuple(s.shape):
+            raise ValueError(
+                f"the .grad assigned to parameter {name!r} has shape {tuple(g.shape)}, the "
+                f"parameter {tuple(s.shape)}: assign a gradient shaped like the parameter")
+        if isinstance(g, DTensor):
+            if tuple(g.placements) != tuple(self.faces.placements) or g.device_mesh != \
+                    self.faces.mesh:
+                raise ValueError(
+                    f"the .grad assigned to parameter {name!r} is a DTensor placed as "
+                    f"{g.placements} on another mesh or layout than the parameter's "
+                    f"{self.faces.placements}: build it from the parameter's own .grad "
+                    "(e.g. p.grad * 0.5), or assign a whole (non-DTensor) tensor")
+            return g.to_local()
+        if not self.faces.sharded:
+            return g
+        lo, hi = s.piece(b.rank)
+        return g.detach().reshape(-1)[lo:hi].view(s.local_shape(b.rank))
+
     def prepare_grads(self) -> bool:
         """Give every master its fp32, unscaled gradient; return True if any overflowed.
 
@@ -1013,6 +1105,7 @@ class Engine(Stage3Hooks, JoinReplay):
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The global gradient norm, equal to clip_grad_norm_'s on the unsharded model."""
         self.prepare_grads()
+        self.adopt_user_grads()
         grads = [b.master_grad for b in self.buckets]
         device = grads[0].device
         sharded = self.policy.shard_optimizer

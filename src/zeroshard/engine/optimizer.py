@@ -89,6 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             engine.skip_step()
             return None
         engine.scaler.update(overflow=False)
+        engine.adopt_user_grads()  # .grad assigned by the user (see engine.py)
         self._sync_hyperparameters()
         unused = engine.unused_slots()
         saved = [self._save_range(b, lo, hi) for b, lo, hi in unused]

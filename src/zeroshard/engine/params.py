@@ -211,6 +211,15 @@ class Faces:
                 user.grad = b.slot_view(g, i)  # (or a parameter only other ranks used)
             # else: stage 0 without mixed precision, .grad is already the reduced view
 
+    def publish_slot(self, b: FlatBucket, i: int) -> None:
+        """Point one user parameter's ``.grad`` at its part of ``b.master_grad`` again."""
+        s = b.slots[i]
+        user = self.user[id(s.param)]
+        if self.sharded:
+            user.grad = dtensor(b.local(b.master_grad, i), self.specs[id(s.param)])
+        else:
+            user.grad = b.slot_view(b.master_grad, i)
+
     def unpublish(self, buckets) -> None:
         """Where the compute parameters are the user ones (stages 1-2 without mixed
         precision or offload), as a backward reaches its first parameter: drop their

@@ -78,11 +78,17 @@ class Stage3Hooks:
     _post_backward: Callable[[Unit], None]
 
     def _unshard(self, u: Unit, phase: str) -> None:
-        if u.state is UnitState.SHARDED:
-            u.unshard(self.comm, phase, async_op=self.config.overlap)
+        if u.state is not UnitState.SHARDED:
+            # Gathered already (the root from forward to backward), but after a forward
+            # with gradients its modules hold the user parameters ([Note: between forward
+            # and backward] in engine.py): a second forward before the backward computes
+            # with the gathered ones again.
             self.faces.show(u.buckets, compute=True)
-            self.unsharded_bytes += u.unsharded_bytes
-            self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
+            return
+        u.unshard(self.comm, phase, async_op=self.config.overlap)
+        self.faces.show(u.buckets, compute=True)
+        self.unsharded_bytes += u.unsharded_bytes
+        self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
 
     def _reshard(self, u: Unit) -> None:
         if u.state is not UnitState.SHARDED:
