@@ -174,6 +174,7 @@ class Engine(Stage3Hooks, JoinReplay):
         self._pending: deque[FlatBucket] = deque()
         self._used_flags: torch.Tensor | None = None  # see gather_used_flags
         self._backward_queued = False
+        self._backward_ended = False  # a backward ended since the last forward
         self._grads_prepared = False
         self._overflow = False
         # Stage 3 schedule (see [Note: prefetch] in units.py) and its accounting.
@@ -250,9 +251,9 @@ class Engine(Stage3Hooks, JoinReplay):
         self._acc_nodes = {id(leaf): _accumulate_node(leaf) for b in self.buckets
                            for s in b.slots for leaf in self.faces.leaves(s.param)}
         if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            self._handles += [self._acc_nodes[id(leaf)].register_prehook(
-                lambda grads: self._drop_published(grads[0]))
-                for b in self.buckets for s in b.slots for leaf in self.faces.leaves(s.param)]
+            self._handles += [self._acc_nodes[id(leaf)].register_prehook(self._drop_published)
+                              for b in self.buckets for s in b.slots
+                              for leaf in self.faces.leaves(s.param)]
         self._handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
             functools.partial(self._before_own_part, b, i)) for b, i in self._tied_slots]
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -496,7 +497,7 @@ class Engine(Stage3Hooks, JoinReplay):
 
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """See [Note: between forward and backward]."""
-        if self.units and getattr(self, "_backward_ended", False):
+        if self.units and self._backward_ended:
             # The units were freed at the end of the last backward, and the graph's saved
             # tensors view their (now empty) storage: refuse before autograd reads them.
             raise RuntimeError(
@@ -562,7 +563,7 @@ class Engine(Stage3Hooks, JoinReplay):
                 "with lr=0 in their own parameter group)")
 
     # -- backward ---------------------------------------------------------------------------
-    def _drop_published(self, grad: torch.Tensor) -> None:
+    def _drop_published(self, grads: tuple) -> None:
         """Stages 1-2 without mixed precision or offload: the user parameters are the
         compute ones, and their ``.grad`` are DTensor views of the reduced slices. Drop
         them as the next backward reaches its first parameter, before autograd would add
@@ -1001,7 +1002,7 @@ class Engine(Stage3Hooks, JoinReplay):
         ``master_grad`` and ``.grad`` views it again; ``None`` marks the parameter unused on
         this rank, so where every rank cleared it the step leaves it and its optimizer
         state as they were (as for a parameter no rank used; AdamW's ``step`` count still
-        advances: one per bucket)."""
+        advances: it is one per chunk, see chunks.py)."""
         if not self.faces.published:
             return
         for b in self.buckets:
@@ -1038,7 +1039,7 @@ class Engine(Stage3Hooks, JoinReplay):
                     f"{g.placements} on another mesh or layout than the parameter's "
                     f"{self.faces.placements}: build it from the parameter's own .grad "
                     "(e.g. p.grad * 0.5), or assign a whole (non-DTensor) tensor")
-            return g.to_local()
+            return g._local_tensor  # not to_local(): an autograd op, per slot and step
         if not self.faces.sharded:
             return g
         lo, hi = s.piece(b.rank)

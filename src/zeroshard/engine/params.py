@@ -201,15 +201,13 @@ class Faces:
     # -- gradients ----------------------------------------------------------------------
     def publish_grads(self, b: FlatBucket) -> None:
         """Point each user parameter's ``.grad`` at its part of ``b.master_grad``."""
-        g = b.master_grad
         self.published = True
         for i, s in enumerate(b.slots):
             user = self.user[id(s.param)]
-            if self.sharded:
-                user.grad = dtensor(b.local(g, i), self.specs[id(s.param)])
-            elif user is not s.param or user.grad is None:  # stage 0, mixed precision
-                user.grad = b.slot_view(g, i)  # (or a parameter only other ranks used)
-            # else: stage 0 without mixed precision, .grad is already the reduced view
+            # Stage 0 without mixed precision: .grad is already the reduced view (unless
+            # only other ranks used the parameter).
+            if self.sharded or user is not s.param or user.grad is None:
+                self.publish_slot(b, i)
 
     def publish_slot(self, b: FlatBucket, i: int) -> None:
         """Point one user parameter's ``.grad`` at its part of ``b.master_grad`` again."""
