@@ -11,8 +11,9 @@ returns a 0-dim ``loss``, and only that is scaled. This module adds what is HF-s
 * :func:`decoder_layers` — the decoder-layer list, from known attribute paths;
 * :func:`apply_checkpointing` — the activation-checkpoint policies on HF models, with an
   op-level ``selective`` policy (see [Note: selective checkpointing of HF attention]);
-* :func:`save_pretrained` — a consolidated checkpoint that
-  ``AutoModelForCausalLM.from_pretrained(dir)`` loads;
+* :func:`save_pretrained` — an export that ``AutoModelForCausalLM.from_pretrained(dir)``
+  loads, for peft models the adapter ``PeftModel.from_pretrained`` loads or the merged
+  model (zeroshard/hf_export.py, [Note: exports check themselves]);
 * :func:`load_config`, :func:`model_config_from_hf` — an HF config as the planner's shape
   (``zeroshard plan --hf-config``); :func:`bench_model` — ``zeroshard bench --hf-config``.
 
@@ -40,7 +41,6 @@ and log-sum-exp); with ``attn_implementation="eager"`` it drops the a*s^2 terms.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -48,16 +48,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .checkpointing import CheckpointPolicy, Selective, parse_policy
 from .checkpointing import apply_checkpointing as _core_apply_checkpointing
 from .checkpointing import remove_checkpointing as _core_remove_checkpointing
+from .hf_export import ExportError, save_pretrained
 
 __all__ = [
     "BENCH_CONFIG_ENV",
     "CausalLMLogits",
+    "ExportError",
     "apply_checkpointing",
     "bench_model",
     "decoder_layers",
@@ -269,104 +270,6 @@ def apply_checkpointing(
     return _core_apply_checkpointing(model, pol, blocks=layers,
                                      offload_activations=offload_activations,
                                      pin_memory=pin_memory)
-
-
-# -- export -----------------------------------------------------------------------------
-def _original_class(model: nn.Module) -> type:
-    """The user's class, skipping the subclasses zeroshard creates (``ZeroShard<Cls>``)."""
-    for cls in type(model).__mro__:
-        if not cls.__module__.startswith("zeroshard"):
-            return cls
-    return type(model)
-
-
-def _tie_targets(model: nn.Module) -> set[str]:
-    """Names HF re-ties on load (``_tied_weights_keys``: a list before transformers 5, a
-    ``{target: source}`` dict since)."""
-    keys = getattr(model, "_tied_weights_keys", None) or ()
-    return set(keys.keys() if isinstance(keys, Mapping) else keys)
-
-
-def _aliases(model: nn.Module) -> set[str]:
-    """Every name but one of each tied parameter: what HF leaves out of its checkpoint."""
-    engine = getattr(model, "_zeroshard_engine", None)
-    alias_of = engine.faces.alias_of if engine is not None else {}
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        # a tied parameter's alias (held between a forward and its backward) is the parameter
-        groups.setdefault(id(alias_of.get(id(p), p)), []).append(name)
-    targets = _tie_targets(model)
-    drop: set[str] = set()
-    for names in groups.values():
-        if len(names) > 1:
-            keep = next((n for n in names if n not in targets), names[0])
-            drop.update(n for n in names if n != keep)
-    return drop
-
-
-def save_pretrained(
-    model: nn.Module,
-    save_directory: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained`` loads.
-
-    Collective: every rank calls it (the weights come from
-    :func:`zeroshard.full_state_dict`, the fp32 master values); rank 0 of
-    ``process_group`` writes, and every rank returns once the files exist. Tied
-    parameters are stored once, under the name HF keeps (``transformer.wte.weight``, not
-    ``lm_head.weight``); ``from_pretrained`` ties them again. ``dtype`` casts the
-    floating tensors (default: fp32) and is recorded in the config. Works on an unsharded
-    model too (then nothing is collective but the final barrier, if a group exists).
-    """
-    from . import full_state_dict
-
-    sharded = getattr(model, "_zeroshard_engine", None) is not None
-    if sharded:
-        state = full_state_dict(model)
-    else:
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(process_group) if distributed else 0
-    if rank == 0:
-        _write(model, state, Path(save_directory), dtype)
-    if distributed:
-        dist.barrier(group=process_group)
-
-
-def _write(model: nn.Module, state: dict[str, torch.Tensor], out: Path,
-           dtype: torch.dtype | None) -> None:
-    from safetensors.torch import save_file
-
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        raise TypeError(
-            f"{type(model).__name__} has no Hugging Face config (model.config with "
-            "save_pretrained); save_pretrained exports transformers models only. For other "
-            "models save zeroshard.full_state_dict(model) with torch.save"
-        )
-    drop = _aliases(model)
-    tensors = {}
-    for k, v in state.items():
-        if k in drop:
-            continue
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        tensors[k] = v.contiguous()
-    saved = dtype or next((v.dtype for v in tensors.values() if v.is_floating_point()),
-                          torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    config = copy.deepcopy(config)
-    config.architectures = [_original_class(model).__name__]
-    # transformers >= 4.56 names it dtype, before that torch_dtype.
-    setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", saved)
-    config.save_pretrained(str(out))
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(str(out))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 # -- configs: planner and bench ---------------------------------------------------------
