@@ -228,3 +228,62 @@ def test_one_rank_alone_is_an_error_on_every_rank_or_correct() -> None:
                 fix = "evaluation included, on every rank" if what == "eval" else (
                     "on every rank and save on one")
                 assert fix in msg, (where, msg)
+
+
+# -- a stage-3 state dict on one rank, the others elsewhere (issue #31, item 2) -------------
+TIMEOUT = 60.0
+
+
+def _state_dict_alone(rank: int, world: int, others: str) -> dict:
+    """Rank 0 takes a stage-3 state dict alone; the other ranks exit, wait in a barrier
+    of their own, or run a forward."""
+    import torch.distributed as dist
+
+    from zeroshard.comm import CollectiveError
+
+    model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
+                                   lr=1e-2, timeout=TIMEOUT)
+    x, y = next(loader("gpt2-tiny", rank, world))
+    loss_of(model, x, y).backward()
+    optim.step()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            model.state_dict()
+            return {"error": None}
+        if others == "exit":
+            return {"error": None, "exited": True}
+        if others == "barrier":
+            dist.barrier()
+        else:
+            loss_of(model, x, y).backward()
+    except (CollectiveMismatch, CollectiveTimeout, CollectiveError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("others,world", [("exit", 2), ("barrier", 2), ("barrier", 3),
+                                          ("forward", 2)])
+def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(others: str,
+                                                                        world: int) -> None:
+    """Every rank still running ends with an error that says to call state_dict() on every
+    rank — well within the timeout: a rank blocked in a barrier of the user's is found by
+    asking the peers ([Note: asking the peers]), not by waiting TIMEOUT seconds."""
+    per_rank = run_ranks(_state_dict_alone, world, others, timeout=TIMEOUT + 60)
+    for rank, r in enumerate(per_rank):
+        if others == "exit" and rank > 0:
+            assert r == {"error": None, "exited": True}
+            continue
+        msg = r["error"]
+        assert msg is not None, (rank, r)
+        assert "on every rank and save on one" in msg, (rank, msg)
+        assert r["seconds"] < 15, (rank, r["seconds"], msg)
+        if others == "exit":
+            assert msg.startswith("CollectiveError") and "no longer running" in msg, msg
+            assert "Rank 0 takes a state dict that the other ranks skipped" in msg, msg
+        elif others == "barrier":
+            assert msg.startswith("CollectiveMismatch"), msg
+            assert "is blocked in torch.distributed.barrier() called at" in msg, msg
+            assert "test_divergence.py" in msg, msg
+        else:
+            assert msg.startswith("CollectiveMismatch") and "state_dict" in msg, msg

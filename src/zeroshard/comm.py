@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, WATCH
+
 __all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "CollectiveTimeout",
            "CollectiveMismatch", "CollectiveError", "CHECK_TIMEOUT"]
 
@@ -140,7 +142,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed because a peer left or crashed."""
+    """A collective failed because a peer is no longer running (it exited or crashed)."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -242,6 +244,7 @@ class Comm:
             return
         self._check_group = _check_group(self._peers, self.group is None and backend == "gloo")
         self.check = mode
+        WATCH.bind(CollectiveMismatch)  # see [Note: asking the peers]
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
@@ -303,7 +306,7 @@ class Comm:
         work = _all_gather_single(table, mine, self._check_group, True)
         what = (f"the check point before {unit}" if op == "barrier"
                 else f"the check of {op}({unit}, {phase})")
-        check = _Check(self, work, table, what)
+        check = _Check(self, work, table, what, unit, phase)
         self._unverified.append(check)
         return check
 
@@ -474,23 +477,37 @@ class Comm:
         self._finish([work], tensor, desc, False, check)
 
 
+_STATE_UNITS = frozenset({"state_dict", "optimizer.state_dict", "full_state_dict"})
+_STATE_HINT = ("A state dict of a sharded model is a collective here: call "
+               "model.state_dict() / optimizer.state_dict() on every rank and save on "
+               "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
+_FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
+                 "stage 3 every forward gathers weights from every rank: run forward passes, "
+                 "evaluation included, on every rank (each on its own share of the data).")
+_ORDER_HINT = ("Every rank must run the same units in the same order each step; for uneven "
+               "data use zeroshard.join().")
+
+
 def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     """What to do about a mismatch, from what the ranks were doing."""
     hints = []
-    units = {names.get(r[3], "") for r in rows}
-    if units & {"state_dict", "optimizer.state_dict", "full_state_dict"}:
-        hints.append("A state dict of a sharded model is a collective here: call "
-                     "model.state_dict() / optimizer.state_dict() on every rank and save on "
-                     "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
+    if {names.get(r[3], "") for r in rows} & _STATE_UNITS:
+        hints.append(_STATE_HINT)
     phases = {_PHASES[r[4]] for r in rows}
     if "forward" in phases and len(phases) > 1 or len({r[6] for r in rows}) > 1:
-        hints.append("A rank ran a forward pass the others did not (evaluation on one "
-                     "rank?). At stage 3 every forward gathers weights from every rank: run "
-                     "forward passes, evaluation included, on every rank (each on its own "
-                     "share of the data).")
-    hints.append("Every rank must run the same units in the same order each step; for "
-                 "uneven data use zeroshard.join().")
+        hints.append(_FORWARD_HINT)
+    hints.append(_ORDER_HINT)
     return "\n".join(hints)
+
+
+def _fix_for(unit: str, phase: str, rank: int) -> str:
+    """What to do when the peers never reach rank ``rank``'s collective on ``unit``."""
+    if unit in _STATE_UNITS:
+        return (f"Rank {rank} takes a state dict that the other ranks skipped (or ended "
+                "their scripts before). " + _STATE_HINT)
+    if phase == "forward":
+        return _FORWARD_HINT
+    return _ORDER_HINT
 
 
 # Check groups by their ranks (global), one per set of ranks per process group world:
@@ -544,47 +561,92 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op
 class _Check:
     """One collective's descriptor exchange on the check group (see [Note: divergence])."""
 
-    __slots__ = ("comm", "work", "table", "desc", "done")
+    __slots__ = ("comm", "work", "table", "desc", "unit", "phase", "done")
 
-    def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str) -> None:
+    def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str, unit: str,
+                 phase: str) -> None:
         self.comm, self.work, self.table, self.desc = comm, work, table, desc
+        self.unit, self.phase = unit, phase
         self.done = False
 
     def ready(self) -> bool:
         return self.done or self.work.is_completed()
 
     def verify(self) -> None:
-        """Wait for the peers' descriptors (bounded; a warning after ``SLOW_CHECK`` s) and
-        raise on any difference."""
+        """Wait for the peers' descriptors (bounded; a warning after ``SLOW_CHECK`` s; an
+        error at once if a peer is provably blocked elsewhere, see [Note: asking the
+        peers]) and raise on any difference."""
         if self.done:
             return
         c = self.comm
         total = c.timeout or CHECK_TIMEOUT
-        if not self.work.is_completed():
-            first = min(SLOW_CHECK, total)
-            try:
-                Pending([self.work], self.table, self.desc, c, timeout=first).wait()
-            except CollectiveTimeout:
-                if first >= total:
-                    raise
+        start = time.monotonic()
+        ask_at, warned = start + ASK_AFTER_S, False
+        while not self.work.is_completed():
+            waited = time.monotonic() - start
+            if waited >= total:
+                self._give_up(total)
+            if not warned and waited >= SLOW_CHECK:
+                warned = True
                 warnings.warn(
-                    f"rank {c.global_rank} has waited {first:g} s for its peers in "
+                    f"rank {c.global_rank} has waited {waited:g} s for its peers in "
                     f"{self.desc} (group {c.label!r}). If only some ranks run it (a stage-3 "
                     "forward or a state dict on rank 0 alone, while the others wait in a "
                     f"barrier), run it on every rank. It gives up after {total:g} s.",
                     stacklevel=3)
-                try:
-                    Pending([self.work], self.table, self.desc, c, timeout=total - first).wait()
-                except CollectiveTimeout as e:  # report the whole wait
-                    raise CollectiveTimeout(str(e).replace(
-                        f"waited {total - first:g} s", f"waited {total:g} s", 1)) from e
-        Pending([self.work], self.table, self.desc, c).wait()  # surfaces a peer's failure
+            if time.monotonic() >= ask_at:
+                self._ask_peers()
+                ask_at = time.monotonic() + ASK_EVERY_S
+            until = min(ask_at, start + total, *(() if warned else (start + SLOW_CHECK,)))
+            try:
+                Pending([self.work], self.table, self.desc, c,
+                        timeout=max(0.01, until - time.monotonic())).wait()
+            except CollectiveTimeout:
+                continue
+            except CollectiveError as e:
+                raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__
+        try:
+            Pending([self.work], self.table, self.desc, c).wait()  # surfaces a peer's failure
+        except CollectiveError as e:
+            raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__
         self.done = True
         if self in c._unverified:
             c._unverified.remove(self)
         rows = self.table.view(c.size, 7).tolist()
         if any(r != rows[0] for r in rows):
             raise c._mismatch(rows)
+
+    def _hint(self) -> str:
+        return _fix_for(self.unit, self.phase, self.comm.global_rank)
+
+    def _ask_peers(self) -> dict[int, dict]:
+        """Ask the peers where they are; raise if one is blocked in a collective of the
+        user's that includes this rank (it can never return: see [Note: asking the
+        peers])."""
+        c = self.comm
+        answers = WATCH.ask([p for p in c._peers if p != c.global_rank], self.desc)
+        stuck = {p: a for p, a in answers.items() if a.get("state") == "foreign" and (
+            a.get("ranks") is None or c.global_rank in a["ranks"])}
+        if stuck:
+            blocked = "; ".join(f"rank {p} is blocked in {a['call']} called at {a['where']}"
+                                for p, a in sorted(stuck.items()))
+            message = (
+                f"ranks diverged (group {c.label!r}): rank {c.global_rank} waits in "
+                f"{self.desc}, which every rank must reach, while {blocked}: a collective "
+                f"rank {c.global_rank} is not in, so neither can go on.\n" + self._hint())
+            WATCH.tell(sorted(stuck), message)
+            raise CollectiveMismatch(message)
+        return answers
+
+    def _give_up(self, total: float) -> None:
+        c = self.comm
+        self._ask_peers()  # a peer blocked elsewhere gets the error too
+        raise CollectiveTimeout(
+            f"rank {c.global_rank} waited {total:g} s in {self.desc} (group {c.label!r}) "
+            "and gave up: a peer is not issuing the same collective (diverged, hung or busy "
+            "elsewhere). If one rank runs a forward or a stage-3 state dict alone, run it on "
+            "every rank; if a rank legitimately works alone this long (saving a large "
+            "checkpoint), raise shard(..., timeout=)")
 
 
 class Pending:
@@ -635,7 +697,9 @@ class Pending:
                         if "timed out" not in str(e).lower():
                             raise CollectiveError(
                                 f"rank {c.global_rank}: {self._desc} (group {c.label!r}) "
-                                f"failed: a peer left or crashed. Underlying error: {e}"
+                                "failed: a peer is no longer running (its script ended, it "
+                                "left the process group, or it crashed: see its log). "
+                                f"Underlying error: {e}"
                             ) from e
                         raise CollectiveTimeout(
                             f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
