@@ -124,6 +124,48 @@ def test_bad_inputs_exit_2_naming_the_value(
         assert needle in err
 
 
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        # argparse reads "-5B" as an option ("expected one argument"); the value reaches
+        # its own check, written either way.
+        (["--params", "-5B"], ["'-5B' is negative", "at least 1, e.g. 5B"]),
+        (["--params=-5B"], ["'-5B' is negative", "e.g. 5B"]),
+        (["--params", "-1e9"], ["'-1e9' is negative"]),
+        (["--params", "abc"], ["'abc' is not a parameter count", "13B"]),
+        (["--params", "0"], ["'0' is not a parameter count of at least 1", "13B"]),
+        (["--params", "0.1"], ["'0.1'", "at least 1"]),  # was a traceback (0 parameters)
+        (["--params", "1e400"], ["'1e400'", "at least 1"]),  # was an OverflowError
+        (["--model", "llama-7b", "--gpu-mem", "-3GB"], ["'-3GB' is negative", "80GB"]),
+        (["--model", "llama-7b", "--gpu-mem=-3GB"], ["'-3GB' is negative", "80GB"]),
+        (["--model", "llama-7b", "--gpu-mem", "0GB"], ["'0GB' is 0 bytes", "80GB"]),
+        (["--model", "llama-7b", "--offload", "--host-mem", "-1TB"], ["--host-mem", "'-1TB'"]),
+        (["--model", "llama-7b", "--seq", "-5k"], ["--seq", "'-5k'", "positive integer"]),
+        (["--model", "llama-7b", "--micro-batch", "-1"], ["'-1'", "positive integer"]),
+        (["--model", "llama-7b", "--gpus", "-8"], ["'-8'", "--gpus 8"]),
+        (["--model", "llama-7b", "--peak-tflops", "-5"], ["'-5'", "989"]),
+        (["--model", "llama-7b", "--peak-tflops", "0"], ["'0'", "989"]),  # was ZeroDivisionError
+    ],
+)
+def test_negative_and_malformed_sizes_exit_2_naming_the_value(
+    args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "expected one argument" not in err
+    for needle in needles:
+        assert needle in err
+
+
+def test_negative_values_reach_train_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--lr", "-1e-3"]) == 2  # "-1e-3" too looks like an option
+    err = capsys.readouterr().err
+    assert "lr=-0.001" in err and "expected one argument" not in err
+    # A value that is an option name is left alone: argparse's own error.
+    assert main(["plan", "--params", "--json"]) == 2
+    assert "expected one argument" in capsys.readouterr().err
+
+
 def test_console_error_and_lazy_imports() -> None:
     """A real process: exit code 2, one message, no traceback; --version stays light."""
     bad = subprocess.run([sys.executable, "-m", "zeroshard.cli", "plan", "--model", "llama-7b",

@@ -12,6 +12,9 @@ from zeroshard.memory.planner import config_from_params, plan, reserve_bytes
 from zeroshard.models.config import PRESETS, LlamaConfig
 
 GB = 10**9
+# Llama-3-8B's shape (HF config.json): untied embeddings, GQA, vocab 128256.
+LLAMA3_8B = LlamaConfig(n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, intermediate=14336,
+                        seq_len=8192, vocab=128256, rope_theta=500000.0)
 LADDER = {"single-device", "data-parallel", "zero-1", "zero-2", "zero-3", "more-devices",
           "tensor-parallel"}
 
@@ -63,11 +66,79 @@ def test_collective_compute_and_break_even_times() -> None:
 
 
 def test_stage3_and_bucket_buffers() -> None:
-    assert analytic.unit_buffer_bytes(100, prefetch=1) == 2 * 100 * 4
-    assert analytic.unit_buffer_bytes(100, prefetch=0, psi=1000, reshard_after_forward=False) == (
-        1000 * 2 + 100 * 2
-    )
+    """[Note: stage-3 buffers]: the root held whole all step, its head's gradients all
+    backward; (k+1) blocks' weights and two blocks' gradients in backward; the root's
+    gradients twice at its reduction (tests/test_traced.py checks both against a trace)."""
+    b3 = analytic.stage3_buffer_bytes(block=100, root=40, head=30, prefetch=1)  # bf16: P = G = 2
+    assert b3.backward == 2 * 40 + 2 * 30 + (2 * 2 + 2 * 2) * 100
+    assert b3.root_reduce == 2 * 40 + 2 * 2 * 40 + 2 * 100
+    assert b3.peak == b3.backward == 940
+    # The planner adds what they put on top of the activations' peak.
+    assert b3.beside(10**6) == b3.backward
+    big_root = analytic.stage3_buffer_bytes(block=10, root=1000, head=500, prefetch=1)
+    assert big_root.root_reduce == 6 * 1000 + 2 * 10 > big_root.backward == 2000 + 1000 + 80
+    assert big_root.beside(0) == big_root.root_reduce
+    assert big_root.beside(1000) == big_root.root_reduce - 1000
+    assert big_root.beside(10**6) == big_root.backward
+    fp32 = analytic.stage3_buffer_bytes(block=100, root=0, head=0, prefetch=2, recipe="fp32-adamw")
+    assert fp32.backward == (3 * 4 + 2 * 4) * 100
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        analytic.stage3_buffer_bytes(block=1, root=1, head=1, prefetch=-1)
     assert analytic.grad_bucket_bytes(25 * 2**20, in_flight=3) == 75 * 2**20
+
+
+def test_stage3_root_and_head_of_the_presets() -> None:
+    """The root is everything outside the blocks; the head is what gets its gradient first
+    in backward: the LM head (for a tied table, its head part: the whole table) and the
+    final norm."""
+    llama, gpt2 = PRESETS["llama-7b"], PRESETS["gpt2-124m"]
+    assert analytic.root_params(llama) == 2 * 32000 * 4096 + 4096  # embedding, head, norm
+    assert analytic.head_params(llama) == 32000 * 4096 + 4096
+    tied = PRESETS["llama-1b"]
+    assert analytic.root_params(tied) == analytic.head_params(tied) == 128256 * 2048 + 2048
+    assert analytic.root_params(gpt2) == 50257 * 768 + 1024 * 768 + 2 * 768  # wte, wpe, ln_f
+    assert analytic.head_params(gpt2) == 50257 * 768 + 2 * 768
+
+
+def test_llama_8b_untied_stage3_buffers() -> None:
+    """Issue: an 8B Llama with untied embeddings priced its stage-3 buffers at 8.4 GB,
+    "(k+1) x the largest unit (the root: embeddings + LM head) x (P+G)". The engine holds
+    4.90 GB while the blocks run backward and 6.74 GB at the root's reduction, with the
+    activations freed (traced to the byte: tests/test_traced.py)."""
+    p = _plan(LLAMA3_8B, seq_len=2048, policies=("none", "full"))
+    b3 = analytic.stage3_buffer_bytes(block=218_112_000, root=1_050_677_248, head=525_340_672)
+    assert (b3.backward, b3.root_reduce) == (4_896_931_840, 6_740_287_488)
+    for r in (r for r in p.rows if r.stage == 3):
+        assert r.buffer_bytes == b3.beside(r.activation_bytes) < 8.4 * GB
+        assert r.total_bytes == r.model_state_bytes + max(r.activation_bytes + b3.backward,
+                                                          b3.root_reduce)
+    full = next(r for r in p.rows if (r.stage, r.activation_checkpointing) == (3, "full"))
+    assert full.total_bytes == full.model_state_bytes + b3.root_reduce  # the root's reduction
+
+
+def test_nothing_fits_names_the_terms_that_exceed_a_device() -> None:
+    """Issue: a 1T model on 8 x 80 GB said "activations alone exceed a device" while its own
+    figures showed 35.6 GB of activations in 72 GB usable: activations plus stage 3's
+    buffers do not fit, whatever the device count."""
+    p = _plan(1e12, policies=("none", "full"))
+    full = next(r for r in p.rows if (r.stage, r.activation_checkpointing) == (3, "full"))
+    assert full.activation_bytes < 72 * GB < full.activation_bytes + full.buffer_bytes
+    reason = p.recommendation.reason
+    assert p.recommendation.action == "more-devices"
+    assert "alone" not in reason and "more devices will not help" in reason
+    act, buf = f"{full.activation_bytes / GB:.1f} GB", f"{full.buffer_bytes / GB:.1f} GB"
+    total = f"{(full.activation_bytes + full.buffer_bytes) / GB:.1f} GB"
+    assert (f"activations (full checkpointing) {act} + stage-3 gathered units and unit "
+            f"gradients {buf} = {total}, more than the 72.0 GB usable") in reason
+    assert "tensor/sequence parallelism" in reason
+    # Activations alone over a device: said so, and the buffers named as what comes on top.
+    huge = _plan(1e12, policies=("none",)).recommendation.reason
+    assert "activations (no checkpointing)" in huge and "by themselves" in huge
+    assert "before stage-3 gathered units and unit gradients" in huge
+    # Where more devices help, the reason says how many and what they leave room for.
+    few = _plan("llama-13b", gpus=1, gpu_mem_bytes=24 * GB, seq_len=1024, policies=("full",))
+    assert "fits on 13+ devices: activations (full checkpointing)" in few.recommendation.reason
+    assert "for its model state (16Ψ/N bytes)" in few.recommendation.reason
 
 
 def test_shape_from_param_count_reproduces_llama2() -> None:
@@ -127,7 +198,7 @@ def test_layer_too_big_needs_tensor_parallelism() -> None:
 def test_too_few_devices_says_how_many() -> None:
     p = _plan("llama-13b", gpus=1, gpu_mem_bytes=24 * GB, seq_len=1024, policies=("full",))
     assert p.recommendation.action == "more-devices"
-    assert "devices" in p.recommendation.reason
+    assert "fits on 13+ devices" in p.recommendation.reason
 
 
 def test_more_devices_make_a_cheaper_stage_fit() -> None:
@@ -141,7 +212,8 @@ def test_more_devices_make_a_cheaper_stage_fit() -> None:
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [({"gpus": 0}, "gpus=0"), ({"seq_len": 8192}, "seq_len=8192"),
-     ({"interconnect_GBps": 0}, "interconnect_GBps=0"), ({"recipe": "sgd"}, "'sgd'")],
+     ({"interconnect_GBps": 0}, "interconnect_GBps=0"), ({"recipe": "sgd"}, "'sgd'"),
+     ({"peak_flops": 0}, "peak_flops=0")],
 )
 def test_plan_rejects_bad_inputs(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

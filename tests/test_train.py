@@ -81,6 +81,53 @@ def test_standalone_resume_equals_straight_run(tmp_path: Path, capsys) -> None:
     _same_checkpoint(step_dir(straight, 6), step_dir(split, 6))
 
 
+def test_resume_at_the_last_step_has_nothing_left_to_do(tmp_path: Path, capsys) -> None:
+    """A finished run started again with --resume (a scheduler's retry) trains nothing and
+    reports the loss last logged before its checkpoint, never nan (was: "done: 4 steps on
+    1 rank(s), final loss nan")."""
+    ckpt = tmp_path / "run"
+    # Checkpoints at 4 and 6; the loss is logged at steps 3 and 6 only.
+    args = ["train", *TINY[:-2], "--log-every", "3", "--ckpt-every", "4", "--ckpt-dir", str(ckpt)]
+    assert main([*args, "--steps", "6"]) == 0
+    logged = {r["step"]: r["loss"] for r in _records(ckpt / "metrics.jsonl")
+              if r["event"] == "step"}
+    assert sorted(logged) == [3, 6]
+    capsys.readouterr()
+    assert main([*args, "--steps", "6", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing left to do" in out and "Raise --steps" in out and "nan" not in out
+    assert f"done: nothing left to do (resumed at step 6, --steps 6); last logged loss " \
+           f"{logged[6]:.4f} (step 6)" in out
+    assert "step      " not in out  # no step was trained
+    done = _records(ckpt / "metrics.jsonl")[-1]
+    assert done["event"] == "done" and done["nothing_to_do"] and done["loss"] == logged[6]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000004", "step-00000006"]
+    # Past --steps: the newest checkpoint (6) is beyond --steps 5.
+    assert main([*args, "--steps", "5", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "at step 6, past --steps 5" in out and "(resumed at step 6, --steps 5)" in out
+    # A checkpoint between logged steps carries the loss logged before it (step 3's).
+    (ckpt / "step-00000006").rename(tmp_path / "moved")
+    assert main([*args, "--steps", "4", "--resume"]) == 0
+    assert f"last logged loss {logged[3]:.4f} (step 3)" in capsys.readouterr().out
+
+
+def test_last_loss_of_a_checkpoint_without_one(tmp_path: Path) -> None:
+    """Checkpoints written before the loss was carried in them: the metrics file's newest
+    finite step record at or before the checkpoint's step, else none (never nan)."""
+    from zeroshard.train import _last_loss, _Log
+
+    metrics = tmp_path / "metrics.jsonl"
+    log = _Log(0, str(metrics))
+    assert _last_loss({"step": 8}, log, 8) == (pytest.approx(float("nan"), nan_ok=True), None)
+    lines = [{"event": "step", "step": 4, "loss": 2.5}, {"event": "step", "step": 8, "loss": 2.0},
+             {"event": "step", "step": 9, "loss": 1.0}]  # 9: after the checkpoint (replayed)
+    metrics.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"event": "st')
+    assert _last_loss({"step": 8}, log, 8) == (2.0, 8)
+    assert _last_loss({"step": 8, "loss": 1.5, "loss_step": 7}, log, 8) == (1.5, 7)
+    assert _last_loss({"step": 8}, _Log(1, str(metrics)), 8)[1] is None  # rank 1 reads none
+
+
 def _torchrun(ckpt: Path, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",

@@ -37,27 +37,37 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 def parse_bytes(text: str) -> int:
     """"80GB" -> 80e9, "80GiB" -> 80 * 2**30; a unit is required."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*(-?)(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     units = "MB, MiB, GB, GiB, TB or TiB"
-    if m is None or not m.group(2):
+    if m is None or not m.group(3):
         why = "has no unit" if m else "is not a memory size"
         raise argparse.ArgumentTypeError(
             f"{text!r} {why}; write e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes), using {units}")
-    if m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}; use {units}")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes, e.g. 80GB")
+    if m.group(3).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(3)!r}; use {units}")
+    value = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+    if m.group(1) or value <= 0:
+        why = "is negative" if m.group(1) and value else "is 0 bytes"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} {why}; a memory size must be more than 0 bytes, e.g. 80GB")
     return value
 
 
 def parse_params(text: str) -> int:
     """"13B", "1.5B", "350M", "7e9" -> a parameter count."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBgGtT]?)\s*", text)
-    if m is None or float(m.group(1)) <= 0:
+    m = re.fullmatch(r"\s*(-?)(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    fix = "write e.g. 13B, 1.5B, 350M or 7e9"
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count; {fix}")
+    value = float(m.group(2)) * _SUFFIX[m.group(3).lower()]
+    if m.group(1) and value:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a parameter count; write e.g. 13B, 1.5B, 350M or 7e9")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+            f"{text!r} is negative; a parameter count must be at least 1, e.g. "
+            f"{text.strip()[1:]}")
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count of at least 1; {fix}")
+    return int(value)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -81,6 +91,17 @@ def _positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer, e.g. 1")
     return int(text)
+
+
+def _tflops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a peak; give dense 16-bit TFLOP/s per device > 0, e.g. 989 (H100)")
+    return value
 
 
 def _interconnect(text: str) -> float:
@@ -172,7 +193,8 @@ def _add_plan(subparsers: Any) -> None:
                    help=f"host memory bandwidth per rank for the host optimizer step with "
                    f"--offload (default {_HOST_GBPS:g}, a rough figure; docs/offload.md)")
     p.add_argument("--mfu", type=_mfu, default=0.4, help="model FLOPs utilisation (default 0.4)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense 16-bit peak per device")
+    p.add_argument("--peak-tflops", type=_tflops, default=989.0,
+                   help="dense 16-bit peak per device, TFLOP/s (default 989)")
     p.add_argument("--recipe", default="bf16-adamw",
                    choices=["bf16-adamw", "fp16-adamw", "fp32-adamw"])
     p.add_argument("--policies", type=_policies, default=["none", "selective", "full"],
@@ -298,7 +320,8 @@ def format_plan(p: Plan, name: str) -> str:
         "",
         "GB = 10^9 bytes, GiB = 2^30 bytes; per device. comm = ZeRO volume per step (2Ψ / 3Ψ);",
         "act = saved activations (fused attention) + backward's recompute working set;",
-        "buf = stage 2 gradient buckets, stage 3 gathered units (stage 1 reduces in its gradients);",
+        "buf = stage 2 gradient buckets, stage 3 gathered units and unit gradients at the step's",
+        "  peak (the root whole; stage 1 reduces in its gradients);",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
     multi = p.gpus_per_node is not None
@@ -460,9 +483,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--params -5B`` -> ``--params=-5B``. argparse takes a value that starts with "-"
+    for an option unless it is a plain negative number ("-5", not "-5B" or "-1e-3"), and
+    would say "expected one argument"; joined to its option, the value reaches the option's
+    own check, which names it and the fix (e.g. "'-5B' is negative")."""
+    takes_value = {s for a in _all_actions(parser) if a.nargs != 0 for s in a.option_strings}
+    out: list[str] = []
+    for tok in argv:
+        if (out and out[-1] in takes_value and re.fullmatch(r"-\.?\d.*", tok)
+                and tok not in takes_value):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = list(parser._actions)
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                actions += _all_actions(sub)
+    return actions
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zeroshard`` console script; returns the exit code."""
     parser = build_parser()
+    argv = _negative_values(parser, sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, argparse errors (already printed)

@@ -17,7 +17,8 @@ an uninterrupted run. Each rank writes its pid to ``<ckpt-dir>/rank<r>.pid``.
 Without torchrun's environment the command trains in one process (world size 1), or
 starts ``--nproc`` local ranks itself. Rank 0 prints a progress line and appends
 JSON records (``start``, ``resume``, ``step``, ``checkpoint``, ``done``) to the metrics
-file (``--metrics``, default ``<ckpt-dir>/metrics.jsonl``).
+file (``--metrics``, default ``<ckpt-dir>/metrics.jsonl``). Resumed at or past
+``--steps``, it trains nothing: see [Note: nothing left to do].
 """
 
 from __future__ import annotations
@@ -271,20 +272,26 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
         (Path(c.ckpt_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     step = 0
     found = latest_checkpoint(c.ckpt_dir) if c.resume else None
+    # The last loss logged (averaged over ranks) and its step: carried in each checkpoint,
+    # so a resumed run that has nothing left to do can still report one.
+    loss, loss_step = float("nan"), None
     if found is not None:
         t0 = time.perf_counter()
         extra = load_checkpoint(found, model, optim)
         loader.load_state_dict(extra["data"])
         step = int(extra["step"])
+        loss, loss_step = _last_loss(extra, log, step)
         log.record("resume", step=step, path=str(found), seconds=time.perf_counter() - t0)
         log.say(f"resumed from {found} at step {step} ({time.perf_counter() - t0:.2f} s)")
+    if step >= c.steps:  # see [Note: nothing left to do]
+        return _nothing_left(c, log, step, world, found, loss, loss_step)
     log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
     log.say(f"zeroshard train: {c.model} on {world} rank(s), stage {c.stage}, "
             f"{c.mixed_precision}, checkpointing {c.activation_checkpointing}, "
             + (f"offload {c.offload}, " if c.offload != "none" else "")
             + f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
     group = zeroshard.engine_of(model).comm.group
-    tokens, busy, loss = 0, 0.0, float("nan")
+    tokens, busy = 0, 0.0
     while step < c.steps:
         t0 = time.perf_counter()
         lr = c.lr_at(step)
@@ -296,7 +303,7 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
         tokens += c.global_batch * seq
         if step % c.log_every == 0 or step == c.steps:
             dist.all_reduce(total, group=group)
-            loss, tok_s = total.item() / world, tokens / busy
+            loss, tok_s, loss_step = total.item() / world, tokens / busy, step
             where, mem = _peak_memory(device)
             host = _host_rss() if where == "device" and c.offload != "none" else None
             log.record("step", step=step, loss=loss, lr=lr, grad_norm=norm, tokens_per_s=tok_s,
@@ -310,7 +317,9 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             path = save_checkpoint(step_dir(c.ckpt_dir, step), model, optim,
                                    extra={"step": step, "data": loader.state_dict(),
-                                          "config": dataclasses.asdict(c)})
+                                          "config": dataclasses.asdict(c),
+                                          "loss": None if loss_step is None else loss,
+                                          "loss_step": loss_step})
             if rank == 0:
                 prune(c.ckpt_dir, c.keep)
             log.record("checkpoint", step=step, path=str(path), seconds=time.perf_counter() - t1)
@@ -318,6 +327,48 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
             time.sleep(c.step_sleep)
     log.record("done", step=step, loss=loss)
     return {"step": step, "loss": loss, "world_size": world} if rank == 0 else None
+
+
+def _last_loss(extra: dict[str, Any], log: _Log, step: int) -> tuple[float, int | None]:
+    """(loss, its step) last logged before the checkpoint at ``step``: from the checkpoint
+    (written since the loss is carried in it), else the newest ``step`` record at or
+    before ``step`` in the metrics file (rank 0's; others need none); (nan, None) if
+    neither has one."""
+    if extra.get("loss_step") is not None and extra.get("loss") is not None:
+        return float(extra["loss"]), int(extra["loss_step"])
+    found: tuple[float, int | None] = (float("nan"), None)
+    if log.rank != 0 or log.path is None or not log.path.is_file():
+        return found
+    for line in log.path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a killed rank 0
+            continue
+        if (isinstance(rec, dict) and rec.get("event") == "step" and isinstance(
+                rec.get("loss"), (int, float)) and rec.get("step", step + 1) <= step
+                and math.isfinite(rec["loss"])):
+            found = (float(rec["loss"]), int(rec["step"]))
+    return found
+
+
+def _nothing_left(c: TrainConfig, log: _Log, step: int, world: int, found: Any,
+                  loss: float, loss_step: int | None) -> dict[str, Any] | None:
+    """[Note: nothing left to do]
+    ``--resume`` from a checkpoint at or past ``--steps`` (a finished run started again,
+    e.g. by a scheduler's retry) trains nothing and saves nothing: it says so, with the
+    loss last logged before that checkpoint (nan would read as a diverged run), and
+    records a ``done`` event with ``nothing_to_do: true``. Raise ``--steps`` to train on."""
+    past = "" if step == c.steps else f", past --steps {c.steps}"
+    known = loss_step is not None
+    log.say(f"zeroshard train: nothing left to do: the checkpoint {found} is at step "
+            f"{step}{past}, and the run ends at --steps {c.steps}. Raise --steps to train "
+            "further.")
+    log.record("done", step=step, loss=loss if known else None, loss_step=loss_step,
+               nothing_to_do=True)
+    if log.rank != 0:
+        return None
+    return {"step": step, "loss": loss if known else None, "loss_step": loss_step,
+            "world_size": world, "nothing_to_do": True}
 
 
 def _flag(name: str) -> str:
@@ -378,7 +429,12 @@ def run(args: argparse.Namespace) -> int:
             summary = train(config)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if summary:
+    if summary and summary.get("nothing_to_do"):
+        loss = ("no loss was recorded" if summary["loss"] is None else
+                f"last logged loss {summary['loss']:.4f} (step {summary['loss_step']})")
+        print(f"done: nothing left to do (resumed at step {summary['step']}, --steps "
+              f"{config.steps}); {loss}")
+    elif summary:
         print(f"done: {summary['step']} steps on {summary['world_size']} rank(s), "
               f"final loss {summary['loss']:.4f}")
     return 0

@@ -80,6 +80,7 @@ __all__ = [
     "ModelState",
     "OffloadTime",
     "Recipe",
+    "Stage3Buffers",
     "StepTime",
     "block_params",
     "break_even_tokens",
@@ -89,6 +90,7 @@ __all__ = [
     "compute_time_s",
     "get_recipe",
     "grad_bucket_bytes",
+    "head_params",
     "host_grad_bytes",
     "host_optimizer_bytes",
     "host_param_bytes",
@@ -96,8 +98,9 @@ __all__ = [
     "model_state_bytes",
     "offload_time_s",
     "recompute_flops_per_token",
+    "root_params",
+    "stage3_buffer_bytes",
     "step_time",
-    "unit_buffer_bytes",
 ]
 
 STAGES = (0, 1, 2, 3)
@@ -204,28 +207,95 @@ def model_state_bytes(
     )
 
 
-def unit_buffer_bytes(
-    unit_params: int,
+@dataclass(frozen=True, kw_only=True)
+class Stage3Buffers:
+    """Stage 3's bytes beyond the 1/N shards at the two moments that bound them; see
+    [Note: stage-3 buffers]."""
+
+    backward: int
+    """While the blocks run backward, their activations alive: the root's weights, the
+    head's gradients, prefetch + 1 blocks' weights and two blocks' gradients."""
+    root_reduce: int
+    """At the end of backward, the activations freed: the root's weights and its
+    gradients twice (autograd's, and the buffer they are copied into for the
+    reduce-scatter), beside the first block's reduction in flight."""
+
+    @property
+    def peak(self) -> int:
+        """The most held at once over a step."""
+        return max(self.backward, self.root_reduce)
+
+    def beside(self, activation_bytes: int) -> int:
+        """What they add to a step's peak over ``activation_bytes`` (the activations' own
+        peak): the backward window, or the root's reduction if that alone is larger."""
+        return max(self.backward, self.root_reduce - activation_bytes)
+
+
+def root_params(config: ModelConfig) -> int:
+    """Parameters outside the blocks, stage 3's root unit: embeddings, the LM head unless
+    tied, the final norm."""
+    return config.param_count() - config.n_layers * block_params(config)
+
+
+def head_params(config: ModelConfig) -> int:
+    """Root parameters whose gradient arrives at the start of backward: the LM head (for a
+    tied model, the head's part of the shared table's gradient, a whole table) and the
+    final norm. The rest of the root (the token and position embeddings) gets its
+    gradient at the end of backward."""
+    norm = 2 * config.hidden if isinstance(config, GPT2Config) else config.hidden
+    return config.vocab * config.hidden + norm
+
+
+def stage3_buffer_bytes(
     *,
+    block: int,
+    root: int,
+    head: int,
     prefetch: int = 1,
     recipe: str | Recipe = "bf16-adamw",
-    psi: int = 0,
-    reshard_after_forward: bool = True,
-) -> int:
-    """Stage 3's unsharded working set on top of the 1/N shards.
+) -> Stage3Buffers:
+    """[Note: stage-3 buffers]
+    What the engine holds beyond its 1/N shards at stage 3 (engine/units.py [Note: unit
+    lifecycle] and [Note: prefetch]; engine.py ``_fold``, ``_MAX_PENDING_UNITS``), for a
+    model of ``block``-parameter blocks and a ``root`` unit (everything else), of which
+    ``head`` parameters (:func:`head_params`) get their gradients first in backward. P, G
+    bytes per weight and gradient, k = prefetch, B, R, H the three counts:
 
-    While unit i computes, unit i+1..i+prefetch are being gathered, so ``prefetch + 1``
-    units of gathered 16-bit weights exist; in backward each also has a whole gradient
-    until its reduce-scatter finishes (the FSDP paper, §3.3-3.4, bounds the same window
-    with its rate limiter). ``unit_params`` should be the *largest* unit. Keeping
-    weights gathered between forward and backward (``reshard_after_forward=False``)
-    instead holds all Ψ gathered weights after forward.
+    * The root is gathered at the model's forward and freed only once all its gradients
+      have arrived, at the end of backward: P·R for the whole step. The head's gradients
+      (G·H) arrive first in backward and stay on their parameters until then, since the
+      root is one bucket, reduced whole.
+    * A block is gathered around its forward and again around its backward; entering one
+      (and, in backward, its first parameter gradient) starts the gathers of the next k:
+      (k+1)·P·B of block weights. Its gradients stay on its parameters until its
+      backward is done (G·B), then are copied into one whole buffer for the
+      reduce-scatter (G·B) after its weights are freed; one reduction may be in flight
+      when the next unit allocates its buffer (G·B). So in backward, before a block's
+      copy (k+1)·P·B + 2·G·B, and at it k·P·B + 3·G·B:
+
+          backward    = P·R + G·H + max((k+1)·P + 2·G, k·P + 3·G)·B
+
+    * At the end of backward the embedding's gradient completes the root: its buffer
+      (G·R) is allocated while autograd's gradients (G·R) are still on the parameters,
+      beside the first block's reduction in flight; by then the activations are freed:
+
+          root_reduce = P·R + 2·G·R + G·B
+
+    A trace counts both to the byte (tests/test_traced.py; [Note: stage-3 buffers,
+    traced] in traced.py): llama-3-8B's shape (untied, R = 1.05B, H = 0.53B, B = 0.22B)
+    gives 4.90 GB and 6.74 GB in bf16, not the 8.4 GB of "(k+1) x the largest unit's
+    weights and gradients" counted before, which priced the root like a block. The
+    planner adds ``Stage3Buffers.beside(activations)``: a step's peak is either in
+    backward with every activation alive or at the root's reduction without any. Counts
+    are unpadded; the engine pads each parameter to a multiple of N rows.
     """
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (units gathered ahead)")
     r = get_recipe(recipe)
-    window = (prefetch + 1) * unit_params * (r.param_bytes + r.grad_bytes)
-    if reshard_after_forward:
-        return window
-    return psi * r.param_bytes + (prefetch + 1) * unit_params * r.grad_bytes
+    p, g, k = r.param_bytes, r.grad_bytes, prefetch
+    blocks = max((k + 1) * p + 2 * g, k * p + 3 * g) * block
+    return Stage3Buffers(backward=p * root + g * head + blocks,
+                         root_reduce=p * root + 2 * g * root + g * block)
 
 
 def grad_bucket_bytes(bucket_bytes: int, *, in_flight: int = 3) -> int:

@@ -86,10 +86,13 @@ class Setup:
     """Activation bytes per policy (same at every stage: no sharding touches them)."""
     layer_bytes: int
     """One block's 16-bit weights + gradients + activations at micro-batch 1."""
+    stage3: analytic.Stage3Buffers
+    """Stage 3's gathered units and unit gradients (see [Note: stage-3 buffers])."""
 
     @property
     def unit(self) -> int:
-        """Largest stage-3 unit: a block, or everything outside the blocks (embeddings)."""
+        """Largest stage-3 unit, a block or the root (everything outside the blocks): the
+        gather priced as exposed at the start of forward and of backward."""
         block = analytic.block_params(self.cfg)
         return max(block, self.psi - self.cfg.n_layers * block)
 

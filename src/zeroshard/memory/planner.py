@@ -5,8 +5,9 @@ from :mod:`zeroshard.memory.analytic` (model state, buffers, communication, step
 and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks one.
 
 [Note: what "fits" means]
-A row fits when total = model state + activations + buffers <= usable memory, where
-usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
+A row fits when total = model state + activations + buffers <= usable memory (stage 3's
+buffers: what its units add to the step's peak, [Note: stage-3 buffers] in analytic.py),
+where usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
 free but cannot be split for a larger request), commonly 5-10% at peak. With offload and
@@ -138,7 +139,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     if shard > 1 and stage == 2:
         buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
     elif stage == 3:  # units are gathered into whole buffers even at N=1
-        buffers = analytic.unit_buffer_bytes(su.unit, prefetch=su.prefetch, recipe=r, psi=psi)
+        buffers = su.stage3.beside(su.act[policy])  # [Note: stage-3 buffers] in analytic.py
     total = state.total + su.act[policy] + buffers
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
@@ -264,6 +265,8 @@ def plan(
         raise ValueError(f"interconnect_GBps={interconnect_GBps!r} must be > 0, e.g. 400 (NVLink)")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu!r} must be in (0, 1], e.g. 0.4")
+    if not (peak_flops > 0 and math.isfinite(peak_flops)):
+        raise ValueError(f"peak_flops={peak_flops!r} must be > 0 FLOP/s, e.g. 989e12 (H100 bf16)")
     _check_nodes(counts, gpus_per_node, inter_GBps)
     if host_mem_bytes is not None and not offload:
         raise ValueError(f"host_mem_bytes={host_mem_bytes!r} only matters with offload=True; "
@@ -290,6 +293,9 @@ def plan(
         act={p: act(p)[0] for p in policies},
         layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
         + act("none", 1)[1],
+        stage3=analytic.stage3_buffer_bytes(
+            block=analytic.block_params(cfg), root=analytic.root_params(cfg),
+            head=analytic.head_params(cfg), prefetch=prefetch, recipe=r),
     )
     rows: list[PlanRow] = []
     recs: list[Recommendation] = []

@@ -10,7 +10,9 @@ sharding's. Stage 3 (hybrid or not) must beat the best fitting stage <= 2 by mor
 model does not price (anchors.md: "Stage 3 by default is a common mistake"). Nothing
 fits: if one block's 16-bit weights, gradients and activations (micro-batch 1) exceed a
 device, no sharding helps -> tensor parallelism; if a row fits the device but not the
-host memory (offload), say so; else the device count at which stage 3 would fit. Over
+host memory (offload), say so; else the device count at which stage 3 would fit, or, when
+the terms that do not shrink with N (activations and stage 3's buffers) already exceed a
+device, those terms by name. Over
 several N, the best tokens/s per device wins (more devices always add throughput; this
 asks what each one buys).
 """
@@ -88,18 +90,37 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     lean = min((x for x in rows if x.stage == 3 and x.hybrid is None),
                key=lambda x: x.total_bytes)
     rest = lean.total_bytes - lean.model_state_bytes  # does not shrink with N
+    act, buf = _fixed_terms(lean)
+    terms = f"{act} + {buf} = {gb(rest)}" if buf else act
     if su.usable > rest:
         r = su.recipe
         per_param = (r.bytes_per_param - (r.optim_bytes if su.offload else 0)
                      - (r.param_bytes if su.offload_params else 0))
         need = math.ceil(su.psi * per_param / (su.usable - rest))
-        fix = f"{describe(lean)} fits on {need}+ devices"
+        why = (f"Nothing fits on {devices(n)} with {gb(su.usable)} usable; {describe(lean)} "
+               f"fits on {need}+ devices: {terms} leave {gb(su.usable - rest)} for its "
+               f"model state ({per_param}Ψ/N bytes).")
     else:
-        fix = ("activations alone exceed a device: lower the micro-batch or sequence length, "
-               "or use tensor/sequence parallelism")
-    why = f"Nothing fits on {n} device(s) with {gb(su.usable)} usable; {fix}."
+        if lean.activation_bytes > su.usable:  # even without stage 3's buffers
+            held = f"{act} by themselves"
+            more = f" (before {buf} and any model state)" if buf else " before any model state"
+        else:
+            held, more = terms, " before any model state"
+        why = (f"Nothing fits on {devices(n)}, and more devices will not help: even "
+               f"{describe(lean)} holds {held}, more than the {gb(su.usable)} usable{more}, "
+               "and none of it shrinks with more devices. Lower the micro-batch or sequence "
+               "length, or use tensor/sequence parallelism.")
     return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                           action="more-devices", reason=why)
+
+
+def _fixed_terms(x: PlanRow) -> tuple[str, str]:
+    """("activations (full checkpointing) 35.6 GB", "stage-3 gathered units and unit
+    gradients 50.8 GB"): what a stage-3 row holds whatever N ("" for no buffers)."""
+    p = x.activation_checkpointing
+    act = f"activations ({'no' if p == 'none' else p} checkpointing) {gb(x.activation_bytes)}"
+    buf = f"stage-3 gathered units and unit gradients {gb(x.buffer_bytes)}"
+    return act, buf if x.buffer_bytes else ""
 
 
 def _hybrid_note(su: Setup, rows: list[PlanRow], best: PlanRow) -> str:

@@ -20,7 +20,8 @@ its collectives return at once, so one process plays rank ``rank`` of N. The ste
 4. Read: the per-category breakdown at the peak total, each category's own maximum,
    model state after the last optimizer step, before its ``zero_grad`` frees the
    gradients (params + grads + optimizer state),
-   the engine's stage-3 unsharded peak and the communication ledger of the last step.
+   the engine's stage-3 unsharded peak, its stage-3 buffers (see [Note: stage-3 buffers,
+   traced]) and the communication ledger of the last step.
 
 Offload (``offload=`` in the options): a trace runs on CPU, where host and device are one
 memory and the engine would copy nothing, so the trace forces the engine's copy path
@@ -40,6 +41,28 @@ What fake tensors cannot do is read a value. Two places in a step do: the engine
 in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
 bytes, only the loss scale differs). Any other op that reads values or lacks a fake
 kernel fails with a :class:`TraceError` naming the model, stage, N and phase.
+
+One artefact of fake tensors is undone after ``shard()``: a view of a tensor whose storage
+was resized to 0 bytes (a stage-3 unit's weights, freed until its gather) grows that
+storage back to full size under ``FakeTensorMode`` (real tensors leave it empty), and the
+engine takes such views once at shard time (``view_as`` to reach each parameter's
+AccumulateGrad node). Without ``_free_sharded_units`` every unit would look gathered until
+its first forward, and a trace of a stage-3 row whose activations are small reported that
+(all 2Ψ of weights at once) as its peak.
+
+[Note: stage-3 buffers, traced]
+At stage 3 a trace also follows, after every op, the bytes the engine holds beyond its
+1/N shards (:class:`_Stage3Buffers`): gathered unit weights (``full``), all-gathers in
+flight (``gathering``), the gradients autograd left on unit parameters (until the unit's
+fold) and the whole-unit gradient buffers (until their reduce-scatter completes).
+``stage3_buffer_bytes`` is their most at once over the traced steps, and
+``stage3_backward_buffer_bytes`` the most while a block is gathered or holds gradients:
+the blocks' forward and backward, with their activations alive (not the end of backward,
+where the embedding's gradient completes the root). These are the two moments
+:func:`zeroshard.memory.analytic.stage3_buffer_bytes` prices; tests/test_traced.py checks
+them to the byte. The fake process group never completes a collective before it is
+waited for, so a trace sees the engine's worst case: each unit's reduce-scatter still in
+flight when the next unit's gradient buffer is allocated.
 
 [Note: one default process group per process]
 ``torch.distributed`` holds one default group per process. With none initialised the
@@ -63,6 +86,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from zeroshard.memory.tracker import Category
 from zeroshard.models.config import ModelConfig
@@ -146,6 +170,13 @@ class TracedResult:
     """The largest amount of saved-for-backward memory seen."""
     peak_unsharded_bytes: int
     """Stage 3: most gathered unit weights alive at once (engine); 0 otherwise."""
+    stage3_buffer_bytes: int
+    """Stage 3: the most bytes held beyond the shards at once: gathered weights, gathers in
+    flight, unit gradients and whole-unit gradient buffers (see [Note: stage-3 buffers,
+    traced]); 0 otherwise."""
+    stage3_backward_buffer_bytes: int
+    """Stage 3: the same while a block is gathered or holds gradients (the blocks' forward
+    and backward, activations alive); 0 otherwise."""
     device_model_state_bytes: int
     """``model_state_bytes`` on the device alone: less than it only with offload."""
     device_peak_bytes: int
@@ -261,6 +292,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 model, optimizer, stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)
             engine = zeroshard.engine_of(model)
+            _free_sharded_units(engine)  # see [Note: how a trace works]
             for c in engine.comms():
                 c.decompose = collectives == "gloo"
             engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
@@ -272,7 +304,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 seen["dev"] = tracker.current_by_location()["device"]
                 seen["reduced"], seen["dev_reduced"] = grad_buffer_bytes(engine)
 
-            with tracker:
+            buffers = _Stage3Buffers(engine)
+            with tracker, buffers:
                 run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
                           steps=steps, loss_fn=loss_fn, phase=phase, after_step=after_step)
             now, dev_now, reduced = seen["now"], seen["dev"], seen["reduced"]
@@ -292,6 +325,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 reduced_grad_bytes=reduced,
                 activation_peak_bytes=tracker.max_per_category()[Category.ACTIVATIONS],
                 peak_unsharded_bytes=engine.peak_unsharded_bytes,
+                stage3_buffer_bytes=buffers.peak,
+                stage3_backward_buffer_bytes=buffers.backward_peak,
                 device_model_state_bytes=dev_now[Category.PARAMS] + dev_now[Category.GRADS]
                 + dev_now[Category.OPTIM] - dev_reduced,
                 device_peak_bytes=tracker.peak_total_by_location()["device"],
@@ -309,6 +344,66 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
     finally:
         engine_mod._FORCE_HOST_COPIES = forced
         dist.destroy_process_group()
+
+
+def _free_sharded_units(engine: Any) -> None:
+    """Free again the weights of stage-3 units that are not gathered: a fake-tensor view
+    taken at shard time grew their storage back (see [Note: how a trace works])."""
+    from zeroshard.engine.units import UnitState
+
+    for u in engine.units:
+        if u.state is UnitState.SHARDED:
+            for b in u.buckets:
+                b.full.untyped_storage().resize_(0)
+
+
+class _Stage3Buffers(TorchDispatchMode):
+    """After every op, the bytes a stage-3 engine holds beyond its shards; see [Note:
+    stage-3 buffers, traced]. They grow at an op (an allocation), at a ``resize_`` that
+    an op follows (the copy-out of a gather), or when autograd hands a parameter the
+    gradient an earlier op computed, before the next op: sampling after each op sees
+    every maximum."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.peak = self.backward_peak = 0
+        self._buckets = [(u, b, [leaf for s in b.slots for leaf in engine.faces.leaves(s.param)])
+                         for u in engine.units for b in u.buckets]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor desugars first; we see its local ops
+        out = func(*args, **(kwargs or {}))
+        if self._buckets:
+            self._sample()
+        return out
+
+    def _sample(self) -> None:
+        seen: set[int] = set()
+        total, blocks = 0, False  # blocks: a block is gathered or holds gradients
+
+        def add(t: torch.Tensor | None) -> int:
+            nonlocal total
+            if t is None:
+                return 0
+            st = t.untyped_storage()
+            if st._cdata in seen:
+                return 0
+            seen.add(st._cdata)
+            total += st.nbytes()
+            return st.nbytes()
+
+        for u, b, leaves in self._buckets:
+            held = add(b.full) + add(b.gathering)
+            add(b.grad)  # a reduction in flight outlives its unit's backward
+            # Autograd's gradients sit on a block's parameters only in its backward, until
+            # its fold (then launched); checking just those keeps a 7B trace's cost low.
+            if u.is_root or (u.in_backward and not b.launched):
+                held += sum(add(leaf.grad) for leaf in leaves)
+            blocks = blocks or (held > 0 and not u.is_root)
+        self.peak = max(self.peak, total)
+        if blocks:
+            self.backward_peak = max(self.backward_peak, total)
 
 
 def _hint(exc: Exception) -> str:
