@@ -154,7 +154,8 @@ class CollectiveMismatch(RuntimeError):
 
 
 _OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
-_PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other")
+_PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other",
+           "late")
 
 
 #: [Note: small pieces]
@@ -297,7 +298,7 @@ class Comm:
         index = self._seq[1] + 1 if self._seq[0] == step else 0
         self._seq = (step, index)
         self.know_names([unit])
-        ph = _PHASES.index(phase) if phase in _PHASES else len(_PHASES) - 1
+        ph = _PHASES.index(phase if phase in _PHASES else "other")
         # A forward without gradients (evaluation) is told apart from a training one.
         grad = int(torch.is_grad_enabled()) if phase == "forward" else 1
         mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel, grad],
@@ -484,18 +485,34 @@ _STATE_HINT = ("A state dict of a sharded model is a collective here: call "
 _FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
                  "stage 3 every forward gathers weights from every rank: run forward passes, "
                  "evaluation included, on every rank (each on its own share of the data).")
-_ORDER_HINT = ("Every rank must run the same units in the same order each step; for uneven "
-               "data use zeroshard.join().")
+_UNIT_HINT = ("A unit ran on some ranks only (layer drop / stochastic depth or early exit "
+              "with rank-dependent randomness?): at stage 3 a unit's forward gathers its "
+              "weights from every rank and its backward reduces its gradients over every "
+              "rank, so every rank must run the same units. Make the same random choice on "
+              "every rank (draw it from a generator seeded alike everywhere, or broadcast "
+              "it), or use stage 2, where a skipped unit's parameters just get no gradient.")
+_UNEVEN_HINT = ("One rank left the training loop while another still trains: if the ranks "
+                "have different numbers of batches (uneven data), use zeroshard.join().")
+_ORDER_HINT = "Every rank must run the same units in the same order each step."
+_TRAINING = frozenset({"forward", "backward", "late"})
 
 
 def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     """What to do about a mismatch, from what the ranks were doing."""
     hints = []
-    if {names.get(r[3], "") for r in rows} & _STATE_UNITS:
+    units = {names.get(r[3], "") for r in rows}
+    if units & _STATE_UNITS:
         hints.append(_STATE_HINT)
-    phases = {_PHASES[r[4]] for r in rows}
-    if "forward" in phases and len(phases) > 1 or len({r[6] for r in rows}) > 1:
+    phases = [_PHASES[r[4]] for r in rows]
+    training = [p in _TRAINING for p in phases]
+    if len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
         hints.append(_FORWARD_HINT)
+    elif all(training) and len(units) > 1:
+        hints.append(_UNIT_HINT)
+    elif "forward" in phases and not all(training):
+        hints.append(_FORWARD_HINT)
+    if any(training) and not all(training):
+        hints.append(_UNEVEN_HINT)
     hints.append(_ORDER_HINT)
     return "\n".join(hints)
 

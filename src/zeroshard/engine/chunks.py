@@ -9,17 +9,30 @@ streams from memory, over 256K-element chunks the passes stay in cache. gpt2-sma
 25.5M elements, AdamW, 2 threads, median of 7 interleaved: 4 flat buckets 82.5 ms, per
 parameter (as DDP sees them) 36.1 ms, 256K chunks 30.1 ms, 1M chunks 38.8 ms. The update
 is elementwise, so the result is bitwise the same however the master is cut. CUDA
-masters and traces (fake tensors) are cut at parameter-group boundaries only: in the
-accounting the one difference is AdamW's 4-byte ``step`` per chunk.
+masters and traces (fake tensors) are cut at parameter boundaries only, not by size: in
+the accounting the one difference is AdamW's 4-byte ``step`` per chunk.
 
-The optimizer creates its state per chunk. After each step ``flatten_state`` re-points
-every per-element state tensor at a view of one master-shaped buffer per state key and
-bucket (after the first step it copies, one key of one bucket at a time: a transient of
-that much memory; then it finds the views in place and does nothing), so checkpoints,
-``full_optimizer_state`` and the unused-parameter restore read one tensor per key
-(``bucket_state``). Torch's optimizers update their state in place, so the views stay
-live. Scalar state (AdamW's ``step``) stays one tensor per chunk: the optimizer
-increments each one.
+A chunk never spans two parameters: each parameter's optimizer state is its own, as
+under torch. A parameter that got no gradient on any rank (an expert no token reached)
+is skipped by the step exactly as torch skips it — its chunks get no gradient, so the
+optimizer leaves their values and state, AdamW's ``step`` included, untouched — and a
+parameter's scalar state (``slot_scalars``) is that of its chunks. Every parameter has
+chunks on every rank: its region of each rank's shard is ``chunk`` elements, padding
+where it has fewer rows than ranks (see [Note: flat buckets]), so every rank steps (or
+skips) it alike and holds its scalars. Cutting at parameter boundaries costs nothing
+measurable: AdamW over gpt2-124m's shapes, 475 chunks of ≤256K across parameters vs 585
+within them, median of 15, one thread: 448 vs 432 ms.
+
+The optimizer creates its state per chunk. Where one tensor per state key and bucket is
+needed — checkpoints, the torch-format state dict, ``full_optimizer_state``, all through
+``bucket_state`` — ``flatten_state`` re-points every per-element state tensor at a view
+of one master-shaped buffer per key (the first time it copies, one key of one bucket at a
+time: a transient of that much memory; afterwards it finds the views in place and does
+nothing). Not after each step: the first step would then hold that transient beside the
+fresh state, where a step's peak can be (a trace of gpt2-tiny at stage 0 measured +1 MB
+at its peak). Torch's optimizers update their state in place, so the views stay live.
+Scalar state (AdamW's ``step``) stays one tensor per chunk: the optimizer increments
+each one (or, for a skipped parameter, not).
 
 [Note: masters inside the weights]
 Stages 1-2 without mixed precision and without offload keep no master of their own: the
@@ -38,6 +51,7 @@ checkpoints through ``state/layout.py: weights_views``.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -47,7 +61,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .flat import FlatBucket
 
 __all__ = ["CHUNK", "make_chunks", "set_master_grad", "bucket_state", "flatten_state",
-           "set_bucket_state"]
+           "set_bucket_state", "slot_scalars", "skip_slots"]
 
 CHUNK = 2**18
 
@@ -61,12 +75,12 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
     """
     data = b.master.detach() if b.master is not None else b.full
     n = b.shard_numel
-    runs = _group_runs(b, n, group_of or {})
-    if b.master is None:  # views of ``full``: never across a parameter's chunk
-        runs = _split_at_slots(b, runs)
+    # never across a parameter: its state is its own (see [Note: optimizer chunks]); and
+    # views of ``full`` must not span two parameters' chunks anyway
+    runs = _split_at_slots(b, _group_runs(b, n, group_of or {}))
     # Cutting by size helps only CPU masters (cache); a CUDA optimizer (foreach, fused)
     # gains nothing and a trace (fake tensors, memory/traced.py) would pay ~20 dispatched
-    # ops per chunk and step: there, masters are cut at group boundaries only.
+    # ops per chunk and step: there, masters are cut at parameter boundaries only.
     size = CHUNK if data.device.type == "cpu" and not is_fake(data) else n
     b.chunk_ranges, b.chunk_groups = [], []
     for a, z, g in runs:
@@ -74,6 +88,9 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
             b.chunk_ranges.append((lo, min(lo + size, z)))
             b.chunk_groups.append(g)
     b.chunks = [_chunk(b, lo, hi) for lo, hi in b.chunk_ranges]
+    starts = [s.shard_offset for s in b.slots]
+    # the slot each chunk belongs to (a chunk starting in the padding tail: the last)
+    b.chunk_slot = [max(0, bisect.bisect_right(starts, lo) - 1) for lo, _ in b.chunk_ranges]
 
 
 def _chunk(b: FlatBucket, lo: int, hi: int) -> nn.Parameter:
@@ -126,6 +143,26 @@ def set_master_grad(b: FlatBucket, grad: torch.Tensor | None) -> None:
         b.master.grad = grad
     for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
         c.grad = None if grad is None else grad[lo:hi]
+
+
+def skip_slots(b: FlatBucket, slots: set[int]) -> None:
+    """Take the gradient off the chunks of ``slots`` (indices into ``b.slots``): the
+    optimizer's next step skips them, as torch skips a parameter whose ``grad`` is None
+    (see [Note: optimizer chunks]). The next ``set_master_grad`` gives them one again."""
+    for c, i in zip(b.chunks, b.chunk_slot):
+        if i in slots:
+            c.grad = None
+
+
+def slot_scalars(state: dict, b: FlatBucket, i: int) -> dict[str, Any] | None:
+    """Slot ``i``'s scalar optimizer state (AdamW's ``step``): its first chunk's, as
+    every chunk of a parameter steps together; None if the optimizer holds no state for
+    it (never stepped: torch has no entry for such a parameter either)."""
+    c = next((c for c, j in zip(b.chunks, b.chunk_slot) if j == i), None)
+    st = state.get(c) if c is not None else None
+    if not st:
+        return None
+    return {k: v for k, v in st.items() if not _per_element(v, c)}
 
 
 def _per_element(value: Any, chunk: torch.Tensor) -> bool:
@@ -181,19 +218,32 @@ def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
     return out
 
 
-def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any]) -> None:
+def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any],
+                     scalars: list[dict[str, Any] | None] | None = None) -> None:
     """Give every chunk its part of ``values``: master-shaped tensors become the flat
-    buffers (sliced, as views), scalars are copied per chunk, since the optimizer updates
-    each chunk's own in place. Empty ``values`` clears the bucket's state."""
+    buffers (sliced, as views). Scalars are per slot (``scalars[i]`` for slot ``i``; None
+    there: the slot's chunks get no state at all, as a parameter torch never stepped),
+    else the scalars in ``values`` for every slot; copied per chunk, since the optimizer
+    updates each chunk's own in place. Empty ``values``: no state for the bucket."""
     for c in b.chunks:
         state.pop(c, None)
-    b.flat_state = {k: v for k, v in values.items()
-                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,)}
-    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges)
-                    for k, f in b.flat_state.items()}
-    if not values:
+    per = {k: v for k, v in values.items()
+           if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,)}
+    b.flat_state = per
+    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges) for k, f in per.items()}
+    if not values and scalars is None:
         return
-    for i, c in enumerate(b.chunks):
-        state[c] = {k: b.flat_views[k][i] if k in b.flat_state
-                    else v.clone() if isinstance(v, torch.Tensor) and i > 0 else v
-                    for k, v in values.items()}
+    shared = {k: v for k, v in values.items() if k not in per}
+    order = list(values)
+    for j, (c, i) in enumerate(zip(b.chunks, b.chunk_slot)):
+        own = shared if scalars is None else scalars[i]
+        if own is None:
+            continue
+        # torch's optimizers create their scalars (step) before their tensors
+        keys = [k for k in own if k not in values] + order
+        state[c] = {k: b.flat_views[k][j] if k in per
+                    else _copy(own[k]) for k in keys if k in per or k in own}
+
+
+def _copy(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v

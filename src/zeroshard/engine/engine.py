@@ -39,11 +39,45 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   all-gather of the updated weights, copied out into ``full``; on gloo none (each rank's
   chunk of each parameter is broadcast straight into ``full``, see refresh_weights).
 
+[Note: collective order in backward]
+Collectives pair up by their order on each rank, so the order of the reductions in
+backward must not depend on the data: which parameters a rank used in a step does. In a
+mixture-of-experts model one rank routes no token to an expert another rank keeps busy;
+an adapter or an auxiliary head runs on some micro-batches only. Launching each bucket
+as soon as all its gradients arrived (this engine once did) launched a bucket with such
+a parameter early on the rank that used it and at the end of backward on the other: the
+ranks reduced different buckets against each other (gloo aborts; NCCL mixes data). So:
+
+* stages 0-2 launch buckets in one fixed order, ``self.buckets`` (reverse registration,
+  about the order backward produces gradients), each once it is complete and every
+  bucket before it has been launched (``_launch_in_order``), as DDP's reducer does; the
+  end of backward launches the rest, in the same order, with zeros for what this rank
+  did not produce. A bucket that waits for a parameter this rank will not use holds the
+  buckets after it until the end of backward on that rank: less overlap, same result.
+* stage 3 reduces all of a unit's buckets at its post-backward, whatever its parameters
+  received (zeros for the rest), as FSDP2 does; units without a post-backward signal
+  (the root; a unit whose inputs need no gradient) at the end of backward, in order.
+  Which units run is the same on every rank (the forward's collective checks refuse
+  otherwise, naming the unit), so the order is too.
+* gradient parts that arrive after their bucket was reduced (stage 3: a unit's
+  parameter used after its post-backward, reentrant checkpointing) are reduced again at
+  the end — by every rank, for the buckets *any* rank flagged: the flags travel in the
+  one all-reduce of usage flags every synchronised backward ends with
+  (``_agree_on_usage``), so what is reduced never depends on one rank's data.
+
+That all-reduce also tells every rank which parameters no rank used: they keep
+``grad = None`` and the step skips them exactly as torch's optimizer does, state and
+AdamW's ``step`` untouched (chunks.skip_slots, [Note: optimizer chunks]). A parameter
+used on some ranks gets DDP's gradient: the others contribute zeros. An MoE step issues
+exactly the collectives of a dense step of the same buckets.
+
 [Note: end of backward]
 The first gradient hook of a backward queues :meth:`Engine._finish_backward` on the
 autograd engine; it runs once backward is done, launches reductions of buckets that
 never became complete (parameters unused in this step), waits for all in flight and,
-after a synchronised backward, publishes the gradients to the user parameters.
+after a synchronised backward, agrees with the other ranks on which parameters were
+used ([Note: collective order in backward]) and publishes the gradients to the user
+parameters.
 Reentrant activation checkpointing runs a backward per region from inside the outer
 one; a callback queued from inside ends with that region, so the finish then defers
 itself to the outer node's completion (and so on outwards). A parameter used in several
@@ -64,6 +98,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
@@ -172,6 +207,8 @@ class Engine(Stage3Hooks, JoinReplay):
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
         self._unit_of = {id(b): u for u in self.units for b in u.buckets}
         self._pending: deque[FlatBucket] = deque()
+        self._next_launch = 0  # stages 0-2: the next bucket to launch, in order
+        self._backward_flags: torch.Tensor | None = None  # see _agree_on_usage
         self._used_flags: torch.Tensor | None = None  # see gather_used_flags
         self._backward_queued = False
         self._backward_ended = False  # a backward ended since the last forward
@@ -638,18 +675,23 @@ class Engine(Stage3Hooks, JoinReplay):
         if not self.sync or not completes or b.launched:
             return
         b.ready += 1
-        if b.ready == len(b.slots) and (self.config.overlap or self.units):
-            u = self._unit_of.get(id(b))
-            if u is None:
+        # Stage 3 reduces a unit at its post-backward, or at the end of backward (see
+        # [Note: collective order in backward]); stages 0-2 in bucket order.
+        if b.ready == len(b.slots) and self.config.overlap and not self.units:
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        """Stages 0-2: launch the complete buckets at the head of the launch order
+        (``self.buckets``), never one ahead of an incomplete one: see [Note: collective
+        order in backward]."""
+        order = self.buckets
+        while self._next_launch < len(order):
+            b = order[self._next_launch]
+            if not b.launched:
+                if b.ready < len(b.slots):
+                    return
                 self._launch(b)
-                return
-            if u.inputs_hooked and not u.backward_done:
-                return  # reduced by _post_backward, once the unit's weights are freed
-            self._fold(b)
-            self._launch(b)
-            if (not u.inputs_hooked and len(u.trainable) == len(u.buckets)
-                    and all(c.launched for c in u.trainable)):
-                self._reshard(u)  # see [Note: unit lifecycle]
+            self._next_launch += 1
 
     # -- tied parameters (see [Note: tied parameters] in params.py) ------------------------
     @staticmethod
@@ -741,8 +783,10 @@ class Engine(Stage3Hooks, JoinReplay):
         whole gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
         u.backward_done = True
         self._reshard(u)
-        for b in u.trainable:
-            if not b.launched and b.ready == len(b.slots):
+        if not self.sync:
+            return
+        for b in u.trainable:  # whatever its parameters received: see [Note: collective
+            if not b.launched:  # order in backward]; a missing gradient counts as zeros
                 self._fold(b)
                 self._launch(b)
 
@@ -790,7 +834,7 @@ class Engine(Stage3Hooks, JoinReplay):
             self._grad_buffer_bytes -= b.grad.untyped_storage().nbytes()
             b.grad = None
 
-    def _launch(self, b: FlatBucket) -> None:
+    def _launch(self, b: FlatBucket, phase: str = "backward") -> None:
         """Start reducing a bucket's gradient (average over ranks)."""
         src = b.grad
         assert src is not None
@@ -810,10 +854,10 @@ class Engine(Stage3Hooks, JoinReplay):
         if self._predivide(rdtype):
             buf.div_(self._divisor())
         if self.policy.reduce_op == "all_reduce":
-            pending = self.comm.all_reduce(buf, phase="backward", unit=b.name,
+            pending = self.comm.all_reduce(buf, phase=phase, unit=b.name,
                                            async_op=self.config.overlap)
         else:
-            pending = self.comm.reduce_scatter(buf, phase="backward", unit=b.name,
+            pending = self.comm.reduce_scatter(buf, phase=phase, unit=b.name,
                                                async_op=self.config.overlap)
         b.pending = (pending, buf)
         b.launched = True
@@ -926,7 +970,7 @@ class Engine(Stage3Hooks, JoinReplay):
                 b.launched = False
                 b.arrived = [set() for _ in b.slots]
             return
-        for b in self.buckets:
+        for b in self.buckets:  # in order: see [Note: collective order in backward]
             if not b.launched:
                 if self.units:
                     self._fold(b)  # some parameters got no gradient in this backward
@@ -937,19 +981,49 @@ class Engine(Stage3Hooks, JoinReplay):
                 self._launch(b)
             b.ready = 0
             b.arrived = [set() for _ in b.slots]
+        self._next_launch = 0
         while self._pending:
             self._complete(self._pending.popleft())
-        if self.units:  # parts of gradients that arrived after their unit's reduction
-            late = [b for b in self.buckets if any(
-                leaf.grad is not None for s in b.slots for leaf in self.faces.leaves(s.param))]
-            for b in late:
-                self._fold(b)
-                self._launch(b)  # its reduced slice adds to the first one's
-            while self._pending:
-                self._complete(self._pending.popleft())
+        late = self._agree_on_usage()
+        for b in late:  # parts of gradients that arrived after their unit's reduction
+            self._fold(b)  # zeros where this rank has none: every rank reduces it
+            self._launch(b, phase="late")  # its reduced slice adds to the first one's
+        while self._pending:
+            self._complete(self._pending.popleft())
         for b in self.buckets:
             b.launched = False
         self.publish_grads()
+
+    def _agree_on_usage(self) -> list[FlatBucket]:
+        """End of a synchronised backward: every rank learns which parameters some rank
+        produced a gradient for (the others keep ``grad = None``, as under DDP, and the
+        step skips them) and, at stage 3, which buckets some rank holds a late gradient
+        part for (every rank then reduces those buckets again, so that what is reduced
+        never depends on one rank's data). One small all-reduce per synchronised
+        backward, as DDP's ``find_unused_parameters``. Returns the late buckets."""
+        n = sum(len(b.slots) for b in self.buckets)
+        flags = self._backward_flags
+        if flags is None:
+            flags = self._backward_flags = torch.empty(n + len(self.buckets),
+                                                       device=self.device)
+        torch.cat([b.used for b in self.buckets], out=flags[:n])
+        if self.units:
+            late = [float(any(leaf.grad is not None for s in b.slots
+                              for leaf in self.faces.leaves(s.param))) for b in self.buckets]
+            flags[n:].copy_(torch.tensor(late))
+        else:
+            flags[n:].zero_()
+        self.world.all_reduce(flags, phase="control", unit="used").wait()
+        if is_fake(flags):  # a trace (memory/traced.py) reads no values: all were used
+            for b in self.buckets:
+                b.unused = set()
+            return []
+        values = flags.tolist()  # one read, not one per slot
+        k = 0
+        for b in self.buckets:
+            b.unused = {j for j in range(len(b.slots)) if values[k + j] == 0}
+            k += len(b.slots)
+        return [b for b, f in zip(self.buckets, values[n:]) if f > 0]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -982,10 +1056,11 @@ class Engine(Stage3Hooks, JoinReplay):
                 for i, opts in enumerate(options)]
 
     def publish_grads(self) -> None:
-        """Form the masters' fp32 gradients and show them on the user parameters."""
+        """Form the masters' fp32 gradients and show them on the user parameters (None
+        for those no rank produced one for, see _agree_on_usage)."""
         self.prepare_grads()
         for b in self.buckets:
-            self.faces.publish_grads(b)
+            self.faces.publish_grads(b, b.unused)
 
     def adopt_user_grads(self) -> None:
         """Before the step (and zeroshard's own clipping): take in ``.grad`` the user
@@ -1000,9 +1075,9 @@ class Engine(Stage3Hooks, JoinReplay):
         wrong, at every stage). Now a new tensor's values (a DTensor like the published
         one, or the whole gradient, of which this rank takes its rows) are copied into
         ``master_grad`` and ``.grad`` views it again; ``None`` marks the parameter unused on
-        this rank, so where every rank cleared it the step leaves it and its optimizer
-        state as they were (as for a parameter no rank used; AdamW's ``step`` count still
-        advances: it is one per chunk, see chunks.py)."""
+        this rank, so where every rank cleared it the step skips it as torch does, its
+        optimizer state and AdamW's ``step`` untouched (as for a parameter no rank used,
+        see chunks.skip_slots)."""
         if not self.faces.published:
             return
         for b in self.buckets:
@@ -1139,20 +1214,17 @@ class Engine(Stage3Hooks, JoinReplay):
         self.world.all_reduce(flags, phase="control", unit="used").wait()
         return flags
 
-    def unused_slots(self) -> list[tuple[FlatBucket, int, int]]:
-        """Master ranges (bucket, lo, hi) of parameters no rank produced a gradient for."""
-        flags = self.gather_used_flags()
-        out: list[tuple[FlatBucket, int, int]] = []
+    def unused_slots(self) -> list[tuple[FlatBucket, set[int]]]:
+        """Per bucket, the slots of parameters no rank produced a gradient for (or whose
+        ``.grad`` every rank set to None): the step skips them (chunks.skip_slots)."""
+        flags = self.gather_used_flags().tolist()
+        out: list[tuple[FlatBucket, set[int]]] = []
         k = 0
         for b in self.buckets:
-            unused = {id(s.param) for j, s in enumerate(b.slots) if flags[k + j] == 0}
+            unused = {j for j in range(len(b.slots)) if flags[k + j] == 0}
             k += len(b.slots)
-            if not unused:
-                continue
-            if self.policy.shard_optimizer:
-                out += [(b, lo, hi) for s, lo, hi in b.slots_in_shard() if id(s.param) in unused]
-            else:
-                out += [(b, s.offset, s.offset + s.numel) for s in b.slots if id(s.param) in unused]
+            if unused:
+                out.append((b, unused))
         return out
 
     def after_step(self) -> None:

@@ -144,6 +144,7 @@ class FlatBucket:
         self.edits_seen = -1  # Faces.edits when the compute weights were derived
         self.chunk_ranges: list[tuple[int, int]] = []
         self.chunk_groups: list[int] = []  # optimizer parameter group of each chunk
+        self.chunk_slot: list[int] = []  # the slot (parameter) each chunk belongs to
         self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
         self.flat_views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
@@ -164,6 +165,8 @@ class FlatBucket:
         self.valid = [False] * len(self.slots)
         self.arrived = [set() for _ in self.slots]
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
+        # slots no rank produced a gradient for in the last synchronised backward
+        self.unused: set[int] = set()
 
     # -- layout ------------------------------------------------------------------------
     @property

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from .chunks import bucket_state, flatten_state
+from .chunks import skip_slots
 from .engine import Engine
-from .flat import FlatBucket
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 
 __all__ = ["ShardedOptimizer"]
@@ -49,16 +48,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ sets up the hook dicts LR schedulers and profilers expect.
         super().__init__(groups, dict(defaults or inner.defaults))
         self._built = True
-        # State is created per chunk; flatten it as part of the inner step (so a memory
-        # tracker sees it inside that step: on the host with offload).
-        inner.register_step_post_hook(lambda *_: self._flatten())
         # With zeroshard's own fp16 loss scaling, GradScaler would scale twice: torch's
         # GradScaler hands optimizers that set this to their own step, which refuses it.
         self._step_supports_amp_scaling = engine.scaler.enabled
-
-    def _flatten(self) -> None:
-        for b in self.engine.buckets:
-            flatten_state(self.optim.state, b)
 
     def _sync_hyperparameters(self) -> None:
         """Hyperparameters set on the user's groups (lr schedules) -> the inner groups."""
@@ -91,14 +83,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine.scaler.update(overflow=False)
         engine.adopt_user_grads()  # .grad assigned by the user (see engine.py)
         self._sync_hyperparameters()
-        unused = engine.unused_slots()
-        saved = [self._save_range(b, lo, hi) for b, lo, hi in unused]
-        self.optim.step()  # its post-hook flattens the per-chunk state (chunks.py)
+        for b, slots in engine.unused_slots():
+            skip_slots(b, slots)  # as torch skips a parameter whose grad is None
+        self.optim.step()
         old = self._replaces() if self._replaces is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
-        for (b, lo, hi), old in zip(unused, saved):
-            self._restore_range(b, lo, hi, old)
         engine.after_step()
         return None
 
@@ -144,21 +134,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 when not scaling)."""
         return self.engine.scaler.scale
-
-    # -- parameters no rank used this step: leave them and their state untouched --------
-    def _save_range(self, b: FlatBucket, lo: int, hi: int) -> list[torch.Tensor]:
-        tensors = [b.master_range(lo, hi)] + [t[lo:hi] for t in self._state_tensors(b)]
-        return [t.clone() for t in tensors]
-
-    def _restore_range(self, b: FlatBucket, lo: int, hi: int,
-                       old: list[torch.Tensor]) -> None:
-        tensors = [b.master_range(lo, hi)] + [t[lo:hi] for t in self._state_tensors(b)]
-        for t, o in zip(tensors, old):
-            t.copy_(o)
-
-    def _state_tensors(self, b: FlatBucket) -> list[torch.Tensor]:
-        return [v for v in bucket_state(self.optim.state, b).values()
-                if isinstance(v, torch.Tensor) and v.shape == (b.shard_numel,)]
 
     # -- state in torch's format ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

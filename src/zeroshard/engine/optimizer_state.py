@@ -11,10 +11,10 @@ parameter by parameter). ``load_state_dict`` takes the same format — from zero
 any stage and world size, or from a plain torch optimizer — and keeps only this rank's
 chunk of each parameter: no communication.
 
-Scalars are per chunk in the engine (engine/chunks.py) and every chunk steps at every
-step, so the scalars of a bucket agree; a state whose parameters disagree (torch skips
-parameters without a gradient, so their ``step`` lags) cannot be represented exactly,
-and loading it is refused rather than approximated.
+Scalars are per chunk in the engine and a chunk never spans two parameters
+(engine/chunks.py), so each parameter keeps its own (AdamW's ``step`` lags where torch
+skipped the parameter for want of a gradient), and a parameter torch never stepped has
+no entry, here as in torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .chunks import bucket_state, set_bucket_state
+from .chunks import bucket_state, set_bucket_state, slot_scalars
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -59,22 +59,19 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         if not bstate:
             continue
         keys = _per_element(bstate, b)
-        # torch's key order (AdamW: step, exp_avg, exp_avg_sq), as the optimizer made it
-        first = next((inner.state[c] for c in b.chunks if inner.state.get(c)), bstate)
-        order = [k for k in first if k in bstate] + [k for k in bstate if k not in first]
         whole = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
                      if engine.policy.shard_optimizer else bstate[k].detach()) for k in keys}
         for i, s in enumerate(b.slots):
             user = engine.faces.user[id(s.param)]
-            if id(user) not in index or engine.group_of.get(s.names[0], 0) < 0:
+            scalars = slot_scalars(inner.state, b, i)
+            if id(user) not in index or engine.group_of.get(s.names[0], 0) < 0 or (
+                    scalars is None):  # never stepped: torch has no entry either
                 continue
             entry: dict[str, Any] = {}
-            for k in order:
-                v = bstate[k]
-                if k in whole:
-                    entry[k] = b.slot_view(whole[k], i).to("cpu", copy=True)
-                else:
-                    entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+            for k, v in scalars.items():  # torch's key order: scalars (step) first
+                entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+            for k in keys:
+                entry[k] = b.slot_view(whole[k], i).to("cpu", copy=True)
             state[index[id(user)]] = entry
         del whole
     return {"state": dict(sorted(state.items())), "param_groups": packed}
@@ -125,22 +122,21 @@ def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
 def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
                  by_id: dict[int, Any]) -> None:
     values: dict[str, Any] = {}
-    stepped = [s for s in b.slots if engine.group_of.get(s.names[0], 0) >= 0]
-    have = [s for s in stepped if by_id.get(id(engine.faces.user[id(s.param)]))]
-    if have and len(have) < len(stepped):
-        lost = next(s for s in stepped if s not in have)
-        raise ValueError(
-            f"the loaded optimizer state has entries for {have[0].names[0]!r} but none for "
-            f"{lost.names[0]!r}, which zeroshard steps together with it (torch skips "
-            "parameters that never got a gradient). Load a state where every trainable "
-            "parameter in the optimizer has been stepped, or start the state fresh")
+    scalars: list[dict[str, Any] | None] = []
+    group = _inner_group(inner, b)
+    on_device = bool(group and (group.get("capturable") or group.get("fused")))
     for s in b.slots:
         st = by_id.get(id(engine.faces.user[id(s.param)]))
-        if not st:
+        if not st:  # never stepped: no state, as in torch
+            scalars.append(None)
             continue
+        own: dict[str, Any] = {}
         for k, v in st.items():
             if not _is_per_element(k, v, s.shape):
-                _agree_scalar(values, k, v, s.names[0])
+                if torch.is_tensor(v):  # a scalar: each chunk its own copy
+                    dev = b.master_device if on_device else torch.device("cpu")
+                    v = v.detach().clone().to(dev)
+                own[k] = v
                 continue
             if k not in values:
                 values[k] = torch.zeros(b.shard_numel, dtype=b.master_dtype,
@@ -148,32 +144,11 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
             lo, hi = s.piece(b.rank)
             dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
             dst.copy_(v.detach().reshape(-1)[lo:hi])
-    if not values:
+        scalars.append(own)
+    if all(x is None for x in scalars):
         set_bucket_state(inner.state, b, {})
         return
-    group = _inner_group(inner, b)
-    on_device = bool(group and (group.get("capturable") or group.get("fused")))
-    for k, v in list(values.items()):
-        if torch.is_tensor(v) and v.shape != (b.shard_numel,):  # a scalar: one per chunk
-            dev = b.master_device if on_device else torch.device("cpu")
-            values[k] = v.detach().clone().to(dev)
-    set_bucket_state(inner.state, b, values)
-
-
-def _agree_scalar(values: dict[str, Any], k: str, v: Any, name: str) -> None:
-    if k not in values:
-        values[k] = v
-        return
-    old = values[k]
-    same = (torch.equal(torch.as_tensor(old), torch.as_tensor(v)) if torch.is_tensor(old)
-            or torch.is_tensor(v) else old == v)
-    if not same:
-        raise ValueError(
-            f"optimizer state {k!r} differs between parameters stepped together ({name!r} "
-            f"has {v!r}, another {old!r}): zeroshard steps a bucket's parameters together, so "
-            "it cannot hold per-parameter step counts (torch's lag for parameters that got no "
-            "gradient). Start the optimizer state fresh, or load it where every parameter "
-            "was stepped equally")
+    set_bucket_state(inner.state, b, values, scalars)
 
 
 def _inner_group(inner: torch.optim.Optimizer, b: FlatBucket) -> dict[str, Any] | None:
@@ -193,15 +168,15 @@ def state_view(engine: Engine, inner: torch.optim.Optimizer) -> dict[Any, dict[s
         bstate = bucket_state(inner.state, b)
         if not bstate:
             continue
-        keys = set(_per_element(bstate, b))
+        keys = _per_element(bstate, b)
         for i, s in enumerate(b.slots):
-            if engine.group_of.get(s.names[0], 0) < 0:
+            scalars = slot_scalars(inner.state, b, i)
+            if engine.group_of.get(s.names[0], 0) < 0 or scalars is None:
                 continue
-            entry: dict[str, Any] = {}
-            for k, v in bstate.items():
-                if k not in keys:
-                    entry[k] = v
-                elif engine.policy.shard_optimizer:
+            entry: dict[str, Any] = dict(scalars)
+            for k in keys:
+                v = bstate[k]
+                if engine.policy.shard_optimizer:
                     local = b.local(v.detach(), i)
                     spec = engine.faces.specs[id(s.param)]
                     entry[k] = dtensor(local, spec) if local.dtype == spec.tensor_meta.dtype \

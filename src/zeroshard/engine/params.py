@@ -199,11 +199,17 @@ class Faces:
             id(a) for aliases in self.aliases.values() for a in aliases}
 
     # -- gradients ----------------------------------------------------------------------
-    def publish_grads(self, b: FlatBucket) -> None:
-        """Point each user parameter's ``.grad`` at its part of ``b.master_grad``."""
+    def publish_grads(self, b: FlatBucket, unused: set[int] = frozenset()) -> None:
+        """Point each user parameter's ``.grad`` at its part of ``b.master_grad``; those of
+        the slots ``unused`` (no rank produced a gradient) at None, as under DDP."""
         self.published = True
         for i, s in enumerate(b.slots):
             user = self.user[id(s.param)]
+            if i in unused:
+                user.grad = None
+                if not self.sharded and not self.swap:  # stage 0: the buffer's view
+                    s.param.grad = None
+                continue
             # Stage 0 without mixed precision: .grad is already the reduced view (unless
             # only other ranks used the parameter).
             if self.sharded or user is not s.param or user.grad is None:

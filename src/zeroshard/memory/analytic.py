@@ -81,6 +81,7 @@ __all__ = [
     "OffloadTime",
     "Recipe",
     "Stage3Buffers",
+    "Stage3Moment",
     "StepTime",
     "block_params",
     "break_even_tokens",
@@ -100,6 +101,7 @@ __all__ = [
     "recompute_flops_per_token",
     "root_params",
     "stage3_buffer_bytes",
+    "stage3_moments",
     "step_time",
 ]
 
@@ -226,8 +228,10 @@ class Stage3Buffers:
         return max(self.backward, self.root_reduce)
 
     def beside(self, activation_bytes: int) -> int:
-        """What they add to a step's peak over ``activation_bytes`` (the activations' own
-        peak): the backward window, or the root's reduction if that alone is larger."""
+        """The part of a stage-3 step's peak that no device count shrinks, less
+        ``activation_bytes`` (the activations' own peak): the backward window, or the
+        root's reduction if that alone is larger. With every gradient slice counted
+        beside it, an upper bound of the step's peak (see [Note: stage-3 peak])."""
         return max(self.backward, self.root_reduce - activation_bytes)
 
 
@@ -275,19 +279,20 @@ def stage3_buffer_bytes(
 
           backward    = P·R + G·H + max((k+1)·P + 2·G, k·P + 3·G)·B
 
-    * At the end of backward the embedding's gradient completes the root: its buffer
-      (G·R) is allocated while autograd's gradients (G·R) are still on the parameters,
-      beside the first block's reduction in flight; by then the activations are freed:
+    * The root is reduced at the end of backward (engine.py, [Note: collective order in
+      backward]), after every unit's weights are freed: its buffer (G·R) is allocated
+      while autograd's gradients (G·R) are still on the parameters, beside the first
+      block's reduction in flight; by then the activations are freed:
 
-          root_reduce = P·R + 2·G·R + G·B
+          root_reduce = 2·G·R + G·B
 
     A trace counts both to the byte (tests/test_traced.py; [Note: stage-3 buffers,
     traced] in traced.py): llama-3-8B's shape (untied, R = 1.05B, H = 0.53B, B = 0.22B)
-    gives 4.90 GB and 6.74 GB in bf16, not the 8.4 GB of "(k+1) x the largest unit's
-    weights and gradients" counted before, which priced the root like a block. The
-    planner adds ``Stage3Buffers.beside(activations)``: a step's peak is either in
-    backward with every activation alive or at the root's reduction without any. Counts
-    are unpadded; the engine pads each parameter to a multiple of N rows.
+    gives 4.90 GB and 4.64 GB in bf16, not the 8.4 GB of "(k+1) x the largest unit's
+    weights and gradients" counted before, which priced the root like a block. What they
+    come beside (gradient slices, activations) differs between the two moments: see
+    [Note: stage-3 peak]. Counts are unpadded; the engine pads each parameter to a
+    multiple of N rows.
     """
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (units gathered ahead)")
@@ -295,7 +300,105 @@ def stage3_buffer_bytes(
     p, g, k = r.param_bytes, r.grad_bytes, prefetch
     blocks = max((k + 1) * p + 2 * g, k * p + 3 * g) * block
     return Stage3Buffers(backward=p * root + g * head + blocks,
-                         root_reduce=p * root + 2 * g * root + g * block)
+                         root_reduce=2 * g * root + g * block)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage3Moment:
+    """What a stage-3 rank holds at one moment of a step beyond its weight and
+    optimizer-state shards; see [Note: stage-3 peak]."""
+
+    name: str
+    grad_slices: int
+    """Its reduced gradient slices that exist by then."""
+    activations: int
+    """Activations (saved for backward, and the recompute working set) still alive."""
+    buffers: int
+    """Stage 3's buffers then (:class:`Stage3Buffers`); at the optimizer step, the fp32
+    copies of the gradient slices that the optimizer steps with."""
+
+    @property
+    def total(self) -> int:
+        return self.grad_slices + self.activations + self.buffers
+
+
+def stage3_moments(
+    *,
+    block: int,
+    blocks: int,
+    root: int,
+    head: int,
+    n: int,
+    activations: int,
+    late_activations: int,
+    prefetch: int = 1,
+    recipe: str | Recipe = "bf16-adamw",
+    offload: bool = False,
+) -> tuple[Stage3Moment, ...]:
+    """[Note: stage-3 peak]
+    ZeRO's model state counts every gradient slice (G·Ψ/N), as a rank holds them between
+    backward and the optimizer step; stage 3's buffers ([Note: stage-3 buffers]) sit
+    beside the activations. None of the three is whole at the same time. A unit's slice
+    appears when its reduce-scatter is issued (the output of a native reduce-scatter,
+    kept as ``grad_shard`` once it completes: engine.py ``_launch``, ``_complete``);
+    ``zero_grad`` frees every slice before the next forward; backward frees each block's
+    activations as it passes it. So the step's peak is the largest of four moments, each
+    beside the weight and optimizer-state shards ((P + K)·Ψ/N), with ``blocks`` = L
+    blocks of B parameters, k = ``prefetch``, A = ``activations`` (their peak, all alive)
+    and A' = ``late_activations`` (those of the k+1 lowest blocks, with the recompute
+    working set):
+
+        backward begins      A  + backward                      no slice yet
+        end of the blocks'   A' + backward + G·⌈(L-k-1)·B/N⌉   every block above block k
+          backward                                              issued its reduction
+        root's reduction          root_reduce + G·⌈L·B/N⌉       every block's slice, not
+                                                                the root's
+        optimizer step            G·⌈Ψ/N⌉ + 4·⌈Ψ/N⌉             every slice, and its fp32
+                                                                copy (16-bit gradients)
+
+    Between the first two, each block's backward trades its saved activations for its
+    slice (G·B/N), a straight line with its largest value at one end: the start where a
+    block saves more than its slice (no checkpointing), the end where it saves less (full
+    checkpointing keeps one block input, 2·s·b·h bytes: 16.8 MB against a 54.5 MB slice
+    at llama-3-8B's shape, seq 2048, N = 8, bf16). The end is block k's backward, the
+    last with k blocks to prefetch below it: past it the gathers stop, and k·P·B falls
+    faster than slices grow. The head's saved activations (the final norm's, the LM
+    head's input, the loss's log-softmax) are freed by the head's backward, before it:
+    A' leaves them out, with the embedding's token ids and the RoPE tables (kilobytes to
+    megabytes). At the optimizer step the engine has cast each slice to an fp32 copy for
+    the fp32 masters (engine.py ``prepare_grads``; a view of the slice under the fp32
+    recipe, where G = 4 already is the masters' dtype) and freed every buffer; the
+    activations are gone. ``offload``: the slices and their copies live on the host.
+
+    A trace of llama-3-8B's shape (untied; N = 8, seq 2048, full checkpointing, bf16)
+    peaks at the end of the blocks' backward at 20.91 GB: 29 slices complete and block
+    2's in flight, two block inputs and block 1's recompute; this prices it at 21.03 GB
+    (tests/test_traced.py). Counting every slice beside every activation and the
+    backward window gave 22.48 GB (+7.5%); the blocks' start alone 20.47 GB. Under the
+    fp32 recipe, and at stages 0-2, the step's copies are not there or not counted.
+    """
+    b = stage3_buffer_bytes(block=block, root=root, head=head, prefetch=prefetch,
+                            recipe=recipe)
+    _check(3, n)
+    r = get_recipe(recipe)
+    g = 0 if offload else r.grad_bytes
+    copy = 0 if offload or r.grad_bytes >= 4 else 4  # fp32 masters, 16-bit gradients
+    psi = root + blocks * block
+    done = max(blocks - prefetch - 1, 0)
+
+    def slices(elems: int) -> int:
+        return g * math.ceil(elems / n)
+
+    return (
+        Stage3Moment(name="backward begins", grad_slices=0, activations=activations,
+                     buffers=b.backward),
+        Stage3Moment(name="end of the blocks' backward", grad_slices=slices(done * block),
+                     activations=late_activations, buffers=b.backward),
+        Stage3Moment(name="root's reduction", grad_slices=slices(blocks * block),
+                     activations=0, buffers=b.root_reduce),
+        Stage3Moment(name="optimizer step", grad_slices=slices(psi), activations=0,
+                     buffers=copy * math.ceil(psi / n)),
+    )
 
 
 def grad_bucket_bytes(bucket_bytes: int, *, in_flight: int = 3) -> int:

@@ -29,16 +29,16 @@ memory and the engine would copy nothing, so the trace forces the engine's copy 
 tracker.py): ``device_*`` fields are what the accelerator would hold, ``host_*`` the
 host's share per rank.
 
-The optimizer: a real CPU run steps each master in ≤256K-element chunks (engine/chunks.py),
-whose temporaries are negligible; a trace keeps one tensor per bucket (each chunk would
-cost it ~20 dispatched ops) and steps Adam/AdamW fused (no temporaries), which matches
-that within a chunk's temporaries, and counts one 4-byte AdamW ``step`` per bucket, not
-per chunk. (torch's default on CUDA, ``foreach``, allocates list-wide temporaries during
+The optimizer: a real CPU run steps each master in ≤256K-element chunks, never across a
+parameter (engine/chunks.py), whose temporaries are negligible; a trace keeps one tensor
+per parameter (each size cut would cost it ~20 dispatched ops) and steps Adam/AdamW fused
+(no temporaries), which matches that within a chunk's temporaries, and counts one 4-byte
+AdamW ``step`` per parameter, not per chunk. (torch's default on CUDA, ``foreach``, allocates list-wide temporaries during
 the step that no trace here models: pass ``foreach=True`` to trace them.)
 
 What fake tensors cannot do is read a value. Two places in a step do: the engine's
-"which parameters got no gradient on any rank" check (so the trace assumes all did, as
-in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
+"which parameters got no gradient on any rank" checks, at the end of backward and at the
+step (so the trace assumes all did, as in every reference model) and fp16's overflow check (so fp16 is traced as bf16: the same
 bytes, only the loss scale differs). Any other op that reads values or lacks a fake
 kernel fails with a :class:`TraceError` naming the model, stage, N and phase.
 

@@ -87,7 +87,8 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
     if not states:
         return info
     trainable = {e.name for e in entries if e.trainable}
-    lacking = sorted(trainable - set(states))
+    # parameters never stepped when saved have no state, as in torch
+    lacking = sorted(trainable - set(states) - set(info.get("unstepped", ())))
     frozen_now = sorted(set(states) - trainable)
     if lacking or frozen_now:
         lines = [f"checkpoint {str(path)!r}: optimizer state does not match the trainable "
@@ -98,22 +99,3 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
                  "only the weights"]
         raise CheckpointError("\n".join(lines))
     return info
-
-
-def bucket_scalars(names: list[str], states: dict[str, Any], bucket: str,
-                   path: Path) -> tuple[list[str], list[str], dict[str, Any]]:
-    """State key order, per-element keys and scalar state shared by a bucket's parameters.
-
-    A flat bucket has one optimizer state (AdamW's ``step`` is per bucket), so the
-    parameters that now share a bucket must have saved the same keys and scalar values.
-    """
-    first = states[names[0]]
-    for n in names[1:]:
-        s = states[n]
-        if s["per_element"] != first["per_element"] or s["scalars"] != first["scalars"]:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r}: parameters {names[0]!r} and {n!r} now share bucket "
-                f"{bucket!r} but were saved with different optimizer state "
-                f"({first['scalars']} vs {s['scalars']}); a flat bucket has one state. "
-                "Load at the stage/bucket size it was saved with")
-    return first["state_keys"], first["per_element"], first["scalars"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..api import engine_of
-from ..engine.chunks import bucket_state
+from ..engine.chunks import bucket_state, slot_scalars
 from .layout import param_entries
 
 __all__ = ["full_optimizer_state"]
@@ -26,8 +26,8 @@ def full_optimizer_state(model: nn.Module,
     """``{canonical parameter name: {state key: value}}`` on every rank (CPU tensors).
 
     Per-element state (shaped like the flat master) comes back whole and shaped like the
-    parameter; scalar state (AdamW's ``step``, shared by a bucket) is repeated for each
-    parameter of the bucket.
+    parameter, with the parameter's own scalar state (AdamW's ``step``); a parameter never
+    stepped has no entry, as in torch.
     """
     engine = engine_of(model)
     inner = getattr(optimizer, "optim", optimizer)
@@ -36,16 +36,19 @@ def full_optimizer_state(model: nn.Module,
     for b in engine.buckets:
         state = bucket_state(inner.state, b)
         flat: dict[str, torch.Tensor] = {}  # per-element state, whole padded bucket
-        scalars: dict[str, Any] = {}
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,):
                 flat[k] = v
                 if engine.policy.shard_optimizer:
                     flat[k] = engine.gather_shard(b, v.detach(), phase="state")
-            else:
-                scalars[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         for e in entries:
-            if e.bucket is b:
-                out[e.name] = {k: e.whole(v).view(e.shape).cpu().clone() for k, v in flat.items()}
-                out[e.name].update(scalars)
+            if e.bucket is not b:
+                continue
+            own = slot_scalars(inner.state, b, b.slots.index(e.slot))
+            if own is None:
+                continue
+            out[e.name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in own.items()}
+            out[e.name].update((k, e.whole(v).view(e.shape).cpu().clone())
+                               for k, v in flat.items())
     return out

@@ -24,7 +24,7 @@ from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
 from . import rng
-from .compat import bucket_scalars, check_model, check_optimizer
+from .compat import check_model, check_optimizer
 from .layout import (
     ParamEntry,
     bucket_tensor_views,
@@ -67,42 +67,41 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
     targets: dict[str, Any] = {}
     scalars: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor, dict]] = []
     for b in engine.buckets:
-        mine = by_bucket.get(id(b), [])
-        if not states:  # saved before the first step: no state at all
+        # parameters never stepped have no state (as in torch): their slots get none
+        mine = [e for e in by_bucket.get(id(b), []) if e.name in states]
+        if not mine:  # saved before the first step, or none of these ever stepped
             set_bucket_state(inner.state, b, {})
             continue
-        order, per_element, scal = bucket_scalars([e.name for e in mine], states, b.name, path)
+        per_element = list(dict.fromkeys(k for e in mine for k in states[e.name]["per_element"]))
         old = bucket_state(inner.state, b)
         state = {}
-        for k in order:
-            if k in per_element:
-                t = old.get(k)
-                ok = isinstance(t, torch.Tensor) and t.shape == (b.shard_numel,)
-                state[k] = t if ok else torch.zeros(b.shard_numel, dtype=b.master_dtype,
-                                                    device=b.master_device)
-            else:
-                state[k] = old.get(k)
+        for k in per_element:
+            t = old.get(k)
+            ok = isinstance(t, torch.Tensor) and t.shape == (b.shard_numel,)
+            state[k] = t if ok else torch.zeros(b.shard_numel, dtype=b.master_dtype,
+                                                device=b.master_device)
         group = next(g for g in inner.param_groups if any(p is b.chunks[0] for p in g["params"]))
-        scalars.append((state, scal, b, group))
+        per_slot = {b.slots.index(e.slot): states[e.name]["scalars"] for e in mine}
+        scalars.append((state, per_slot, b, group))
         for e in mine:
-            for k in per_element:
+            for k in states[e.name]["per_element"]:
                 targets[optim_key(e.name, k)] = bucket_tensor_views(
                     e, state[k], for_load=True, group=comm.group, peers=global_ranks(comm.group))
     return targets, scalars
 
 
 def _set_scalars(inner: torch.optim.Optimizer, fixups: list) -> None:
-    """Scalar state from the manifest, then every chunk its share (engine/chunks.py)."""
-    for state, scal, b, group in fixups:
+    """Scalar state from the manifest, per parameter, then every chunk its share
+    (engine/chunks.py)."""
+    for state, per_slot, b, group in fixups:
         on_device = bool(group.get("capturable") or group.get("fused"))
-        for k, v in scal.items():
-            if "dtype" in v:
-                dev = b.master_device if on_device else torch.device("cpu")
-                state[k] = torch.tensor(v["value"], dtype=_dtype(v["dtype"]),
-                                        device=dev).reshape(v["shape"])
-            else:
-                state[k] = v["value"]
-        set_bucket_state(inner.state, b, state)
+        dev = b.master_device if on_device else torch.device("cpu")
+        scalars: list[dict[str, Any] | None] = [None] * len(b.slots)
+        for i, scal in per_slot.items():
+            scalars[i] = {k: torch.tensor(v["value"], dtype=_dtype(v["dtype"]), device=dev
+                                          ).reshape(v["shape"]) if "dtype" in v else v["value"]
+                          for k, v in scal.items()}
+        set_bucket_state(inner.state, b, state, scalars)
 
 
 def _set_groups(inner: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from .._version import __version__
 from ..api import engine_of
-from ..engine.chunks import bucket_state
+from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.engine import Engine
 from . import rng
 from .layout import (
@@ -130,7 +130,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
     comm = engine.comm
     group, peers = comm.group, global_ranks(comm.group)
     sd: dict[str, Any] = {}
-    params, optim_params = [], {}
+    params, optim_params, unstepped = [], {}, []
     inner = _inner(optim) if optim is not None else None
     for e in param_entries(engine):
         info: dict[str, Any] = {"name": e.name, "aliases": list(e.aliases), "shape": list(e.shape),
@@ -142,11 +142,13 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
             continue
         numel = e.bucket.shard_numel
         state = bucket_state(inner.state, e.bucket)
-        if not state:
+        own = slot_scalars(inner.state, e.bucket, e.bucket.slots.index(e.slot))
+        if not state or own is None:  # never stepped: no state, as in torch
+            unstepped.append(e.name)
             continue
         keys = _per_element(state, numel)
-        optim_params[e.name] = {"state_keys": list(state), "per_element": keys,
-                                "scalars": _scalars(state, numel, e.name)}
+        optim_params[e.name] = {"state_keys": [*own, *keys], "per_element": keys,
+                                "scalars": _scalars(own, numel, e.name)}
         for k in keys:
             sd[optim_key(e.name, k)] = bucket_tensor_views(e, state[k], for_load=False,
                                                            group=group, peers=peers)
@@ -165,6 +167,9 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         "optimizer": None if inner is None else {
             "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
             "param_groups": _groups_json(inner), "params": optim_params,
+            # trainable, but never stepped when saved (no gradient yet): no state, as in
+            # torch (empty when nothing was stepped at all: "params" is empty then)
+            "unstepped": unstepped if optim_params else [],
             # which group each trainable parameter is in (param_groups=; 0: the default)
             "group_of": {e.name: engine.group_of.get(e.name, 0)
                          for e in param_entries(engine) if e.trainable}},
