@@ -7,6 +7,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import pytest
 
 from zeroshard.memory import analytic
+from zeroshard.memory.activations import estimate_activation_bytes
 from zeroshard.memory.analytic import recompute_flops_per_token
 from zeroshard.memory.planner import config_from_params, plan, reserve_bytes
 from zeroshard.models.config import PRESETS, LlamaConfig
@@ -101,18 +102,79 @@ def test_stage3_root_and_head_of_the_presets() -> None:
     assert analytic.head_params(gpt2) == 50257 * 768 + 2 * 768
 
 
+def test_stage3_peak_moments() -> None:
+    """[Note: stage-3 peak]: the buffers beside what else exists at each moment. Backward
+    begins with every activation and no gradient slice; by the end of the blocks'
+    backward (block k running) the L-k-1 blocks above have issued their slices and freed
+    their activations; the root's reduction comes after every block's slice, the
+    optimizer step after every slice and its fp32 copy."""
+    kw = {"block": 100, "blocks": 4, "root": 40, "head": 30, "n": 10}
+    b3 = analytic.stage3_buffer_bytes(block=100, root=40, head=30, prefetch=1)
+    ms = analytic.stage3_moments(**kw, activations=5000, late_activations=300)
+    assert [(m.name, m.grad_slices, m.activations, m.buffers) for m in ms] == [
+        ("backward begins", 0, 5000, b3.backward),
+        ("end of the blocks' backward", 2 * 2 * 100 // 10, 300, b3.backward),  # 2 blocks
+        ("root's reduction", 2 * 400 // 10, 0, b3.root_reduce),  # all 4, not the root's
+        ("optimizer step", 2 * 44, 0, 4 * 44)]  # ceil(440 / 10) = 44 elements per rank
+    assert max(ms, key=lambda m: m.total).name == "backward begins"
+    # Small activations: the slices decide, at the end of the blocks' backward.
+    small = analytic.stage3_moments(**kw, activations=20, late_activations=10)
+    peak = max(small, key=lambda m: m.total)
+    assert (peak.name, peak.total) == ("end of the blocks' backward", 40 + 10 + b3.backward)
+    # No gathered block below block k: its end is the start (prefetch >= blocks - 1).
+    deep = analytic.stage3_moments(**kw, activations=50, late_activations=10, prefetch=3)
+    assert deep[1].grad_slices == 0
+    # fp32: the masters step the slices themselves (no copy); offload: all on the host.
+    fp32 = analytic.stage3_moments(**kw, activations=0, late_activations=0,
+                                   recipe="fp32-adamw")
+    assert (fp32[3].grad_slices, fp32[3].buffers) == (4 * 44, 0)
+    off = analytic.stage3_moments(**kw, activations=0, late_activations=0, offload=True)
+    assert all(m.grad_slices == 0 for m in off) and off[3].buffers == 0
+    with pytest.raises(ValueError, match="N=0"):
+        analytic.stage3_moments(**{**kw, "n": 0}, activations=0, late_activations=0)
+
+
+def test_stage3_late_activations_by_policy() -> None:
+    """What is still saved when block k runs backward: the k+1 lowest blocks' share under
+    the policy, beside the same recompute working set as at the peak."""
+    from zeroshard.memory.planner import _activation_bytes
+
+    cfg = PRESETS["llama-7b"]
+    est = estimate_activation_bytes(cfg, 1, 1024, "none", dtype_bytes=2)
+    blk, inp, scores = est.block_bytes, est.input_bytes, est.scores_bytes
+
+    def late(policy: str, prefetch: int = 1) -> int:
+        return _activation_bytes(cfg, micro_batch=1, seq_len=1024, policy=policy,
+                                 dtype_bytes=2, prefetch=prefetch)[1]
+
+    assert late("none") == 2 * blk
+    assert late("full") == 2 * inp + blk and late("full", prefetch=0) == inp + blk
+    assert late("selective") == 2 * (blk - scores) + scores
+    assert late("every-2") == blk + inp + blk  # block 0 whole, block 1 checkpointed
+
+
 def test_llama_8b_untied_stage3_buffers() -> None:
     """Issue: an 8B Llama with untied embeddings priced its stage-3 buffers at 8.4 GB,
     "(k+1) x the largest unit (the root: embeddings + LM head) x (P+G)". The engine holds
-    4.90 GB while the blocks run backward (activations alive) and 4.64 GB at the root's
-    reduction, after the weights are freed (traced to the byte: tests/test_traced.py)."""
+    4.90 GB while the blocks run backward and 4.64 GB at the root's reduction, after the
+    weights are freed (traced to the byte: tests/test_traced.py). Beside the activations'
+    peak no gradient slice exists yet; with full checkpointing the end of the blocks'
+    backward, 30 slices and two blocks' inputs, holds more (traced within 1%)."""
     p = _plan(LLAMA3_8B, seq_len=2048, policies=("none", "full"))
     b3 = analytic.stage3_buffer_bytes(block=218_112_000, root=1_050_677_248, head=525_340_672)
     assert (b3.backward, b3.root_reduce) == (4_896_931_840, 4_638_932_992)
+    shards = (2 + 12) * LLAMA3_8B.param_count() // 8  # weights and optimizer state
+    moment = {"none": "backward begins", "full": "end of the blocks' backward"}
     for r in (r for r in p.rows if r.stage == 3):
-        assert r.buffer_bytes == b3.beside(r.activation_bytes) == b3.backward < 8.4 * GB
-        assert r.total_bytes == r.model_state_bytes + max(r.activation_bytes + b3.backward,
-                                                          b3.root_reduce)
+        assert r.peak_moment == moment[r.activation_checkpointing]
+        assert r.buffer_bytes == b3.backward < 8.4 * GB
+        assert r.total_bytes < r.model_state_bytes + r.activation_bytes + r.buffer_bytes
+    none, full = (next(r for r in p.rows if (r.stage, r.activation_checkpointing) == (3, c))
+                  for c in ("none", "full"))
+    assert none.total_bytes == shards + none.activation_bytes + b3.backward
+    est = estimate_activation_bytes(LLAMA3_8B, 1, 2048, "full", dtype_bytes=2)
+    late = 2 * est.input_bytes + est.block_bytes  # blocks 1 and 0's inputs, 1's recompute
+    assert full.total_bytes == shards + 30 * 218_112_000 * 2 // 8 + late + b3.backward
     small = analytic.stage3_buffer_bytes(block=1_000, root=10_000, head=5_000)
     assert small.root_reduce > small.backward  # a root far above the blocks': its reduction
     assert small.beside(0) == small.root_reduce and small.beside(10**9) == small.backward
@@ -124,12 +186,17 @@ def test_nothing_fits_names_the_terms_that_exceed_a_device() -> None:
     buffers do not fit, whatever the device count."""
     p = _plan(1e12, policies=("none", "full"))
     full = next(r for r in p.rows if (r.stage, r.activation_checkpointing) == (3, "full"))
-    assert full.activation_bytes < 72 * GB < full.activation_bytes + full.buffer_bytes
+    cfg = p.config
+    b3 = analytic.stage3_buffer_bytes(block=analytic.block_params(cfg),
+                                      root=analytic.root_params(cfg),
+                                      head=analytic.head_params(cfg))
+    fixed = b3.beside(full.activation_bytes)  # the buffers' share of the peak no N shrinks
+    assert full.activation_bytes < 72 * GB < full.activation_bytes + fixed
     reason = p.recommendation.reason
     assert p.recommendation.action == "more-devices"
     assert "alone" not in reason and "more devices will not help" in reason
-    act, buf = f"{full.activation_bytes / GB:.1f} GB", f"{full.buffer_bytes / GB:.1f} GB"
-    total = f"{(full.activation_bytes + full.buffer_bytes) / GB:.1f} GB"
+    act, buf = f"{full.activation_bytes / GB:.1f} GB", f"{fixed / GB:.1f} GB"
+    total = f"{(full.activation_bytes + fixed) / GB:.1f} GB"
     assert (f"activations (full checkpointing) {act} + stage-3 gathered units and unit "
             f"gradients {buf} = {total}, more than the 72.0 GB usable") in reason
     assert "tensor/sequence parallelism" in reason
@@ -171,7 +238,11 @@ def test_llama_7b_on_8x80gb_rows_and_ladder() -> None:
     assert {(r.stage, r.activation_checkpointing) for r in p.rows} == {
         (s, c) for s in range(4) for c in ("none", "selective", "full")}
     for r in p.rows:
-        assert r.total_bytes == r.model_state_bytes + r.activation_bytes + r.buffer_bytes
+        held = r.model_state_bytes + r.activation_bytes + r.buffer_bytes
+        if r.stage < 3:
+            assert r.total_bytes == held and r.peak_moment is None
+        else:  # one moment's, at which not every gradient slice or activation exists
+            assert r.total_bytes < held and r.peak_moment is not None
         assert r.fits == (r.total_bytes <= 80 * GB - reserve_bytes(80 * GB))
         assert r.step_time_s >= max(r.compute_time_s, 1e-12)
     assert not any(r.fits for r in p.rows if r.stage == 0)  # 16Ψ = 108 GB alone
@@ -201,6 +272,12 @@ def test_too_few_devices_says_how_many() -> None:
     p = _plan("llama-13b", gpus=1, gpu_mem_bytes=24 * GB, seq_len=1024, policies=("full",))
     assert p.recommendation.action == "more-devices"
     assert "fits on 13+ devices" in p.recommendation.reason
+    # ... the fewest on which its row fits: at 12 the optimizer step (16Ψ/N of model state
+    # and the 4Ψ/N fp32 gradient copies) is over the 21.6 GB usable.
+    fits = {n: next(r for r in _plan("llama-13b", gpus=n, gpu_mem_bytes=24 * GB,
+                                     seq_len=1024, policies=("full",)).rows
+                    if r.stage == 3) for n in (12, 13)}
+    assert not fits[12].fits and fits[13].fits and fits[12].peak_moment == "optimizer step"
 
 
 def test_more_devices_make_a_cheaper_stage_fit() -> None:

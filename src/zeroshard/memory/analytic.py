@@ -372,10 +372,14 @@ def stage3_moments(
 
     A trace of llama-3-8B's shape (untied; N = 8, seq 2048, full checkpointing, bf16)
     peaks at the end of the blocks' backward at 20.91 GB: 29 slices complete and block
-    2's in flight, two block inputs and block 1's recompute; this prices it at 21.03 GB
-    (tests/test_traced.py). Counting every slice beside every activation and the
-    backward window gave 22.48 GB (+7.5%); the blocks' start alone 20.47 GB. Under the
-    fp32 recipe, and at stages 0-2, the step's copies are not there or not counted.
+    2's in flight, two block inputs and block 1's recompute; this prices it at 21.02 GB,
+    +0.5% (tests/test_traced.py). Counting every slice beside every activation and the
+    backward window gave 22.48 GB (+7.5%); leaving the slices out of the start of
+    backward alone, 20.47 GB (-2.1%, and not the moment of the peak). "backward begins"
+    counts the head's saved activations beside the blocks' window, a little more than
+    any one moment holds: the head's backward frees them before the first block's (the
+    loss's own transients there are the activation estimate's to price). Stages 0-2 do
+    not count the step's fp32 copies (docs/planning.md, "Traced estimates").
     """
     b = stage3_buffer_bytes(block=block, root=root, head=head, prefetch=prefetch,
                             recipe=recipe)

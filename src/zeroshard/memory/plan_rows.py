@@ -51,6 +51,11 @@ class PlanRow:
     offload_time_s: float = 0.0
     """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
     ``step_time_s`` (not overlapped)."""
+    peak_moment: str | None = None
+    """Stage 3: the moment of the step whose bytes are ``total_bytes`` ("backward begins",
+    "end of the blocks' backward", "root's reduction" or "optimizer step"; [Note: stage-3
+    peak] in analytic.py), with ``buffer_bytes`` its buffers then. None at stages 0-2,
+    whose total is model state + activations + buffers."""
     traced_model_state_bytes: int | None = None
     """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
     traced_peak_bytes: int | None = None
@@ -84,10 +89,29 @@ class Setup:
     prefetch: int
     act: dict[str, int]
     """Activation bytes per policy (same at every stage: no sharding touches them)."""
+    act_late: dict[str, int]
+    """Per policy, those still alive at the end of stage 3's blocks' backward (see
+    [Note: stage-3 peak] in analytic.py)."""
     layer_bytes: int
     """One block's 16-bit weights + gradients + activations at micro-batch 1."""
     stage3: analytic.Stage3Buffers
     """Stage 3's gathered units and unit gradients (see [Note: stage-3 buffers])."""
+
+    def stage3_peak(self, *, n: int, policy: str, offload: bool = False,
+                    offload_params: bool = False) -> tuple[int, analytic.Stage3Moment]:
+        """A stage-3 step's peak on the device, sharded over ``n``, and the moment that
+        sets it (see [Note: stage-3 peak] in analytic.py): the weight and optimizer-state
+        shards (those not offloaded) beside that moment's gradient slices, activations and
+        buffers."""
+        cfg, r = self.cfg, self.recipe
+        state = analytic.model_state_bytes(self.psi, stage=3, n=n, recipe=r)
+        peak = max(analytic.stage3_moments(
+            block=analytic.block_params(cfg), blocks=cfg.n_layers,
+            root=analytic.root_params(cfg), head=analytic.head_params(cfg), n=n,
+            activations=self.act[policy], late_activations=self.act_late[policy],
+            prefetch=self.prefetch, recipe=r, offload=offload), key=lambda m: m.total)
+        shards = (0 if offload_params else state.params) + (0 if offload else state.optim)
+        return shards + peak.total, peak
 
     @property
     def unit(self) -> int:

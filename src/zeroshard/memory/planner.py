@@ -5,9 +5,10 @@ from :mod:`zeroshard.memory.analytic` (model state, buffers, communication, step
 and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks one.
 
 [Note: what "fits" means]
-A row fits when total = model state + activations + buffers <= usable memory (stage 3's
-buffers: what its units add to the step's peak, [Note: stage-3 buffers] in analytic.py),
-where usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
+A row fits when total = model state + activations + buffers <= usable memory (stage 3:
+the most held at one moment of the step, with its buffers then, which never holds every
+gradient slice beside every activation: [Note: stage-3 peak] in analytic.py), where
+usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
 free but cannot be split for a larger request), commonly 5-10% at peak. With offload and
@@ -66,26 +67,36 @@ def config_from_params(
 
 
 def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, policy: str,
-                      dtype_bytes: int) -> tuple[int, int]:
-    """(peak activation bytes, one block's un-checkpointed bytes) from
+                      dtype_bytes: int, prefetch: int = 1) -> tuple[int, int, int]:
+    """(peak activation bytes, those still alive at the end of stage 3's blocks' backward,
+    one block's un-checkpointed bytes) from
     :func:`zeroshard.memory.activations.estimate_activation_bytes`.
 
     That estimate is what forward leaves saved for backward, with a fused (flash) attention
     kernel as on GPUs. Backward's peak adds the recompute working set: one checkpointed
     region re-run whole (one block for full / every-k, ceil(sqrt(L)) blocks for sqrt), or
-    one block's attention scores for selective.
+    one block's attention scores for selective. At the end of the blocks' backward (block
+    ``prefetch`` running, see [Note: stage-3 peak] in analytic.py) only the ``prefetch`` + 1
+    lowest blocks' saved bytes are left, beside the same working set.
     """
     from zeroshard.checkpointing import Selective, parse_policy
     from zeroshard.memory.activations import estimate_activation_bytes
 
     est = estimate_activation_bytes(config, micro_batch, seq_len, policy, dtype_bytes=dtype_bytes)
     pol = parse_policy(policy)
+    layers = range(config.n_layers)
+    saved = dict.fromkeys(layers, est.block_bytes)  # what each block leaves saved
     if isinstance(pol, Selective):
         transient = est.scores_bytes
+        saved = dict.fromkeys(layers, est.block_bytes - est.scores_bytes)
     else:
-        regions = pol.regions(list(range(config.n_layers)))  # type: ignore[arg-type]
+        regions = pol.regions(list(layers))  # type: ignore[arg-type]
         transient = max((len(r) for r in regions), default=0) * est.block_bytes
-    return est.total + transient, est.block_bytes
+        for r in regions:  # a region keeps its first block's input, nothing else
+            saved.update(dict.fromkeys(r, 0))
+            saved[r[0]] = est.input_bytes
+    late = sum(saved[i] for i in layers[: prefetch + 1]) + transient
+    return est.total + transient, late, est.block_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,11 +147,13 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     if offp:
         state = replace(state, params=0)
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
+    moment = None
     if shard > 1 and stage == 2:
         buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
-    elif stage == 3:  # units are gathered into whole buffers even at N=1
-        buffers = su.stage3.beside(su.act[policy])  # [Note: stage-3 buffers] in analytic.py
     total = state.total + su.act[policy] + buffers
+    if stage == 3:  # units are gathered into whole buffers even at N=1
+        total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
+        buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in analytic.py
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
@@ -168,6 +181,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         params_bytes=state.params, grads_bytes=state.grads, optim_bytes=state.optim,
         model_state_bytes=state.total, activation_bytes=su.act[policy], buffer_bytes=buffers,
         total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable and host_ok,
+        peak_moment=moment,
         comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s,
         exposed_comm_time_s=t.exposed_comm_s, compute_time_s=t.compute_s,
         step_time_s=step, tokens_per_s=n * tokens / step, break_even_tokens=t.break_even_tokens,
@@ -277,9 +291,9 @@ def plan(
     analytic.offload_time_s(1, n=1, pcie_GBps=pcie_GBps, host_GBps=host_GBps)  # validates
     r = analytic.get_recipe(recipe)
 
-    def act(p: str, b: int = micro_batch) -> tuple[int, int]:
+    def act(p: str, b: int = micro_batch) -> tuple[int, int, int]:
         return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
-                                 dtype_bytes=r.act_bytes)
+                                 dtype_bytes=r.act_bytes, prefetch=prefetch)
 
     multi = gpus_per_node is not None and counts[-1] > gpus_per_node
     su = Setup(
@@ -291,8 +305,9 @@ def plan(
         host_mem=host_mem_bytes, prefetch=prefetch,
         bucket_bytes=bucket_bytes or auto_bucket_bytes(cfg.param_count() * r.grad_bytes),
         act={p: act(p)[0] for p in policies},
+        act_late={p: act(p)[1] for p in policies},
         layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
-        + act("none", 1)[1],
+        + act("none", 1)[2],
         stage3=analytic.stage3_buffer_bytes(
             block=analytic.block_params(cfg), root=analytic.root_params(cfg),
             head=analytic.head_params(cfg), prefetch=prefetch, recipe=r),

@@ -87,16 +87,21 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
                f"{gb(su.host_mem)} given; add host memory or devices.")
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                               action="more-devices", reason=why)
+
+    def floor(x: PlanRow) -> int:  # the part of a stage-3 peak that no N shrinks
+        return x.activation_bytes + su.stage3.beside(x.activation_bytes)
+
     lean = min((x for x in rows if x.stage == 3 and x.hybrid is None),
-               key=lambda x: x.total_bytes)
-    rest = lean.total_bytes - lean.model_state_bytes  # does not shrink with N
-    act, buf = _fixed_terms(lean)
+               key=lambda x: (floor(x), x.total_bytes))
+    fixed = su.stage3.beside(lean.activation_bytes)
+    rest = floor(lean)
+    act, buf = _fixed_terms(lean, fixed)
     terms = f"{act} + {buf} = {gb(rest)}" if buf else act
     if su.usable > rest:
         r = su.recipe
         per_param = (r.bytes_per_param - (r.optim_bytes if su.offload else 0)
                      - (r.param_bytes if su.offload_params else 0))
-        need = math.ceil(su.psi * per_param / (su.usable - rest))
+        need = _stage3_devices(su, lean, n, rest)
         why = (f"Nothing fits on {devices(n)} with {gb(su.usable)} usable; {describe(lean)} "
                f"fits on {need}+ devices: {terms} leave {gb(su.usable - rest)} for its "
                f"model state ({per_param}Ψ/N bytes).")
@@ -114,13 +119,34 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
                           action="more-devices", reason=why)
 
 
-def _fixed_terms(x: PlanRow) -> tuple[str, str]:
+def _fixed_terms(x: PlanRow, buffers: int) -> tuple[str, str]:
     """("activations (full checkpointing) 35.6 GB", "stage-3 gathered units and unit
     gradients 50.8 GB"): what a stage-3 row holds whatever N ("" for no buffers)."""
     p = x.activation_checkpointing
     act = f"activations ({'no' if p == 'none' else p} checkpointing) {gb(x.activation_bytes)}"
-    buf = f"stage-3 gathered units and unit gradients {gb(x.buffer_bytes)}"
-    return act, buf if x.buffer_bytes else ""
+    buf = f"stage-3 gathered units and unit gradients {gb(buffers)}"
+    return act, buf if buffers else ""
+
+
+def _stage3_devices(su: Setup, x: PlanRow, n: int, rest: int) -> int:
+    """The fewest devices on which row ``x``'s configuration fits, more than ``n``. Its
+    peak falls with N towards ``rest`` (< usable): every moment's shards and gradient
+    slices shrink, its activations and buffers do not ([Note: stage-3 peak] in
+    analytic.py). So bisect between ``n`` and a count that surely fits: where the whole
+    model state and the step's fp32 gradient copies fit beside ``rest``."""
+
+    def fits(m: int) -> bool:
+        total, _ = su.stage3_peak(n=m, policy=x.activation_checkpointing, offload=x.offload,
+                                  offload_params=x.offload_params)
+        return total <= su.usable
+
+    r = su.recipe
+    hi = max(n, math.ceil(su.psi * (r.bytes_per_param + 4) / (su.usable - rest))) + 1
+    lo = n  # does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _hybrid_note(su: Setup, rows: list[PlanRow], best: PlanRow) -> str:

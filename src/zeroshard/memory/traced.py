@@ -57,12 +57,14 @@ flight (``gathering``), the gradients autograd left on unit parameters (until th
 fold) and the whole-unit gradient buffers (until their reduce-scatter completes).
 ``stage3_buffer_bytes`` is their most at once over the traced steps, and
 ``stage3_backward_buffer_bytes`` the most while a block is gathered or holds gradients:
-the blocks' forward and backward, with their activations alive (not the end of backward,
-where the embedding's gradient completes the root). These are the two moments
+the blocks' forward and backward, with their activations alive (not the root's reduction
+at the end of backward, after every unit's weights are freed). These are the two moments
 :func:`zeroshard.memory.analytic.stage3_buffer_bytes` prices; tests/test_traced.py checks
-them to the byte. The fake process group never completes a collective before it is
-waited for, so a trace sees the engine's worst case: each unit's reduce-scatter still in
-flight when the next unit's gradient buffer is allocated.
+them to the byte. What else exists at each (gradient slices, activations) is in the
+tracker's ``peak`` breakdown; the planner prices it by [Note: stage-3 peak] in
+analytic.py. The fake process group never completes a collective before it is waited
+for, so a trace sees the engine's worst case: each unit's reduce-scatter still in flight
+when the next unit's gradient buffer is allocated.
 
 [Note: one default process group per process]
 ``torch.distributed`` holds one default group per process. With none initialised the
