@@ -381,3 +381,45 @@ def test_consolidate_gpt2_124m_peak_rss_is_one_parameter_not_the_model(tmp_path:
     got = safetensors.load_file(out)
     want = torch.load(tmp_path / "full.pt", weights_only=True)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- an LR schedule across a resume ---------------------------------------------------------
+def _scheduled(rank: int, world: int, root: str, stage: int) -> dict[str, Any]:
+    """AdamW under a decaying LambdaLR: 3 steps, checkpoint, 2 more; then a fresh model,
+    optimizer and scheduler load the checkpoint (and the scheduler's state) and take the
+    same 2 steps. On main the loaded optimizer showed the initial lr until the scheduler's
+    next step: the first step after a resume ran at 1e-2 instead of 2.5e-3, silently."""
+    def build() -> tuple[Any, Any, Any]:
+        model, optim, _ = _setup(rank, world, stage)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+        return model, optim, sched
+
+    data = loader(PRESET, rank, world)
+    batches = [next(data) for _ in range(5)]
+
+    def steps(model, optim, sched, which) -> None:
+        for x, y in which:
+            loss_of(model, x, y).backward()
+            optim.step()
+            optim.zero_grad()
+            sched.step()
+
+    model, optim, sched = build()
+    steps(model, optim, sched, batches[:3])
+    zeroshard.save_checkpoint(Path(root) / f"lr{stage}", model, optim)
+    sched_state, lr_saved = sched.state_dict(), optim.param_groups[0]["lr"]
+    steps(model, optim, sched, batches[3:])
+    model2, optim2, sched2 = build()
+    zeroshard.load_checkpoint(Path(root) / f"lr{stage}", model2, optim2)
+    sched2.load_state_dict(sched_state)
+    lr_loaded = optim2.param_groups[0]["lr"]
+    steps(model2, optim2, sched2, batches[3:])
+    a, b = zeroshard.full_state_dict(model), zeroshard.full_state_dict(model2)
+    return {"lr": (lr_saved, lr_loaded), "equal": all(torch.equal(a[k], b[k]) for k in a)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_under_an_lr_schedule_uses_the_saved_lr(stage: int, tmp_path: Path) -> None:
+    for r in run_ranks(_scheduled, 2, str(tmp_path), stage, timeout=120):
+        assert r["lr"][0] == r["lr"][1] == pytest.approx(1e-2 / 4), r
+        assert r["equal"], r

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=3)
-    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
+    p.add_argument("--resume", nargs="?", const=True, default=None,
+                   help="resume from the last checkpoint in --out, or from this one")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft)")
     a = p.parse_args(argv)
     args = transformers.TrainingArguments(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2,
@@ -61,6 +63,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bf16=a.bf16, use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True)
     model, data = tiny_llama(), Tokens(128, 16, 64)
+    if a.lora:
+        import peft
+
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                           target_modules=["q_proj", "v_proj"]))
     if a.ddp:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     else:
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         trainer = ZeroShardTrainer(model=model, args=args, train_dataset=data,
                                    zeroshard={"stage": a.stage})
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    trainer.train(resume_from_checkpoint=a.resume)
     trainer.save_model(f"{a.out}/final")  # every rank: a collective under zeroshard
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if trainer.args.should_save:

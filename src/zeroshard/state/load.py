@@ -178,6 +178,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     if info is not None:
         _set_scalars(inner, fixups)
         _set_groups(inner, info["param_groups"])
+        if optimizer is not inner:  # the user's groups, which the next step copies inward
+            _set_groups(optimizer, info["param_groups"])
     scaler = manifest.get("loss_scaler") or {}
     if engine.scaler.enabled and scaler.get("enabled"):
         engine.scaler.load_state_dict(scaler)

@@ -166,7 +166,9 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                     for b in engine.all_buckets],
         "optimizer": None if inner is None else {
             "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
-            "param_groups": _groups_json(inner), "params": optim_params,
+            # the hyperparameters the user's groups hold now (an LR scheduler sets those;
+            # the inner optimizer's catch up at the next step)
+            "param_groups": _groups_json(optim), "params": optim_params,
             # trainable, but never stepped when saved (no gradient yet): no state, as in
             # torch (empty when nothing was stepped at all: "params" is empty then)
             "unstepped": unstepped if optim_params else [],

@@ -1,0 +1,194 @@
+"""The Hugging Face Trainer on zeroshard (zeroshard.integrations.hf_trainer, issue #28).
+
+examples/integrations/hf_trainer.py runs on 2 ranks as ``ZeroShardTrainer`` at stages 0-3
+and as the plain ``Trainer`` (DDP), in the same processes: the logged losses and gradient
+norms agree within 1e-5 (fp32); resuming from the step-3 checkpoint — at the same stage
+and at another — continues as the uninterrupted run; the exported model loads with plain
+``from_pretrained``; LoRA saves the adapter DDP saves; bad settings fail before training.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from zeroshard.testing import run_ranks  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "integrations" / "hf_trainer.py"
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_USE_CPU": "1"}
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(rank: int, world: int, runs: list[list[str]]) -> list[list[dict]]:
+    transformers.logging.set_verbosity_error()
+    example = _example()
+    return [example.main(argv) for argv in runs]
+
+
+def _runs(base: str) -> dict[str, list[str]]:
+    runs: dict[str, list[str]] = {"ddp": ["--ddp", "--out", f"{base}/ddp"]}
+    for s in range(4):
+        runs[f"s{s}"] = ["--stage", str(s), "--out", f"{base}/s{s}"]
+    # resume at step 3: the same stage, and another
+    runs["s2-resume"] = ["--stage", "2", "--out", f"{base}/s2r",
+                         "--resume", f"{base}/s2/checkpoint-3"]
+    runs["s2-as-s3"] = ["--stage", "3", "--out", f"{base}/s2s3",
+                        "--resume", f"{base}/s2/checkpoint-3"]
+    runs["ddp-accum"] = ["--ddp", "--accum", "2", "--out", f"{base}/ddpa"]
+    runs["s3-accum"] = ["--stage", "3", "--accum", "2", "--out", f"{base}/s3a"]
+    runs["ddp-lora"] = ["--ddp", "--lora", "--out", f"{base}/ddpl"]
+    runs["s3-lora"] = ["--stage", "3", "--lora", "--out", f"{base}/s3l"]
+    runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
+    runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
+    return runs
+
+
+@functools.cache
+def _all() -> dict[str, Any]:
+    base = tempfile.mkdtemp(prefix="zeroshard-hf-trainer-")
+    runs = _runs(base)
+    logs = run_ranks(_run, 2, list(runs.values()), timeout=900, env=ENV)[0]
+    return {"base": base, "logs": dict(zip(runs, logs))}
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def _assert_same_logs(got: list[dict], want: list[dict], rel: float = 1e-5,
+                      keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    assert [h["step"] for h in got] == [h["step"] for h in want]
+    for g, w in zip(got, want):
+        for k in keys:
+            assert _close(g[k], w[k], rel), (g["step"], k, g[k], w[k])
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_losses_and_grad_norms_equal_ddp(stage: int) -> None:
+    logs = _all()["logs"]
+    _assert_same_logs(logs[f"s{stage}"], logs["ddp"])
+
+
+def test_gradient_accumulation_equals_ddp() -> None:
+    logs = _all()["logs"]
+    _assert_same_logs(logs["s3-accum"], logs["ddp-accum"])
+
+
+def test_bf16_trains_within_the_bf16_tolerance() -> None:
+    """bf16=True is zeroshard's bf16 recipe (16-bit compute weights, fp32 masters); the
+    plain Trainer's is autocast over fp32 weights: the same within bf16's rounding."""
+    logs = _all()["logs"]
+    _assert_same_logs(logs["s2-bf16"], logs["ddp-bf16"], rel=3e-2, keys=("loss",))
+
+
+@pytest.mark.parametrize("name", ["s2-resume", "s2-as-s3"])
+def test_resume_from_step_3_continues_as_the_uninterrupted_run(name: str) -> None:
+    """Checkpoint-3 of the stage-2 run, resumed at stage 2 and at stage 3: steps 4-6 log
+    what the uninterrupted run logged, and the final weights are the same."""
+    run = _all()
+    logs = run["logs"]
+    # the log history comes back with the checkpoint's trainer state: steps 1-3 as saved
+    _assert_same_logs(logs[name], logs["s2"])
+    from safetensors.torch import load_file
+
+    out = {"s2-resume": "s2r", "s2-as-s3": "s2s3"}[name]
+    got = load_file(f"{run['base']}/{out}/final/model.safetensors")
+    want = load_file(f"{run['base']}/s2/final/model.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_saved_model_loads_with_plain_from_pretrained(stage: int) -> None:
+    base = _all()["base"]
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = transformers.AutoModelForCausalLM.from_pretrained(f"{base}/s{stage}/final").eval()
+    ddp = transformers.AutoModelForCausalLM.from_pretrained(f"{base}/ddp/final").eval()
+    assert type(ours) is type(ddp)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=x).logits, ddp(input_ids=x).logits,
+                                   rtol=1e-4, atol=1e-5)
+    assert (Path(base) / f"s{stage}" / "checkpoint-3" / "zeroshard" / "zeroshard.json").exists()
+
+
+def test_lora_saves_the_adapter_ddp_saves() -> None:
+    from safetensors.torch import load_file
+
+    run = _all()
+    _assert_same_logs(run["logs"]["s3-lora"], run["logs"]["ddp-lora"])
+    got = load_file(f"{run['base']}/s3l/final/adapter_model.safetensors")
+    want = load_file(f"{run['base']}/ddpl/final/adapter_model.safetensors")
+    assert got.keys() == want.keys() and got  # non-empty, same names
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    with open(f"{run['base']}/s3l/final/adapter_config.json") as f:
+        assert json.load(f)["peft_type"] == "LORA"
+
+
+# -- bad settings: refused before training, nothing written ---------------------------------
+def _refused(rank: int, world: int, out: str, case: str) -> str:
+    example = _example()
+    from zeroshard.integrations.hf_trainer import ZeroShardTrainer
+
+    kwargs: dict[str, Any] = {"output_dir": out, "max_steps": 1, "report_to": [],
+                              "use_cpu": True}
+    zs: dict[str, Any] = {"stage": 2}
+    if case == "fsdp":
+        kwargs["fsdp"] = "full_shard"
+    elif case == "unknown":
+        zs["stagee"] = 3
+    elif case == "precision":
+        kwargs["bf16"] = True
+        zs["mixed_precision"] = "fp16"
+    elif case == "stage":
+        zs["stage"] = 5
+    try:
+        args = transformers.TrainingArguments(**kwargs)
+        trainer = ZeroShardTrainer(model=example.tiny_llama(), args=args,
+                                   train_dataset=example.Tokens(128, 16, 8), zeroshard=zs)
+        trainer.train()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(("case", "says"), [
+    ("fsdp", "drop fsdp="), ("unknown", "unknown option(s) ['stagee']"),
+    ("precision", "set the precision in one place"), ("stage", "stage"),
+])
+def test_bad_settings_are_refused_before_training(case: str, says: str,
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    msgs = run_ranks(_refused, 2, str(out), case, timeout=120, env=ENV)
+    for msg in msgs:
+        assert says in msg, msg
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_import_does_not_import_transformers() -> None:
+    import subprocess
+
+    code = ("import sys, zeroshard.integrations, zeroshard.integrations.hf_trainer; "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=True)
+    assert out.stdout.strip() == "False"
