@@ -69,8 +69,10 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=probe(), use_cache=False).logits.float()
 
 
-def sharded(kind: str, bases: str, stage: int, mp: str | None) -> tuple[Any, Any]:
-    base = transformers.AutoModelForCausalLM.from_pretrained(f"{bases}/{kind}")
+def sharded(kind: str, bases: str, stage: int, mp: str | None,
+            dtype: str | None = None) -> tuple[Any, Any]:
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        f"{bases}/{kind}", dtype=getattr(torch, dtype) if dtype else None)
     return zeroshard.shard(lora(kind, base), torch.optim.AdamW, stage=stage, lr=1e-2,
                            mixed_precision=mp)
 
@@ -84,10 +86,10 @@ def train(model: Any, optim: Any, rank: int, steps: range) -> None:
 
 
 def train_and_export(rank: int, world: int, *, kind: str, stage: int, mp: str | None,
-                     bases: str, out: str) -> dict:
-    model, optim = sharded(kind, bases, stage, mp)
+                     bases: str, out: str, dtype: str | None = None) -> dict:
+    model, optim = sharded(kind, bases, stage, mp, dtype)
     train(model, optim, rank, range(STEPS))
-    tag = f"{out}/{kind}-s{stage}-{mp}"
+    tag = f"{out}/{kind}-s{stage}-{mp}-{dtype}"
     zhf.save_pretrained(model, f"{tag}-adapter")
     zhf.save_pretrained(model, f"{tag}-merged", merge_adapters=True)
     return {"logits": logits_of(model), "full": zeroshard.full_state_dict(model), "tag": tag}
@@ -120,6 +122,8 @@ def refused_on_every_rank(rank: int, world: int, out: str) -> str:
 
 GRID = [{"kind": "llama", "stage": s, "mp": mp} for s in range(4) for mp in (None, "bf16")]
 GRID += [{"kind": "gpt2", "stage": 3, "mp": None}, {"kind": "gpt2", "stage": 1, "mp": "bf16"}]
+# a base loaded in bf16 (its LoRA weights fp32, as peft makes them): exported in bf16
+GRID += [{"kind": "llama", "stage": 3, "mp": None, "dtype": "bfloat16"}]
 
 
 def _all(rank: int, world: int, bases: str, out: str) -> dict:
@@ -145,13 +149,13 @@ def run() -> dict:
     return _run()
 
 
-def _reference(run: dict, kind: str, full: dict, *, adapters_only: bool = False
-               ) -> torch.nn.Module:
+def _reference(run: dict, kind: str, full: dict, *, adapters_only: bool = False,
+               dtype: str | None = None) -> torch.nn.Module:
     """The trained model, unsharded: a fresh peft model over the base files with the
     trained weights (``adapters_only``: the adapters' weights, the base's own; under mixed
     precision zeroshard holds frozen weights in bf16, docs/porting.md)."""
     model = lora(kind, transformers.AutoModelForCausalLM.from_pretrained(
-        f"{run['bases']}/{kind}"))
+        f"{run['bases']}/{kind}", dtype=getattr(torch, dtype) if dtype else None))
     if adapters_only:
         model.load_state_dict({k: v for k, v in full.items() if ".lora_" in k}, strict=False)
     else:
@@ -166,42 +170,50 @@ def _close(got: torch.Tensor, want: torch.Tensor, mp: str | None) -> None:
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
 
 
+def _base(run: dict, kind: str, dtype: str | None) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        f"{run['bases']}/{kind}", dtype=getattr(torch, dtype) if dtype else None).eval()
+
+
 def test_adapter_export_loads_with_peft_from_pretrained(run: dict) -> None:
     for point, res in zip(GRID, run["ranks"][0]["results"]):
-        kind, mp = point["kind"], point["mp"]
+        kind, mp, dtype = point["kind"], point["mp"], point.get("dtype")
         d = Path(f"{res['tag']}-adapter")
         names = {p.name for p in d.iterdir()}
         assert {"adapter_config.json", "adapter_model.safetensors"} <= names, (point, names)
         assert "model.safetensors" not in names, point
-        base = transformers.AutoModelForCausalLM.from_pretrained(f"{run['bases']}/{kind}")
+        base = _base(run, kind, dtype)
         loaded = peft.PeftModel.from_pretrained(base, str(d)).eval()
         got = logits_of(loaded)
         # the export holds exactly the trained adapter weights
-        want = logits_of(_reference(run, kind, res["full"], adapters_only=True))
+        want = logits_of(_reference(run, kind, res["full"], adapters_only=True, dtype=dtype))
         assert torch.equal(got, want), point
         if mp is None:  # the base is untouched by training: the trained model, bitwise
-            assert torch.equal(got, logits_of(_reference(run, kind, res["full"]))), point
+            assert torch.equal(got, logits_of(_reference(run, kind, res["full"], dtype=dtype))), \
+                point
         _close(got, res["logits"], mp)
         # and training moved the adapter: the export is not the base
-        fresh = transformers.AutoModelForCausalLM.from_pretrained(f"{run['bases']}/{kind}")
-        assert (got - logits_of(fresh.eval())).abs().max() > 1e-3, point
+        assert (got - logits_of(_base(run, kind, dtype))).abs().max() > 1e-3, point
 
 
 def test_merged_export_loads_with_plain_from_pretrained(run: dict) -> None:
     for point, res in zip(GRID, run["ranks"][0]["results"]):
-        kind, mp = point["kind"], point["mp"]
+        kind, mp, dtype = point["kind"], point["mp"], point.get("dtype")
         d = f"{res['tag']}-merged"
         loaded = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
         assert type(loaded) is type(base_model(kind)), (point, type(loaded))
-        ref = _reference(run, kind, res["full"])
+        # exported in the dtypes the model was built in, as HF's save_pretrained does
+        assert loaded.dtype == (getattr(torch, dtype) if dtype else torch.float32), point
+        ref = _reference(run, kind, res["full"], dtype=dtype)
         unmerged = logits_of(ref)
         merged = logits_of(ref.merge_and_unload())
         got = logits_of(loaded)
         assert torch.equal(got, merged), point  # peft's merge of the trained weights
         # merging re-associates W x + s B (A x) as (W + s B A) x: float rounding only
-        torch.testing.assert_close(got, unmerged, atol=1e-5, rtol=1e-5)
+        tol = 1e-5 if dtype is None else 2e-2  # (in bf16, bf16's)
+        torch.testing.assert_close(got, unmerged, atol=tol, rtol=tol)
         if mp is None:
-            torch.testing.assert_close(got, res["logits"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, res["logits"], atol=tol, rtol=tol)
         else:
             _close(got, res["logits"], mp)
         if kind == "gpt2":  # tied: stored once and tied again on load

@@ -158,9 +158,12 @@ def _check_model(model: nn.Module, stage: int) -> None:
         raise ValueError("this model is already sharded; call shard() once per model")
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
+        peft = (" A peft model loaded with PeftModel.from_pretrained is frozen unless "
+                "loaded with is_trainable=True." if any(
+                    c.__module__.startswith("peft") for c in type(model).__mro__) else "")
         raise ValueError(
             f"{type(model).__name__} has no trainable parameters (none with "
-            "requires_grad=True); nothing to shard or optimize"
+            f"requires_grad=True); nothing to shard or optimize.{peft}"
         )
     devices = {p.device for p in params}
     if len(devices) > 1:

@@ -478,10 +478,19 @@ class Comm:
         self._finish([work], tensor, desc, False, check)
 
 
-_STATE_UNITS = frozenset({"state_dict", "optimizer.state_dict", "full_state_dict"})
+_STATE_UNITS = frozenset({"state_dict", "optimizer.state_dict", "full_state_dict",
+                          "save_pretrained"})
 _STATE_HINT = ("A state dict of a sharded model is a collective here: call "
                "model.state_dict() / optimizer.state_dict() on every rank and save on "
                "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
+_EXPORT_HINT = ("zeroshard.hf.save_pretrained and zeroshard.full_state_dict gather the "
+                "weights from every rank: call them on every rank (rank 0 writes the files).")
+
+
+def _state_hint(units: set[str]) -> str:
+    return _EXPORT_HINT if units & {"save_pretrained", "full_state_dict"} else _STATE_HINT
+
+
 _FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
                  "stage 3 every forward gathers weights from every rank: run forward passes, "
                  "evaluation included, on every rank (each on its own share of the data).")
@@ -501,15 +510,16 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     """What to do about a mismatch, from what the ranks were doing."""
     hints = []
     units = {names.get(r[3], "") for r in rows}
-    if units & _STATE_UNITS:
-        hints.append(_STATE_HINT)
+    state = units & _STATE_UNITS
+    if state:
+        hints.append(_state_hint(state))
     phases = [_PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
     if len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
         hints.append(_FORWARD_HINT)
     elif all(training) and len(units) > 1:
         hints.append(_UNIT_HINT)
-    elif "forward" in phases and not all(training):
+    elif "forward" in phases and not all(training) and not state:
         hints.append(_FORWARD_HINT)
     if any(training) and not all(training):
         hints.append(_UNEVEN_HINT)
@@ -521,7 +531,7 @@ def _fix_for(unit: str, phase: str, rank: int) -> str:
     """What to do when the peers never reach rank ``rank``'s collective on ``unit``."""
     if unit in _STATE_UNITS:
         return (f"Rank {rank} takes a state dict that the other ranks skipped (or ended "
-                "their scripts before). " + _STATE_HINT)
+                "their scripts before). " + _state_hint({unit}))
     if phase == "forward":
         return _FORWARD_HINT
     return _ORDER_HINT

@@ -257,6 +257,16 @@ def _export(model: nn.Module, state: dict[str, torch.Tensor], out: Path,
     _write_full(model, state, out, dtype)
 
 
+def _as_built(model: nn.Module, engine: Any, state: dict[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+    """``full_state_dict``'s fp32 values in the dtypes the model was built in, as HF's own
+    ``save_pretrained`` writes them (a bf16 model exports bf16; peft merges in them)."""
+    built = dict(engine.orig_dtype)
+    built.update((k, v.dtype) for k, v in model.named_buffers(remove_duplicate=False))
+    return {k: v.to(built[k]) if v.is_floating_point() and k in built else v
+            for k, v in state.items()}
+
+
 def save_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike[str],
@@ -269,18 +279,22 @@ def save_pretrained(
     what each kind of model gets.
 
     Collective: every rank calls it (the weights come from
-    :func:`zeroshard.full_state_dict`, the fp32 master values); rank 0 of
+    :func:`zeroshard.full_state_dict`, the master values, in the dtypes the model was built
+    in); rank 0 of
     ``process_group`` checks and writes, and every rank returns once the files exist, or
     raises if the export was refused ([Note: exports check themselves]). Tied parameters
     are stored once, under the name HF keeps (``transformer.wte.weight``, not
     ``lm_head.weight``); ``from_pretrained`` ties them again. ``dtype`` casts the
-    floating tensors (default: fp32) and is recorded in the config. Works on an unsharded
+    floating tensors (default: the model's own) and is recorded in the config. Works on an
+    unsharded
     model too (then nothing is collective but the outcome's broadcast, if a group exists).
     """
     from . import full_state_dict
 
-    if getattr(model, "_zeroshard_engine", None) is not None:
-        state = full_state_dict(model)
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is not None:
+        engine.world.sync_point("save_pretrained")  # one rank alone: an error naming this
+        state = _as_built(model, engine, full_state_dict(model))
     else:
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     distributed = dist.is_available() and dist.is_initialized()

@@ -287,7 +287,7 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
         return _nothing_left(c, log, step, world, found, loss, loss_step)
     log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
     log.say(f"zeroshard train: {c.model} on {world} rank(s), stage {c.stage}, "
-            f"{c.mixed_precision}, checkpointing {c.activation_checkpointing}, "
+            f"mixed precision {c.mixed_precision or 'off'}, checkpointing {c.activation_checkpointing}, "
             + (f"offload {c.offload}, " if c.offload != "none" else "")
             + f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
     group = zeroshard.engine_of(model).comm.group
