@@ -25,12 +25,14 @@ transformers = pytest.importorskip("transformers")
 
 from zeroshard.testing import run_ranks  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "integrations" / "hf_trainer.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "integrations"
+EXAMPLE = EXAMPLES / "hf_trainer.py"
+TRL = EXAMPLES / "trl_sft_lora.py"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_USE_CPU": "1"}
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+def _example(path: Path = EXAMPLE) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem + "_example", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -39,8 +41,9 @@ def _example() -> Any:
 
 def _run(rank: int, world: int, runs: list[list[str]]) -> list[list[dict]]:
     transformers.logging.set_verbosity_error()
-    example = _example()
-    return [example.main(argv) for argv in runs]
+    hf, trl = _example(), _example(TRL)
+    return [(trl if argv[0] == "trl" else hf).main(argv[1:] if argv[0] == "trl" else argv)
+            for argv in runs]
 
 
 def _runs(base: str) -> dict[str, list[str]]:
@@ -58,6 +61,12 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["s3-lora"] = ["--stage", "3", "--lora", "--out", f"{base}/s3l"]
     runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
     runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
+    # TRL's SFTTrainer with LoRA (peft_config=), through zeroshard_trainer(SFTTrainer)
+    runs["trl-ddp"] = ["trl", "--ddp", "--out", f"{base}/trl-ddp"]
+    for s in (0, 3):
+        runs[f"trl-s{s}"] = ["trl", "--stage", str(s), "--out", f"{base}/trl-s{s}"]
+    runs["trl-ddp-bf16"] = ["trl", "--ddp", "--bf16", "--out", f"{base}/trl-ddpb"]
+    runs["trl-s3-bf16"] = ["trl", "--stage", "3", "--bf16", "--out", f"{base}/trl-s3b"]
     return runs
 
 
@@ -142,6 +151,26 @@ def test_lora_saves_the_adapter_ddp_saves() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     with open(f"{run['base']}/s3l/final/adapter_config.json") as f:
         assert json.load(f)["peft_type"] == "LORA"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_trl_sft_with_lora_equals_ddp(stage: int) -> None:
+    """TRL's SFTTrainer wraps the model with LoRA itself (peft_config=): the same losses
+    and gradient norms as its DDP run, and an adapter equal to the one DDP saves."""
+    from safetensors.torch import load_file
+
+    run = _all()
+    _assert_same_logs(run["logs"][f"trl-s{stage}"], run["logs"]["trl-ddp"])
+    got = load_file(f"{run['base']}/trl-s{stage}/final/adapter_model.safetensors")
+    want = load_file(f"{run['base']}/trl-ddp/final/adapter_model.safetensors")
+    assert got.keys() == want.keys() and len(got) == 8
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_trl_bf16_default_trains_within_the_bf16_tolerance() -> None:
+    logs = _all()["logs"]
+    _assert_same_logs(logs["trl-s3-bf16"], logs["trl-ddp-bf16"], rel=3e-2, keys=("loss",))
 
 
 # -- bad settings: refused before training, nothing written ---------------------------------

@@ -57,13 +57,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--bf16", action="store_true", help="TRL's default; off here for parity")
     a = p.parse_args(argv)
     tok = tokenizer()
     config = trl.SFTConfig(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2, learning_rate=1e-2,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
         data_seed=0, use_cpu=not torch.cuda.is_available(), max_length=16,
-        dataset_num_proc=None, disable_tqdm=True)
+        dataset_num_proc=None, disable_tqdm=True, bf16=a.bf16)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                            task_type="CAUSAL_LM")
     torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in both runs

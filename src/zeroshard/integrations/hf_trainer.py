@@ -258,7 +258,7 @@ def _inner_optimizer(optimizer: Any) -> Any:
 @functools.cache
 def zeroshard_trainer(trainer_cls: type) -> type:
     """``trainer_cls`` (a ``transformers.Trainer`` subclass: TRL's ``SFTTrainer``,
-    ``DPOTrainer``, your own) on zeroshard: a subclass taking ``zeroshard={...}``."""
+    your own; SFTTrainer is tested) on zeroshard: a subclass taking ``zeroshard={...}``."""
     import transformers
 
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
