@@ -96,6 +96,42 @@ def test_params_and_gpu_ranges(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_params("350M") == 350_000_000 and parse_params("7e9") == 7 * 10**9
 
 
+def test_plan_that_no_device_count_fits_says_tensor_parallel(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue: 1T on 8-1024 x 80 GB printed "Recommendation: more devices" beside "more
+    devices will not help", and "Lower the micro-batch" at micro-batch 1."""
+    big = ["plan", "--params", "1T", "--gpu-mem", "80GB"]
+    assert main([*big, "--gpus", "8-1024", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["action"] == "tensor-parallel"
+    assert {r["action"] for r in rec["by_gpus"]} == {"tensor-parallel"}
+    assert main([*big, "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommendation (8 devices): tensor parallel" in out
+    assert "micro-batch" not in out.split("Recommendation (8 devices)")[1]
+
+
+def test_plan_more_devices_figures_are_the_table_row_there(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue: "fits on 20+ ... gathered units 9.7 GB ... leave 55.0 GB" for 70B on 8 x 80 GB:
+    those give 21, and the table's buf at N=20 is 14.2 GB. Every figure of the reason is
+    now a column of the row a plan at 20 prints (or their sum), and 19 does not fit."""
+    assert main(["plan", "--params", "70B", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    why = " ".join(out.split("Recommendation (8 devices): more devices")[1].split())
+    assert "fits on 20+ devices" in why
+    assert main(["plan", "--params", "70B", "--gpus", "19,20"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    row = {n: next(ln.split() for ln in table if ln.split()[:3] == [str(n), "3", "full"])
+           for n in (19, 20)}
+    state, act, buf, total, fits = (row[20][i] for i in (3, 4, 5, 6, 8))
+    assert fits == "yes" and row[19][8] == "no"
+    assert (f"model state {state} GB (16Ψ/N) + the gradient slices' fp32 copies (4Ψ/N) "
+            f"{buf} GB = {total} GB (the state, buf and total columns") in why
+    assert f"on 19 devices, {row[19][6]} GB." in why
+    assert f"{act} GB" not in why  # freed by the optimizer step, the moment of the peak
+
+
 @pytest.mark.parametrize(
     ("args", "needles"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
@@ -193,21 +194,99 @@ def test_nothing_fits_names_the_terms_that_exceed_a_device() -> None:
     fixed = b3.beside(full.activation_bytes)  # the buffers' share of the peak no N shrinks
     assert full.activation_bytes < 72 * GB < full.activation_bytes + fixed
     reason = p.recommendation.reason
-    assert p.recommendation.action == "more-devices"
-    assert "alone" not in reason and "more devices will not help" in reason
+    assert "alone" not in reason and "no device count will" in reason
     act, buf = f"{full.activation_bytes / GB:.1f} GB", f"{fixed / GB:.1f} GB"
     total = f"{(full.activation_bytes + fixed) / GB:.1f} GB"
     assert (f"activations (full checkpointing) {act} + stage-3 gathered units and unit "
-            f"gradients {buf} = {total}, more than the 72.0 GB usable") in reason
-    assert "tensor/sequence parallelism" in reason
+            f"gradients {buf} = {total} when backward begins, before any model state, more "
+            "than the 72.0 GB usable") in reason
     # Activations alone over a device: said so, and the buffers named as what comes on top.
     huge = _plan(1e12, policies=("none",)).recommendation.reason
     assert "activations (no checkpointing)" in huge and "by themselves" in huge
     assert "before stage-3 gathered units and unit gradients" in huge
-    # Where more devices help, the reason says how many and what they leave room for.
-    few = _plan("llama-13b", gpus=1, gpu_mem_bytes=24 * GB, seq_len=1024, policies=("full",))
-    assert "fits on 13+ devices: activations (full checkpointing)" in few.recommendation.reason
-    assert "for its model state (16Ψ/N bytes)" in few.recommendation.reason
+
+
+def test_no_device_count_helps_is_tensor_parallel_with_followable_advice() -> None:
+    """Issue: 1T on 8 (or 8-1024) x 80 GB said "Recommendation: more devices" with a reason
+    saying more devices will not help, and advised lowering a micro-batch already at 1."""
+    p = _plan(1e12, gpus=[8, 1024])
+    assert [r.action for r in p.by_gpus] == ["tensor-parallel"] * 2
+    rec = p.recommendation
+    assert (rec.action, rec.gpus, rec.stage) == ("tensor-parallel", 1024, None)
+    why = rec.reason
+    assert "more-devices" not in why and "more devices shrink only the model state" in why
+    assert "tensor parallelism" in why and "micro-batch" not in why  # it is 1 already
+    assert "--policies full" not in why  # full checkpointing is planned, and is the leanest
+    assert "a shorter sequence (--seq)" in why and "offload_activations=True" in why
+    assert "bring the activations under 21.2 GB (72.0 GB less 50.8 GB)" in why
+    # prefetch 0 is priced, not promised; optimizer offload moves only model state.
+    assert "cuts the buffers to 39.2 GB: 74.8 GB, still over" in why
+    assert "--offload does not help" in why
+    # A micro-batch above 1 and no full checkpointing planned: both are advised.
+    two = _plan(1e12, micro_batch=2, policies=("none",)).recommendation
+    assert two.action == "tensor-parallel"
+    assert "a smaller micro-batch than 2 (--micro-batch)" in two.reason
+    assert "full checkpointing (--policies full" in two.reason
+    # A root whose reduction alone exceeds a device: no activation advice at all.
+    vocab = LlamaConfig(n_layers=4, hidden=1024, n_heads=8, seq_len=4096, vocab=1_000_000)
+    root = _plan(vocab, gpus=1, gpu_mem_bytes=8 * GB, seq_len=128, policies=("full",))
+    assert root.recommendation.action == "tensor-parallel"
+    assert "at the root's reduction" in root.recommendation.reason
+    assert "--seq" not in root.recommendation.reason
+
+
+_AT = {"backward begins": "when backward begins",
+       "end of the blocks' backward": "at the end of the blocks' backward",
+       "root's reduction": "at the root's reduction",
+       "optimizer step": "at the optimizer step"}
+
+
+@pytest.mark.parametrize(("model", "kw", "need", "moment"), [
+    (1e12, {"gpu_mem_bytes": 80 * GB, "seq_len": 512}, 842, "backward begins"),
+    (70e9, {}, 20, "optimizer step"),
+    ("llama-13b", {"gpus": 1, "gpu_mem_bytes": 24 * GB, "seq_len": 1024}, 13,
+     "optimizer step"),
+    ("llama-7b", {"gpus": 1, "gpu_mem_bytes": 8 * GB, "seq_len": 128,
+                  "policies": ("full",)}, 27, "end of the blocks' backward"),
+    (LlamaConfig(n_layers=4, hidden=1024, n_heads=8, seq_len=4096, vocab=1_000_000),
+     {"gpus": 1, "gpu_mem_bytes": 12 * GB, "seq_len": 128, "policies": ("full",)}, 13,
+     "root's reduction"),
+])
+def test_more_devices_figures_are_the_rows_at_that_count(model: object, kw: dict[str, object],
+                                                         need: int, moment: str) -> None:
+    """Issue: "fits on 842+ devices ... leave 16.7 GB for its model state (16Ψ/N)" gave 962
+    by its own arithmetic, and the 70B one named 9.7 GB of buffers where the row at N=20
+    has 14.2 GB: the search uses the stage-3 peak (the largest of its moments), the text
+    divided a remainder by 16Ψ. Now every figure is the row's at that N, or sums to it."""
+    rec = _plan(model, **kw).recommendation
+    why = rec.reason
+    assert rec.action == "more-devices" and f"fits on {need}+ devices" in why
+    assert "leave" not in why and "16Ψ/N bytes" not in why
+    pol = re.search(r"with (\S+) activation checkpointing fits", why).group(1)
+    pol = "none" if pol == "no" else pol
+    rows = _plan(model, **{**kw, "gpus": [need - 1, need]}).rows
+    prev, row = (next(r for r in rows if (r.gpus, r.stage, r.activation_checkpointing,
+                                          r.hybrid) == (k, 3, pol, None))
+                 for k in (need - 1, need))
+    assert row.fits and not prev.fits and row.peak_moment == moment
+    assert f"On {need} devices it peaks {_AT[moment]}" in why
+    d = len(re.search(r" = \d+\.(\d+) GB \(the state", why).group(1))
+
+    def f(b: int) -> str:
+        return f"{b / GB:.{d}f} GB"
+
+    assert f"model state {f(row.model_state_bytes)} (16Ψ/N)" in why
+    assert f"{f(row.buffer_bytes)} = {f(row.total_bytes)} (the state" in why
+    assert f"on {need - 1} devices, {f(prev.total_bytes)}." in why
+    if moment == "backward begins":  # every activation is alive: the row's act column
+        assert f"checkpointing) {f(row.activation_bytes)} +" in why
+    # The signed terms add up to the total, to the rounding of each.
+    body = why.split(f"it peaks {_AT[moment]}")[1].split(": ", 1)[1].split(" (the state")[0]
+    terms, total = body.rsplit(" = ", 1)
+    nums = [(-1 if sign == "−" else 1) * float(re.search(r"(\d+\.\d+) GB", t).group(1))
+            for sign, t in zip(["+", *re.findall(r" ([+−]) ", terms)],
+                               re.split(r" [+−] ", terms))]
+    assert abs(sum(nums) - float(total.split()[0])) <= (len(nums) + 1) * 0.5 * 10**-d
 
 
 def test_shape_from_param_count_reproduces_llama2() -> None:

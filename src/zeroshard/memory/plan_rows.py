@@ -4,7 +4,7 @@ under. Shared by the planner (planner.py), which builds rows, and the recommende
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroshard.memory import analytic
 from zeroshard.models.config import ModelConfig
@@ -97,6 +97,19 @@ class Setup:
     stage3: analytic.Stage3Buffers
     """Stage 3's gathered units and unit gradients (see [Note: stage-3 buffers])."""
 
+    def device_state(self, *, n: int, stage: int, offload: bool = False,
+                     offload_params: bool = False) -> analytic.ModelState:
+        """The model state a row keeps on the device (its ``state`` column), sharded over
+        ``n``: with ``offload`` the optimizer state moves to the host, and so do the
+        gradient slices at stages 2-3; with ``offload_params`` (stage 3) the weight
+        slices too."""
+        state = analytic.model_state_bytes(self.psi, stage=stage, n=n, recipe=self.recipe)
+        if offload:
+            state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
+        if offload_params:
+            state = replace(state, params=0)
+        return state
+
     def stage3_peak(self, *, n: int, policy: str, offload: bool = False,
                     offload_params: bool = False) -> tuple[int, analytic.Stage3Moment]:
         """A stage-3 step's peak on the device, sharded over ``n``, and the moment that
@@ -104,14 +117,13 @@ class Setup:
         shards (those not offloaded) beside that moment's gradient slices, activations and
         buffers."""
         cfg, r = self.cfg, self.recipe
-        state = analytic.model_state_bytes(self.psi, stage=3, n=n, recipe=r)
+        state = self.device_state(n=n, stage=3, offload=offload, offload_params=offload_params)
         peak = max(analytic.stage3_moments(
             block=analytic.block_params(cfg), blocks=cfg.n_layers,
             root=analytic.root_params(cfg), head=analytic.head_params(cfg), n=n,
             activations=self.act[policy], late_activations=self.act_late[policy],
             prefetch=self.prefetch, recipe=r, offload=offload), key=lambda m: m.total)
-        shards = (0 if offload_params else state.params) + (0 if offload else state.optim)
-        return shards + peak.total, peak
+        return state.params + state.optim + peak.total, peak
 
     @property
     def unit(self) -> int:

@@ -135,17 +135,14 @@ class Plan:
 def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
     r, psi, nodes = su.recipe, su.psi, su.nodes(n)
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
-    state = analytic.model_state_bytes(psi, stage=stage, n=shard, recipe=r)
     off = su.offload and stage >= 1
     offp = su.offload_params and stage == 3
+    state = su.device_state(n=shard, stage=stage, offload=off, offload_params=offp)
     host = 0
     if off:
         host = (analytic.host_optimizer_bytes(psi, n=shard, recipe=r)
                 + analytic.host_grad_bytes(psi, n=shard, recipe=r)
                 + analytic.host_param_bytes(psi, n=shard, recipe=r))
-        state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
-    if offp:
-        state = replace(state, params=0)
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     moment = None
     if shard > 1 and stage == 2:

@@ -10,9 +10,15 @@ sharding's. Stage 3 (hybrid or not) must beat the best fitting stage <= 2 by mor
 model does not price (anchors.md: "Stage 3 by default is a common mistake"). Nothing
 fits: if one block's 16-bit weights, gradients and activations (micro-batch 1) exceed a
 device, no sharding helps -> tensor parallelism; if a row fits the device but not the
-host memory (offload), say so; else the device count at which stage 3 would fit, or, when
-the terms that do not shrink with N (activations and stage 3's buffers) already exceed a
-device, those terms by name. Over
+host memory (offload), say so. Else stage 3's peak falls with N towards what no N
+shrinks, the largest moment's activations and buffers (backward's start or the root's
+reduction, [Note: stage-3 peak] in analytic.py). If that is under a device, the fewest
+devices on which a stage-3 row fits (-> more devices), found by evaluating the real
+stage-3 peak at each N (not by dividing a remainder by 16Ψ: the moment that peaks
+changes with N and holds no activation at the optimizer step), and that row's figures at
+that N, the table's; if not, no device count helps -> tensor parallelism, with those
+terms by name and only remedies that shrink them (no "lower the micro-batch" at 1, no
+"checkpoint" when full checkpointing was planned, no optimizer offload). Over
 several N, the best tokens/s per device wins (more devices always add throughput; this
 asks what each one buys).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zeroshard.memory import analytic
 from zeroshard.memory.plan_rows import PlanRow, Setup
 
 __all__ = ["STAGE3_MARGIN", "Recommendation", "recommend"]
@@ -88,65 +95,170 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                               action="more-devices", reason=why)
 
-    def floor(x: PlanRow) -> int:  # the part of a stage-3 peak that no N shrinks
-        return x.activation_bytes + su.stage3.beside(x.activation_bytes)
-
-    lean = min((x for x in rows if x.stage == 3 and x.hybrid is None),
-               key=lambda x: (floor(x), x.total_bytes))
-    fixed = su.stage3.beside(lean.activation_bytes)
-    rest = floor(lean)
-    act, buf = _fixed_terms(lean, fixed)
-    terms = f"{act} + {buf} = {gb(rest)}" if buf else act
-    if su.usable > rest:
-        r = su.recipe
-        per_param = (r.bytes_per_param - (r.optim_bytes if su.offload else 0)
-                     - (r.param_bytes if su.offload_params else 0))
-        need = _stage3_devices(su, lean, n, rest)
-        why = (f"Nothing fits on {devices(n)} with {gb(su.usable)} usable; {describe(lean)} "
-               f"fits on {need}+ devices: {terms} leave {gb(su.usable - rest)} for its "
-               f"model state ({per_param}Ψ/N bytes).")
-    else:
-        if lean.activation_bytes > su.usable:  # even without stage 3's buffers
-            held = f"{act} by themselves"
-            more = f" (before {buf} and any model state)" if buf else " before any model state"
-        else:
-            held, more = terms, " before any model state"
-        why = (f"Nothing fits on {devices(n)}, and more devices will not help: even "
-               f"{describe(lean)} holds {held}, more than the {gb(su.usable)} usable{more}, "
-               "and none of it shrinks with more devices. Lower the micro-batch or sequence "
-               "length, or use tensor/sequence parallelism.")
+    plain = [x for x in rows if x.stage == 3 and x.hybrid is None]
+    helps = [x for x in plain if _floor(su, x) < su.usable]
+    if helps:  # the fewest devices on which some policy fits; on a tie, the leanest
+        x, need = min(((x, _stage3_devices(su, x, n)) for x in helps),
+                      key=lambda t: (t[1], _floor(su, t[0])))
+        return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
+                              action="more-devices", reason=_fits_from(su, x, n, need))
+    lean = min(plain, key=lambda x: (_floor(su, x), x.total_bytes))
     return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
-                          action="more-devices", reason=why)
+                          action="tensor-parallel", reason=_never_fits(su, lean, n))
 
 
-def _fixed_terms(x: PlanRow, buffers: int) -> tuple[str, str]:
-    """("activations (full checkpointing) 35.6 GB", "stage-3 gathered units and unit
-    gradients 50.8 GB"): what a stage-3 row holds whatever N ("" for no buffers)."""
-    p = x.activation_checkpointing
-    act = f"activations ({'no' if p == 'none' else p} checkpointing) {gb(x.activation_bytes)}"
-    buf = f"stage-3 gathered units and unit gradients {gb(buffers)}"
-    return act, buf if buffers else ""
+def _floor(su: Setup, x: PlanRow) -> int:
+    """What stage-3 row ``x``'s peak falls towards as N grows, and never reaches: the
+    largest moment's activations and buffers, which no N shrinks. Its shards and gradient
+    slices go to 0, the late activations are fewer than their peak and the optimizer
+    step's fp32 copies are 1/N, so that is backward's start (activations A beside the
+    backward window) or the root's reduction ([Note: stage-3 peak] in analytic.py)."""
+    return x.activation_bytes + su.stage3.beside(x.activation_bytes)
 
 
-def _stage3_devices(su: Setup, x: PlanRow, n: int, rest: int) -> int:
-    """The fewest devices on which row ``x``'s configuration fits, more than ``n``. Its
-    peak falls with N towards ``rest`` (< usable): every moment's shards and gradient
-    slices shrink, its activations and buffers do not ([Note: stage-3 peak] in
-    analytic.py). So bisect between ``n`` and a count that surely fits: where the whole
-    model state and the step's fp32 gradient copies fit beside ``rest``."""
+def _stage3_devices(su: Setup, x: PlanRow, n: int) -> int:
+    """The fewest devices on which row ``x``'s configuration fits, more than ``n``: the
+    first N at which the real stage-3 peak (``Setup.stage3_peak``, the largest of the
+    step's moments, the one a row's ``total`` is) is within the usable memory. The peak
+    only falls as N grows (every term is constant or ceil(·/N)), towards
+    :func:`_floor` (< usable), so bisect between ``n`` and a count that surely fits."""
 
     def fits(m: int) -> bool:
         total, _ = su.stage3_peak(n=m, policy=x.activation_checkpointing, offload=x.offload,
                                   offload_params=x.offload_params)
         return total <= su.usable
 
-    r = su.recipe
-    hi = max(n, math.ceil(su.psi * (r.bytes_per_param + 4) / (su.usable - rest))) + 1
+    # By then every moment's N-dependent part (at most the whole state plus the fp32
+    # copies, 20 bytes a parameter) fits beside the floor.
+    hi = max(n, math.ceil(su.psi * (su.recipe.bytes_per_param + 4)
+                          / (su.usable - _floor(su, x)))) + 1
+    while not fits(hi):  # padding's rounding: never by more than a few bytes
+        hi *= 2
     lo = n  # does not fit
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
+
+
+_AT = {"backward begins": "when backward begins",
+       "end of the blocks' backward": "at the end of the blocks' backward",
+       "root's reduction": "at the root's reduction, the activations freed",
+       "optimizer step": "at the optimizer step, the activations freed"}
+
+
+def _digits(limit: int, *totals: int) -> int:
+    """Decimals of GB (1-9) at which each of ``totals`` reads as on its side of ``limit``."""
+    for d in range(1, 9):
+        if all(t == limit or f"{t / 1e9:.{d}f}" != f"{limit / 1e9:.{d}f}" for t in totals):
+            return d
+    return 9
+
+
+def _fits_from(su: Setup, x: PlanRow, n: int, need: int) -> str:
+    """"... fits on 842+ devices": the figures of the row at N = need (the table's row
+    there, column by column) and that N's peak moment, summed; and the peak at need-1."""
+    pol, off, offp = x.activation_checkpointing, x.offload, x.offload_params
+    state = su.device_state(n=need, stage=3, offload=off, offload_params=offp)
+    total, m = su.stage3_peak(n=need, policy=pol, offload=off, offload_params=offp)
+    before, _ = su.stage3_peak(n=need - 1, policy=pol, offload=off, offload_params=offp)
+    d = _digits(su.usable, total, before)
+
+    def g(b: int) -> str:
+        return f"{b / 1e9:.{d}f} GB"
+
+    r = su.recipe
+    coef = (0 if offp else r.param_bytes) + (0 if off else r.grad_bytes + r.optim_bytes)
+    parts = [f"model state {g(state.total)} ({coef}Ψ/N)"]
+    unreduced = state.grads - m.grad_slices
+    if unreduced:
+        which = {"backward begins": f"({r.grad_bytes}Ψ/N, none reduced yet)",
+                 "root's reduction": "not reduced yet (the root's)"}.get(
+                     m.name, f"not reduced yet (the {su.prefetch + 1} lowest blocks' and the "
+                     "root's)")
+        parts.append(f"− {g(unreduced)} of gradient slices {which}")
+    if m.activations:
+        act = f"activations ({'no' if pol == 'none' else pol} checkpointing)"
+        parts.append(f"+ {act} {g(m.activations)}" if m.activations == x.activation_bytes else
+                     f"+ the {su.prefetch + 1} lowest blocks' {act} and recompute working "
+                     f"set {g(m.activations)} (of {g(x.activation_bytes)} at their peak)")
+    if m.buffers:
+        buf = {"root's reduction": "the root's gradients, twice, and a block's reduction in "
+                                   "flight",
+               "optimizer step": "the gradient slices' fp32 copies (4Ψ/N)"}.get(
+                   m.name, "stage-3 gathered units and unit gradients")
+        parts.append(f"+ {buf} {g(m.buffers)}")
+    what = describe(x)
+    shown = ["state"] + (["act"] if m.activations == x.activation_bytes else []) + (
+        ["buf"] if m.buffers else [])
+    cols = ", ".join(shown) + " and total columns"
+    exact = f" ({g(su.usable)})" if d > 1 else ""
+    return (f"Nothing fits on {devices(n)} with {gb(su.usable)} usable. "
+            f"{what[0].upper()}{what[1:]} fits on {need}+ devices, the fewest on which its "
+            f"peak (the largest of stage 3's moments in a step, evaluated at each N: the "
+            f"shards, gradient slices and their fp32 copies shrink as N grows, the "
+            f"activations and the gathered units and unit gradients do not) is within "
+            f"that{exact}. On {devices(need)} it peaks {_AT[m.name]}: "
+            f"{' '.join(parts)} = {g(total)} (the {cols} of its row in a "
+            f"plan for {need}); on {devices(need - 1)}, {g(before)}.")
+
+
+def _never_fits(su: Setup, x: PlanRow, n: int) -> str:
+    """No device count helps: name what no N shrinks at stage 3's leanest row, and only
+    remedies that shrink it (tensor parallelism; shorter sequences, a smaller
+    micro-batch if above 1, full checkpointing if not planned, activations kept on the
+    host, prefetch 0), and say that optimizer offload does not."""
+    pol = x.activation_checkpointing
+    act_b, b3, floor = x.activation_bytes, su.stage3.backward, _floor(su, x)
+    act = f"activations ({'no' if pol == 'none' else pol} checkpointing) {gb(act_b)}"
+    buf = f"stage-3 gathered units and unit gradients {gb(b3)}"
+    at_root = su.stage3.root_reduce > act_b + b3
+    if at_root:
+        held = (f"{gb(floor)} at the root's reduction (the root's gradients, twice, and a "
+                "block's reduction in flight; no activation is left by then)")
+    elif act_b > su.usable:
+        held = f"{act} by themselves (before {buf} and any model state)"
+    else:
+        held = f"{act} + {buf} = {gb(floor)} when backward begins, before any model state"
+    why = (f"Nothing fits on {devices(n)}, and no device count will: even {describe(x)} "
+           f"holds {held}, more than the {gb(su.usable)} usable, and more devices shrink "
+           "only the model state. Use tensor parallelism (with sequence parallelism for the "
+           "activations): it splits each block's weights, gradients and activations over "
+           "devices, which zeroshard does not do.")
+    if at_root:
+        return why + (" The root (embeddings, LM head) is split by a vocabulary-parallel "
+                      "embedding and head.")
+    room = su.usable - b3
+    if su.stage3.root_reduce >= su.usable:
+        why += (f" The root's reduction alone (its gradients, twice, and a block's reduction "
+                f"in flight) holds {gb(su.stage3.root_reduce)}, so fewer activations would "
+                "not do.")
+    elif room > 0:
+        ways = ["a shorter sequence (--seq)"]
+        if su.micro_batch > 1:
+            ways.append(f"a smaller micro-batch than {su.micro_batch} (--micro-batch)")
+        if "full" not in su.act:
+            ways.append("full checkpointing (--policies full: each block keeps only its "
+                        "input)")
+        ways.append("the blocks' saved inputs kept on the host (apply_checkpointing(model, "
+                    "'full', offload_activations=True), not priced here)")
+        listed = (" or ".join(ways) if len(ways) == 2 else
+                  "; ".join(ways[:-1]) + "; or " + ways[-1])
+        why += (f" Without it, bring the activations under {gb(room)} ({gb(su.usable)} "
+                f"less {gb(b3)}), with room left for the model state: {listed}.")
+    else:
+        why += f" The buffers alone ({gb(b3)}) exceed the {gb(su.usable)} usable."
+    if su.prefetch > 0:
+        cfg = su.cfg
+        b0 = analytic.stage3_buffer_bytes(
+            block=analytic.block_params(cfg), root=analytic.root_params(cfg),
+            head=analytic.head_params(cfg), prefetch=0, recipe=su.recipe)
+        floor0 = act_b + b0.beside(act_b)
+        verdict = "under" if floor0 < su.usable else "still over"
+        why += (f" Gathering no block ahead (ShardConfig(prefetch=0)) cuts the buffers to "
+                f"{gb(b0.backward)}: {gb(floor0)}, {verdict} the usable memory.")
+    return why + (" --offload does not help: it moves model state, which more devices "
+                  "already shrink.")
 
 
 def _hybrid_note(su: Setup, rows: list[PlanRow], best: PlanRow) -> str:
