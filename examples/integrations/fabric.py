@@ -34,8 +34,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from --out/step-3")
     p.add_argument("--launch", action="store_true", help="let Fabric start the processes")
+    p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
     a = p.parse_args(argv)
-    fabric = L.Fabric(accelerator="cpu", devices=a.devices, strategy=a.strategy,
+    strategy: object = a.strategy
+    if a.strategy.startswith("zeroshard") and a.state_dict_type == "full":
+        from zeroshard.integrations.lightning_fabric import ZeroShardStrategy
+
+        strategy = ZeroShardStrategy(stage=int(a.strategy[-1]), state_dict_type="full")
+    fabric = L.Fabric(accelerator="cpu", devices=a.devices, strategy=strategy,
                       precision=a.precision)
     if a.launch:
         fabric.launch()

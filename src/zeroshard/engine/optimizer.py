@@ -62,11 +62,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- what the user calls -------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step; ``closure`` (forward + backward, returning the loss) is run once first
+        and its loss returned, as torch's first-order optimizers do (Lightning's automatic
+        optimisation steps this way). Optimizers that re-evaluate it (LBFGS) do not shard."""
+        loss = None
         if closure is not None:
-            raise ValueError(
-                "closure is not supported: zeroshard steps once per backward; call "
-                "loss.backward() then optimizer.step() without a closure"
-            )
+            with torch.enable_grad():
+                loss = closure()
         if self._step_supports_amp_scaling and (
                 getattr(self, "grad_scale", None) is not None
                 or getattr(self, "found_inf", None) is not None):
@@ -79,7 +81,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if engine.prepare_grads():  # fp16 overflow somewhere: skip, back off the scale
             engine.scaler.update(overflow=True)
             engine.skip_step()
-            return None
+            return loss
         engine.scaler.update(overflow=False)
         engine.adopt_user_grads()  # .grad assigned by the user (see engine.py)
         self._sync_hyperparameters()
@@ -90,7 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
         engine.after_step()
-        return None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)

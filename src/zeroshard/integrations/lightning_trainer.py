@@ -1,0 +1,245 @@
+"""The Lightning ``Trainer`` on zeroshard: ``Trainer(strategy=ZeroShardStrategy(stage=3))``.
+
+    import zeroshard.integrations.lightning_trainer  # registers "zeroshard", "zeroshard_stage_N"
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="zeroshard_stage_3")
+
+[Note: the Lightning Trainer on zeroshard]
+The strategy is Lightning's DDP strategy (launcher, process group, samplers, collectives)
+with the model's wrapping, stepping, accumulation and checkpoints replaced:
+
+* **setup**: ``configure_optimizers`` runs as usual; the LightningModule is then sharded in
+  place with its (single) optimizer, whose LR schedulers keep working (zeroshard's
+  optimizer shares the groups of the one it replaces). The precision flag is Lightning's
+  own, as under DDP (see [Note: Fabric on zeroshard] in lightning_fabric.py); zeroshard's
+  16-bit recipe is ``ZeroShardStrategy(mixed_precision="bf16")`` with ``"32-true"``.
+* **steps go through the module's ``__call__``**: zeroshard's hooks sit on the sharded
+  module's forward (stage 3 gathers its root there; mixed precision swaps its weights), and
+  Lightning calls ``training_step`` / ``validation_step`` directly unless the model is
+  wrapped. The strategy redirects each step through the module (Lightning's own
+  ``_ForwardRedirection``, as its DDP strategy does through DDP), so the hooks run.
+* **accumulation** (``accumulate_grad_batches``) blocks synchronisation with the engine's
+  ``no_sync()`` — Lightning's ``block_backward_sync`` knows DDP's only.
+* **clipping** (``gradient_clip_val``) is Lightning's over the optimizer's parameters, whose
+  gradients are DTensors at stages 1-3: the global norm, DDP's; by value, element by element.
+* **checkpoints**: with ``state_dict_type="sharded"`` (the default) ``trainer.save_checkpoint``
+  / ``ModelCheckpoint`` write a directory: zeroshard's sharded weights and optimizer state
+  (``zeroshard.save_checkpoint``) and ``lightning.pt`` (the loops', callbacks' and LR
+  schedulers' state, written by rank 0); ``fit(ckpt_path=...)`` restores them at any world
+  size and stage. ``state_dict_type="full"`` keeps Lightning's one-file format with whole
+  state dicts (gathered on every rank, written by rank 0), loadable by the DDP strategy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .lightning_fabric import _REFUSED_PRECISION
+
+__all__ = ["ZeroShardStrategy"]
+
+_LIGHTNING_STATE = "lightning.pt"  # inside a sharded checkpoint directory
+
+
+def _strategy_class() -> type:
+    try:
+        import lightning.pytorch as pl
+    except ImportError as exc:
+        raise ImportError(f"zeroshard's Lightning strategy needs lightning ({exc}); "
+                          "pip install 'lightning>=2.6'") from None
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    class ZeroShardStrategy(DDPStrategy):
+        """Lightning's strategy for zeroshard; keywords are :func:`zeroshard.shard`'s options
+        (``stage``, ``offload``, ``mixed_precision``, ``units``, ...) plus ``state_dict_type``
+        ("sharded" or "full"). See [Note: the Lightning Trainer on zeroshard]."""
+
+        strategy_name = "zeroshard"
+
+        def __init__(self, stage: int = 0, *, state_dict_type: str = "sharded",
+                     accelerator: Any = None, parallel_devices: Any = None,
+                     cluster_environment: Any = None, checkpoint_io: Any = None,
+                     precision_plugin: Any = None, process_group_backend: str | None = None,
+                     start_method: str = "popen", **options: Any) -> None:
+            from .hf_trainer import _shard_options
+
+            if state_dict_type not in ("sharded", "full"):
+                raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' "
+                                 "(zeroshard's checkpoints, any world size and stage) or 'full'")
+            self.shard_options = _shard_options({"stage": stage, **options})
+            self.state_dict_type = state_dict_type
+            super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                             cluster_environment=cluster_environment,
+                             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+                             process_group_backend=process_group_backend,
+                             start_method=start_method)
+            self._redirect = _ForwardRedirection()
+
+        # -- setup -----------------------------------------------------------------------
+        def _check_precision(self) -> None:
+            flag = getattr(self.precision_plugin, "precision", "32-true")
+            if flag in _REFUSED_PRECISION:
+                raise ValueError(f"precision={flag!r} is not supported with zeroshard; use "
+                                 "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'")
+            if self.shard_options.get("mixed_precision") and flag != "32-true":
+                raise ValueError(
+                    f"ZeroShardStrategy(mixed_precision={self.shard_options['mixed_precision']!r})"
+                    f" is zeroshard's own 16-bit recipe; with precision={flag!r} the model would "
+                    "be cast twice. Use precision='32-true' with it, or drop mixed_precision= "
+                    "and keep Lightning's precision flag")
+
+        def setup(self, trainer: Any) -> None:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            import zeroshard
+
+            self._check_precision()
+            self.accelerator.setup(trainer)
+            self.model = self.precision_plugin.convert_module(self.model)
+            sharded = getattr(self.lightning_module, "_zeroshard_engine", None) is not None
+            if not sharded and not _on_meta(self.model):
+                self.model_to_device()
+            if trainer.state.fn == TrainerFn.FITTING:
+                if sharded:
+                    raise RuntimeError(
+                        "this LightningModule was sharded by an earlier fit(); zeroshard shards "
+                        "a model once: build a new one (or a new Trainer over the same "
+                        "checkpoint: fit(ckpt_path=...))")
+                self.setup_optimizers(trainer)
+                if len(self.optimizers) != 1:
+                    raise ValueError(
+                        f"ZeroShardStrategy shards a model with one optimizer; configure_"
+                        f"optimizers returned {len(self.optimizers)}. Put the parameters in one "
+                        "optimizer (its param groups may differ)")
+                _, optimizer = zeroshard.shard(self.lightning_module, self.optimizers[0],
+                                               **self.shard_options)
+                self.optimizers = [optimizer]
+            self.setup_precision_plugin()
+            if trainer.state.fn == TrainerFn.FITTING:
+                _optimizers_to_device(self.optimizers, self.root_device)
+
+        # -- steps through the module's __call__ ----------------------------------------
+        def _through_module(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            module = self.lightning_module
+            if getattr(module, "_zeroshard_engine", None) is None:
+                return getattr(module, method)(*args, **kwargs)
+            return self._redirect(module, module, method, *args, **kwargs)
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self.precision_plugin.train_step_context():
+                return self._through_module("training_step", *args, **kwargs)
+
+        def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self.precision_plugin.val_step_context():
+                return self._through_module("validation_step", *args, **kwargs)
+
+        def test_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self.precision_plugin.test_step_context():
+                return self._through_module("test_step", *args, **kwargs)
+
+        def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+            with self.precision_plugin.predict_step_context():
+                return self._through_module("predict_step", *args, **kwargs)
+
+        @contextmanager
+        def block_backward_sync(self) -> Generator[None, None, None]:
+            module = self.lightning_module
+            if getattr(module, "_zeroshard_engine", None) is None:
+                yield None
+                return
+            with module.no_sync():
+                yield None
+
+        # -- checkpoints -----------------------------------------------------------------
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True  # the sharded model and optimizer must exist to load into
+
+        @property
+        def lightning_restore_optimizer(self) -> bool:
+            return self.state_dict_type == "full"  # sharded: load_checkpoint did
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            if self.state_dict_type == "sharded":
+                return {}  # written by save_checkpoint, each rank its shard
+            return super().lightning_module_state_dict()  # whole; collective at stage 3
+
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            if self.state_dict_type == "sharded":
+                return {}
+            return super().optimizer_state(optimizer)  # torch's format; a collective
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                            storage_options: Any = None) -> None:
+            if self.state_dict_type == "full":
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            import zeroshard
+
+            path = Path(self.broadcast(str(filepath)))
+            if path.is_file():
+                if self.is_global_zero:
+                    path.unlink()
+                self.barrier()
+            zeroshard.save_checkpoint(path, self.lightning_module,
+                                      _inner(self.optimizers[0]) if self.optimizers else None)
+            if self.is_global_zero:
+                checkpoint = {k: v for k, v in checkpoint.items()
+                              if k not in ("state_dict", "optimizer_states")}
+                torch.save(checkpoint, path / _LIGHTNING_STATE)
+            self.barrier()
+
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
+                            ) -> dict[str, Any]:
+            path = Path(self.broadcast(str(checkpoint_path)))
+            if not (path / "zeroshard.json").is_file():  # a one-file checkpoint
+                return super().load_checkpoint(path, weights_only=weights_only)
+            import zeroshard
+
+            optimizer = _inner(self.optimizers[0]) if self.optimizers else None
+            zeroshard.load_checkpoint(path, self.lightning_module, optimizer)
+            checkpoint = torch.load(path / _LIGHTNING_STATE, weights_only=False)
+            checkpoint["state_dict"] = {}  # loaded above, into the shards
+            return checkpoint
+
+        def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+            if self.state_dict_type == "full" and checkpoint.get("state_dict"):
+                return super().load_model_state_dict(checkpoint, strict)
+
+        def remove_checkpoint(self, filepath: Any) -> None:
+            path = Path(filepath)
+            if self.is_global_zero and path.is_dir():
+                shutil.rmtree(path)
+            elif not path.is_dir():
+                super().remove_checkpoint(filepath)
+
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            strategy_registry.register("zeroshard", cls, description="zeroshard, ZeRO stage 0",
+                                       override=True)
+            for s in range(4):
+                strategy_registry.register(f"zeroshard_stage_{s}", cls, stage=s, override=True,
+                                           description=f"zeroshard, ZeRO stage {s}")
+
+    ZeroShardStrategy.__module__ = __name__
+    ZeroShardStrategy.register_strategies(pl.strategies.StrategyRegistry)
+    return ZeroShardStrategy
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer under Lightning's ``LightningOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+#: Built (and registered by name with Lightning) when this module is imported.
+ZeroShardStrategy = _strategy_class()
