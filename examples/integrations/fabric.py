@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from --out/step-3")
-    p.add_argument("--launch", action="store_true", help="let Fabric start the processes")
     p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
     a = p.parse_args(argv)
     strategy: object = a.strategy
@@ -43,8 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         strategy = ZeroShardStrategy(stage=int(a.strategy[-1]), state_dict_type="full")
     fabric = L.Fabric(accelerator="cpu", devices=a.devices, strategy=strategy,
                       precision=a.precision)
-    if a.launch:
-        fabric.launch()
+    fabric.launch()  # starts the other ranks (under torchrun: they exist already)
     torch.manual_seed(0)
     model = build_model("gpt2-tiny", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
