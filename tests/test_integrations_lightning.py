@@ -59,6 +59,8 @@ def _runs(base: str) -> dict[str, tuple[str, list[str]]]:
                                       "bf16-mixed", "--out", f"{base}/{ex}-s3b"])
     runs["fabric-full"] = ("fabric", ["--strategy", "zeroshard_stage_3", "--state-dict-type",
                                       "full", "--out", f"{base}/fabric-full"])
+    runs["fabric-meta"] = ("fabric", ["--strategy", "zeroshard_stage_3", "--empty-init",
+                                      "--out", f"{base}/fabric-meta"])
     return runs
 
 
@@ -116,6 +118,13 @@ def test_fabric_full_checkpoint_loads_into_plain_torch() -> None:
         assert (ckpt["model"][k] - v).norm() <= 1e-3 * v.norm() + 1e-8, k
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
     opt.load_state_dict(ckpt["optimizer"])  # torch's format
+
+
+def test_fabric_init_module_empty_init_at_stage3() -> None:
+    """fabric.init_module(empty_init=True) builds the model on the meta device; stage 3
+    materialises it unit by unit (zeroshard's reference init): the run is the same."""
+    logs = _all()["logs"]
+    _same(logs["fabric-meta"], logs["fabric-s3"], rel=0.0)
 
 
 # -- bad settings, refused before training --------------------------------------------------

@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from --out/step-3")
     p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
+    p.add_argument("--empty-init", action="store_true",
+                   help="build the model on the meta device (stage 3: materialised per unit)")
     a = p.parse_args(argv)
     strategy: object = a.strategy
     if a.strategy.startswith("zeroshard") and a.state_dict_type == "full":
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       precision=a.precision)
     fabric.launch()  # starts the other ranks (under torchrun: they exist already)
     torch.manual_seed(0)
-    model = build_model("gpt2-tiny", seed=0)
+    with fabric.init_module(empty_init=a.empty_init):
+        model = build_model("gpt2-tiny", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))

@@ -120,6 +120,11 @@ def _strategy_class() -> type:
         def setup_optimizer(self, optimizer: Any) -> Any:
             raise NotImplementedError(self._err_msg_joint_setup_required())
 
+        def module_to_device(self, module: nn.Module) -> None:
+            if any(p.is_meta for p in module.parameters()):
+                return  # shard() materialises it on the device, unit by unit
+            super().module_to_device(module)
+
         def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
             if empty_init and self.shard_options.get("stage") == 3:
                 return torch.device("meta")  # materialised unit by unit by shard()
