@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,6 +87,63 @@ class ShardedModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, including the sharded ones the engine accumulates."""
         self._zeroshard_engine.zero_grad(set_to_none)
+
+    # -- FSDP2's module methods (torch.distributed.fsdp.FSDPModule), where they mean
+    # something here; the others say what zeroshard does instead. A loop written for
+    # fully_shard (torchtitan's, Lightning's and Accelerate's FSDP2 paths) calls them.
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """FSDP2's switch for accumulation: False keeps gradients local (``no_sync``)."""
+        self._zeroshard_engine.sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        """Stage 3: free (True) or keep (False) each unit's gathered weights after its
+        forward, as ``shard(..., reshard_after_forward=)`` does."""
+        engine = self._zeroshard_engine
+        if not engine.units:
+            raise ValueError(
+                f"set_reshard_after_forward has no meaning at stage {engine.config.stage}: "
+                "every rank holds the whole weights; it applies at stage 3")
+        engine.config = dataclasses.replace(engine.config,
+                                            reshard_after_forward=bool(reshard_after_forward))
+
+    def reshard(self) -> None:
+        """Free every gathered unit (stage 3; nothing is gathered at stages 0-2). Between
+        steps only: inside forward or backward the engine decides."""
+        self._zeroshard_engine.reshard_all()
+
+    def unshard(self, async_op: bool = False) -> None:
+        raise NotImplementedError(
+            "unshard(): zeroshard gathers each stage-3 unit itself just before its forward "
+            "and backward, with the next ones prefetched (shard(..., prefetch=k)); there is "
+            "no handle to wait on. Call the model; to read whole weights outside a step use "
+            "p.full_tensor() or zeroshard.full_state_dict(model)")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        raise NotImplementedError(
+            "set_reshard_after_backward: zeroshard frees a unit's gathered weights once its "
+            "backward is done, always. For accumulation use model.no_sync() or "
+            "set_requires_gradient_sync(False); to keep units gathered between forward and "
+            "backward, shard(..., reshard_after_forward=False)")
+
+    def set_modules_to_forward_prefetch(self, modules: Any) -> None:
+        raise NotImplementedError(
+            "set_modules_to_forward_prefetch: zeroshard prefetches the next units in the "
+            "order they ran in the first forward; set how many with shard(..., prefetch=k)")
+
+    def set_modules_to_backward_prefetch(self, modules: Any) -> None:
+        raise NotImplementedError(
+            "set_modules_to_backward_prefetch: zeroshard prefetches the next units of "
+            "backward in the reverse of the forward's order; set how many with "
+            "shard(..., prefetch=k)")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        raise NotImplementedError(
+            "set_is_last_backward: zeroshard reduces gradients in every backward outside "
+            "no_sync(); for accumulation wrap the earlier backwards in model.no_sync() (or "
+            "set_requires_gradient_sync(False) before them and True before the last)")
 
 
 def engine_of(model: nn.Module) -> Engine:

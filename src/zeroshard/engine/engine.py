@@ -1227,6 +1227,15 @@ class Engine(Stage3Hooks, JoinReplay):
                 out.append((b, unused))
         return out
 
+    def reshard_all(self) -> None:
+        """Free every gathered stage-3 unit (between steps; see ShardedModule.reshard)."""
+        if in_backward() or self._backward_queued:
+            raise RuntimeError("reshard() during a backward: zeroshard frees each unit once its "
+                               "backward is done; call it between steps")
+        for u in self.units:
+            u.wait()
+            self._reshard(u)
+
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
         for u in self.units:  # gathered by a forward no backward followed: now stale
