@@ -59,11 +59,13 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["s3-accum"] = ["--stage", "3", "--accum", "2", "--out", f"{base}/s3a"]
     runs["ddp-lora"] = ["--ddp", "--lora", "--out", f"{base}/ddpl"]
     runs["s3-lora"] = ["--stage", "3", "--lora", "--out", f"{base}/s3l"]
+    runs["ddp-eval"] = ["--ddp", "--eval", "--checkpointing", "--out", f"{base}/ddpe"]
+    runs["s3-eval"] = ["--stage", "3", "--eval", "--checkpointing", "--out", f"{base}/s3e"]
     runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
     runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
     # TRL's SFTTrainer with LoRA (peft_config=), through zeroshard_trainer(SFTTrainer)
     runs["trl-ddp"] = ["trl", "--ddp", "--out", f"{base}/trl-ddp"]
-    for s in (0, 3):
+    for s in range(4):
         runs[f"trl-s{s}"] = ["trl", "--stage", str(s), "--out", f"{base}/trl-s{s}"]
     runs["trl-ddp-bf16"] = ["trl", "--ddp", "--bf16", "--out", f"{base}/trl-ddpb"]
     runs["trl-s3-bf16"] = ["trl", "--stage", "3", "--bf16", "--out", f"{base}/trl-s3b"]
@@ -99,6 +101,19 @@ def test_losses_and_grad_norms_equal_ddp(stage: int) -> None:
 def test_gradient_accumulation_equals_ddp() -> None:
     logs = _all()["logs"]
     _assert_same_logs(logs["s3-accum"], logs["ddp-accum"])
+
+
+def test_evaluation_generation_and_checkpointing_at_stage_3() -> None:
+    """eval_strategy="steps" (a stage-3 forward on every rank), gradient_checkpointing=True
+    (HF's flag) and greedy generate() after training, all at stage 3: the logged losses,
+    norms and eval losses are DDP's, and the generated tokens the same."""
+    logs = _all()["logs"]
+    got, want = logs["s3-eval"], logs["ddp-eval"]
+    assert got[-1]["generated"] == want[-1]["generated"] and len(got[-1]["generated"]) == 9
+    _assert_same_logs([h for h in got if "loss" in h], [h for h in want if "loss" in h])
+    _assert_same_logs([h for h in got if "eval_loss" in h],
+                      [h for h in want if "eval_loss" in h], keys=("eval_loss",))
+    assert len([h for h in got if "eval_loss" in h]) == 2  # steps 3 and 6
 
 
 def test_bf16_trains_within_the_bf16_tolerance() -> None:
@@ -153,7 +168,7 @@ def test_lora_saves_the_adapter_ddp_saves() -> None:
         assert json.load(f)["peft_type"] == "LORA"
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", range(4))
 def test_trl_sft_with_lora_equals_ddp(stage: int) -> None:
     """TRL's SFTTrainer wraps the model with LoRA itself (peft_config=): the same losses
     and gradient norms as its DDP run, and an adapter equal to the one DDP saves."""

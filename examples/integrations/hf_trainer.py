@@ -55,13 +55,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--resume", nargs="?", const=True, default=None,
                    help="resume from the last checkpoint in --out, or from this one")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft)")
+    p.add_argument("--eval", action="store_true",
+                   help="evaluate every 3 steps, then generate from a prompt (every rank)")
+    p.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
     a = p.parse_args(argv)
     args = transformers.TrainingArguments(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=a.accum, learning_rate=1e-2, weight_decay=0.1,
         max_grad_norm=1.0, logging_steps=1, save_steps=a.save_steps, report_to=[],
         bf16=a.bf16, use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0,
-        dataloader_num_workers=0, disable_tqdm=True)
+        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=a.checkpointing,
+        eval_strategy="steps" if a.eval else "no", eval_steps=3, per_device_eval_batch_size=2)
     model, data = tiny_llama(), Tokens(128, 16, 64)
     if a.lora:
         import peft
@@ -70,15 +74,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                            target_modules=["q_proj", "v_proj"]))
     if a.ddp:
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       eval_dataset=Tokens(128, 16, 8) if a.eval else None)
     else:
         from zeroshard.integrations.hf_trainer import ZeroShardTrainer
 
         trainer = ZeroShardTrainer(model=model, args=args, train_dataset=data,
+                                   eval_dataset=Tokens(128, 16, 8) if a.eval else None,
                                    zeroshard={"stage": a.stage})
     trainer.train(resume_from_checkpoint=a.resume)
     trainer.save_model(f"{a.out}/final")  # every rank: a collective under zeroshard
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
+    if a.eval:  # greedy generation on every rank (a collective forward per token at stage 3)
+        prompt = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            out = trainer.model.generate(prompt, max_new_tokens=5, do_sample=False)
+        logs.append({"generated": out[0].tolist()})
     if trainer.args.should_save:
         with open(f"{a.out}/logs.json", "w") as f:
             json.dump(logs, f)
