@@ -61,6 +61,9 @@ def _runs(base: str) -> dict[str, tuple[str, list[str]]]:
                                       "full", "--out", f"{base}/fabric-full"])
     runs["fabric-meta"] = ("fabric", ["--strategy", "zeroshard_stage_3", "--empty-init",
                                       "--out", f"{base}/fabric-meta"])
+    runs["lightning-full"] = ("lightning_trainer", [
+        "--strategy", "zeroshard_stage_3", "--state-dict-type", "full",
+        "--out", f"{base}/lightning-full"])
     return runs
 
 
@@ -118,6 +121,56 @@ def test_fabric_full_checkpoint_loads_into_plain_torch() -> None:
         assert (ckpt["model"][k] - v).norm() <= 1e-3 * v.norm() + 1e-8, k
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
     opt.load_state_dict(ckpt["optimizer"])  # torch's format
+
+
+def test_lightning_full_checkpoint_loads_into_plain_torch() -> None:
+    """state_dict_type="full": Lightning's one-file checkpoint, whole weights and torch-format
+    optimizer state, as the DDP strategy writes it."""
+    run = _all()
+    _same(run["logs"]["lightning-full"], run["logs"]["lightning_trainer-ddp"])
+    path = f"{run['base']}/lightning-full/ckpt/step-step=3.ckpt"
+    ckpt = torch.load(path, weights_only=False)
+    ddp = torch.load(f"{run['base']}/lightning_trainer-ddp/ckpt/step-step=3.ckpt",
+                     weights_only=False)
+    assert ckpt["state_dict"].keys() == ddp["state_dict"].keys()
+    lit = _example("lightning_trainer").LitGPT()
+    lit.load_state_dict(ckpt["state_dict"])  # strict
+    for k, v in ddp["state_dict"].items():
+        assert (ckpt["state_dict"][k] - v).norm() <= 1e-3 * v.norm() + 1e-8, k
+    opt = torch.optim.AdamW(lit.parameters(), lr=1e-2)
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+
+
+def _fabric_extras(rank: int, world: int, strategy: str) -> dict:
+    """clip_gradients by value, and Fabric's collectives, under a strategy."""
+    import lightning as L
+
+    import zeroshard.integrations.lightning_fabric  # noqa: F401
+    from zeroshard.models import build_model
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = build_model("gpt2-tiny", seed=0)
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    fabric.backward(model(x).float().logsumexp(-1).mean())
+    fabric.clip_gradients(model, opt, clip_val=1e-3)
+    opt.step()
+    out = {"sum": fabric.all_reduce(torch.tensor([rank + 1.0]), reduce_op="sum").item(),
+           "gathered": fabric.all_gather(torch.tensor([rank + 1.0])).flatten().tolist(),
+           "broadcast": fabric.broadcast(f"from {rank}", src=1)}
+    fabric.barrier()
+    weights = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    return {**out, "weights": weights}
+
+
+def test_fabric_clip_by_value_and_collectives_as_under_ddp() -> None:
+    got = run_ranks(_fabric_extras, 2, "zeroshard_stage_3", timeout=120)
+    want = run_ranks(_fabric_extras, 2, "ddp", timeout=120)
+    for g, w in zip(got, want):
+        assert (g["sum"], g["gathered"], g["broadcast"]) == (3.0, [1.0, 2.0], "from 1")
+        for k, v in w["weights"].items():
+            torch.testing.assert_close(g["weights"][k], v, rtol=1e-5, atol=1e-7)
 
 
 def test_fabric_init_module_empty_init_at_stage3() -> None:

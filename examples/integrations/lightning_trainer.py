@@ -74,11 +74,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from the step-3 checkpoint")
+    p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
     a = p.parse_args(argv)
+    strategy: object = a.strategy
+    if a.strategy.startswith("zeroshard") and a.state_dict_type == "full":
+        from zeroshard.integrations.lightning_trainer import ZeroShardStrategy
+
+        strategy = ZeroShardStrategy(stage=int(a.strategy[-1]), state_dict_type="full")
     L.seed_everything(0, verbose=False)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{a.out}/ckpt", every_n_train_steps=3,
                                               save_top_k=-1, filename="step-{step}")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=a.strategy,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                         precision=a.precision, max_steps=a.steps, accumulate_grad_batches=2,
                         gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[ckpt],
