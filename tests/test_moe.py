@@ -53,6 +53,27 @@ def _optim_state(sd: dict[str, Any], names: list[str]) -> dict[str, dict[str, An
             for j, i in enumerate(index) if i in sd["state"]}
 
 
+def _train(wrapped: torch.nn.Module, model: torch.nn.Module, optim: Any, rank: int,
+           accum: int) -> tuple[list[float], dict]:
+    """STEPS steps of ``accum`` micro-batches, the earlier ones under ``no_sync()``; the
+    losses, and the gradients after the last backward (``model``'s names)."""
+    losses = []
+    for step in range(STEPS):
+        micro = micro_batches(rank, step, accum)
+        for m, (x, y) in enumerate(micro):
+            loss = loss_of(wrapped, x, y) / accum
+            if m < len(micro) - 1:
+                with wrapped.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            losses.append(loss.item())
+        grads = _grads(model)
+        optim.step()
+        optim.zero_grad()
+    return losses, grads
+
+
 def train_zeroshard(rank: int, world: int, *, stage: int, mp: str | None = None,
                     accum: int = 1, checkpointing: bool = False, offload: str | None = None,
                     overlap: bool = True, **options: Any) -> dict[str, Any]:
@@ -66,20 +87,7 @@ def train_zeroshard(rank: int, world: int, *, stage: int, mp: str | None = None,
                                        weight_decay=0.1, mixed_precision=mp,
                                        bucket_bytes=SMALL, offload=offload, overlap=overlap,
                                        **options)
-        losses = []
-        for step in range(STEPS):
-            micro = micro_batches(rank, step, accum)
-            for m, (x, y) in enumerate(micro):
-                loss = loss_of(model, x, y) / accum
-                if m < len(micro) - 1:
-                    with model.no_sync():
-                        loss.backward()
-                else:
-                    loss.backward()
-                losses.append(loss.item())
-            grads = _grads(model)
-            optim.step()
-            optim.zero_grad()
+        losses, grads = _train(model, model, optim, rank, accum)
         return {"losses": losses, "weights": zeroshard.full_state_dict(model),
                 "grads": grads, "state": _optim_state(optim.state_dict(), names)}
     finally:
@@ -93,20 +101,7 @@ def train_ddp(rank: int, world: int, accum: int = 1) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()]
     ddp = DDP(model, find_unused_parameters=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        micro = micro_batches(rank, step, accum)
-        for m, (x, y) in enumerate(micro):
-            loss = loss_of(ddp, x, y) / accum
-            if m < len(micro) - 1:
-                with ddp.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-            losses.append(loss.item())
-        grads = _grads(model)
-        optim.step()
-        optim.zero_grad()
+    losses, grads = _train(ddp, model, optim, rank, accum)
     weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "weights": weights, "grads": grads,
             "state": _optim_state(optim.state_dict(), names)}

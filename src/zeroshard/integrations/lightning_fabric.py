@@ -42,6 +42,47 @@ __all__ = ["ZeroShardStrategy"]
 _REFUSED_PRECISION = ("64-true", "transformer-engine", "transformer-engine-float16")
 
 
+def strategy_options(stage: int, state_dict_type: str, options: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """zeroshard's options of a Lightning strategy, checked when it is built."""
+    from .hf_trainer import _shard_options
+
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' (zeroshard's "
+                         "checkpoints, any world size and stage) or 'full'")
+    return _shard_options({"stage": stage, **options})
+
+
+def check_precision(flag: str, options: dict[str, Any]) -> None:
+    """Lightning's precision flag beside zeroshard's options (see [Note: Fabric on
+    zeroshard])."""
+    if flag in _REFUSED_PRECISION:
+        raise ValueError(f"precision={flag!r} is not supported with zeroshard; use '32-true', "
+                         "'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'")
+    if options.get("mixed_precision") and flag != "32-true":
+        raise ValueError(
+            f"ZeroShardStrategy(mixed_precision={options['mixed_precision']!r}) is zeroshard's "
+            f"own 16-bit recipe; with precision={flag!r} the model would be cast twice. Use "
+            "precision='32-true' with it, or drop mixed_precision= and keep Lightning's "
+            "precision flag")
+
+
+def one_optimizer(optimizers: list[Any], where: str) -> Any:
+    if len(optimizers) != 1:
+        raise ValueError(f"ZeroShardStrategy shards a model with one optimizer; {where} "
+                         f"{len(optimizers)}. Put the parameters in one optimizer (its param "
+                         "groups may differ)")
+    return optimizers[0]
+
+
+def register(cls: type, registry: Any) -> None:
+    """``strategy="zeroshard"`` (stage 0) and ``"zeroshard_stage_N"``."""
+    registry.register("zeroshard", cls, description="zeroshard, ZeRO stage 0", override=True)
+    for s in range(4):
+        registry.register(f"zeroshard_stage_{s}", cls, stage=s, override=True,
+                          description=f"zeroshard, ZeRO stage {s}")
+
+
 def _lightning() -> Any:
     try:
         import lightning.fabric as fabric
@@ -75,12 +116,7 @@ def _strategy_class() -> type:
                      cluster_environment: Any = None, checkpoint_io: Any = None,
                      precision: Any = None, process_group_backend: str | None = None,
                      start_method: str = "popen", **options: Any) -> None:
-            from .hf_trainer import _shard_options
-
-            if state_dict_type not in ("sharded", "full"):
-                raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' "
-                                 "(zeroshard's checkpoints, any world size and stage) or 'full'")
-            self.shard_options = _shard_options({"stage": stage, **options})
+            self.shard_options = strategy_options(stage, state_dict_type, options)
             self.state_dict_type = state_dict_type
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                              cluster_environment=cluster_environment,
@@ -90,28 +126,13 @@ def _strategy_class() -> type:
             self._backward_sync_control = _NoSync()
 
         # -- setup ---------------------------------------------------------------------
-        def _check_precision(self) -> None:
-            flag = getattr(self.precision, "precision", "32-true")
-            if flag in _REFUSED_PRECISION:
-                raise ValueError(f"precision={flag!r} is not supported with zeroshard; use "
-                                 "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'")
-            if self.shard_options.get("mixed_precision") and flag != "32-true":
-                raise ValueError(
-                    f"ZeroShardStrategy(mixed_precision={self.shard_options['mixed_precision']!r})"
-                    f" is zeroshard's own 16-bit recipe; with precision={flag!r} the model would "
-                    "be cast twice. Use precision='32-true' with it, or drop mixed_precision= "
-                    "and keep Lightning's precision flag")
-
         def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any],
                                         scheduler: Any = None) -> tuple[nn.Module, list[Any], Any]:
             import zeroshard
 
-            self._check_precision()
-            if len(optimizers) != 1:
-                raise ValueError(f"ZeroShardStrategy shards a model with one optimizer; got "
-                                 f"{len(optimizers)}. Put the parameters in one optimizer (its "
-                                 "param groups may differ)")
-            module, optimizer = zeroshard.shard(module, optimizers[0], **self.shard_options)
+            check_precision(getattr(self.precision, "precision", "32-true"), self.shard_options)
+            optimizer = one_optimizer(optimizers, "fabric.setup got")
+            module, optimizer = zeroshard.shard(module, optimizer, **self.shard_options)
             return module, [optimizer], scheduler
 
         def setup_module(self, module: nn.Module) -> nn.Module:
@@ -170,11 +191,7 @@ def _strategy_class() -> type:
 
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:
-            strategy_registry.register("zeroshard", cls, description="zeroshard, ZeRO stage 0",
-                                       override=True)
-            for s in range(4):
-                strategy_registry.register(f"zeroshard_stage_{s}", cls, stage=s, override=True,
-                                           description=f"zeroshard, ZeRO stage {s}")
+            register(cls, strategy_registry)
 
     ZeroShardStrategy.__module__ = __name__
     ZeroShardStrategy.register_strategies(fabric.strategies.STRATEGY_REGISTRY)

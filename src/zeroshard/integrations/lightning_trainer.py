@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .lightning_fabric import _REFUSED_PRECISION
+from .lightning_fabric import check_precision, one_optimizer, register, strategy_options
 
 __all__ = ["ZeroShardStrategy"]
 
@@ -68,12 +68,7 @@ def _strategy_class() -> type:
                      cluster_environment: Any = None, checkpoint_io: Any = None,
                      precision_plugin: Any = None, process_group_backend: str | None = None,
                      start_method: str = "popen", **options: Any) -> None:
-            from .hf_trainer import _shard_options
-
-            if state_dict_type not in ("sharded", "full"):
-                raise ValueError(f"state_dict_type={state_dict_type!r}: use 'sharded' "
-                                 "(zeroshard's checkpoints, any world size and stage) or 'full'")
-            self.shard_options = _shard_options({"stage": stage, **options})
+            self.shard_options = strategy_options(stage, state_dict_type, options)
             self.state_dict_type = state_dict_type
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                              cluster_environment=cluster_environment,
@@ -83,24 +78,13 @@ def _strategy_class() -> type:
             self._redirect = _ForwardRedirection()
 
         # -- setup -----------------------------------------------------------------------
-        def _check_precision(self) -> None:
-            flag = getattr(self.precision_plugin, "precision", "32-true")
-            if flag in _REFUSED_PRECISION:
-                raise ValueError(f"precision={flag!r} is not supported with zeroshard; use "
-                                 "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'")
-            if self.shard_options.get("mixed_precision") and flag != "32-true":
-                raise ValueError(
-                    f"ZeroShardStrategy(mixed_precision={self.shard_options['mixed_precision']!r})"
-                    f" is zeroshard's own 16-bit recipe; with precision={flag!r} the model would "
-                    "be cast twice. Use precision='32-true' with it, or drop mixed_precision= "
-                    "and keep Lightning's precision flag")
-
         def setup(self, trainer: Any) -> None:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             import zeroshard
 
-            self._check_precision()
+            check_precision(getattr(self.precision_plugin, "precision", "32-true"),
+                            self.shard_options)
             self.accelerator.setup(trainer)
             self.model = self.precision_plugin.convert_module(self.model)
             sharded = getattr(self.lightning_module, "_zeroshard_engine", None) is not None
@@ -113,12 +97,8 @@ def _strategy_class() -> type:
                         "a model once: build a new one (or a new Trainer over the same "
                         "checkpoint: fit(ckpt_path=...))")
                 self.setup_optimizers(trainer)
-                if len(self.optimizers) != 1:
-                    raise ValueError(
-                        f"ZeroShardStrategy shards a model with one optimizer; configure_"
-                        f"optimizers returned {len(self.optimizers)}. Put the parameters in one "
-                        "optimizer (its param groups may differ)")
-                _, optimizer = zeroshard.shard(self.lightning_module, self.optimizers[0],
+                optimizer = one_optimizer(self.optimizers, "configure_optimizers returned")
+                _, optimizer = zeroshard.shard(self.lightning_module, optimizer,
                                                **self.shard_options)
                 self.optimizers = [optimizer]
             self.setup_precision_plugin()
@@ -221,11 +201,7 @@ def _strategy_class() -> type:
 
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:
-            strategy_registry.register("zeroshard", cls, description="zeroshard, ZeRO stage 0",
-                                       override=True)
-            for s in range(4):
-                strategy_registry.register(f"zeroshard_stage_{s}", cls, stage=s, override=True,
-                                           description=f"zeroshard, ZeRO stage {s}")
+            register(cls, strategy_registry)
 
     ZeroShardStrategy.__module__ = __name__
     ZeroShardStrategy.register_strategies(pl.strategies.StrategyRegistry)
