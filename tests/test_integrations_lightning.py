@@ -61,6 +61,9 @@ def _runs(base: str) -> dict[str, tuple[str, list[str]]]:
                                       "full", "--out", f"{base}/fabric-full"])
     runs["fabric-meta"] = ("fabric", ["--strategy", "zeroshard_stage_3", "--empty-init",
                                       "--out", f"{base}/fabric-meta"])
+    runs["lightning-meta"] = ("lightning_trainer", ["--strategy", "zeroshard_stage_3",
+                                                    "--empty-init",
+                                                    "--out", f"{base}/lightning-meta"])
     runs["lightning-full"] = ("lightning_trainer", [
         "--strategy", "zeroshard_stage_3", "--state-dict-type", "full",
         "--out", f"{base}/lightning-full"])
@@ -173,11 +176,13 @@ def test_fabric_clip_by_value_and_collectives_as_under_ddp() -> None:
             torch.testing.assert_close(g["weights"][k], v, rtol=1e-5, atol=1e-7)
 
 
-def test_fabric_init_module_empty_init_at_stage3() -> None:
-    """fabric.init_module(empty_init=True) builds the model on the meta device; stage 3
-    materialises it unit by unit (zeroshard's reference init): the run is the same."""
+@pytest.mark.parametrize("example", ["fabric", "lightning"])
+def test_init_module_empty_init_at_stage3(example: str) -> None:
+    """fabric.init_module / trainer.init_module(empty_init=True) build the model on the meta
+    device; stage 3 materialises it unit by unit (zeroshard's reference init): the same run."""
     logs = _all()["logs"]
-    _same(logs["fabric-meta"], logs["fabric-s3"], rel=0.0)
+    eager = "fabric-s3" if example == "fabric" else "lightning_trainer-s3"
+    _same(logs[f"{example}-meta"], logs[eager], rel=0.0)
 
 
 # -- bad settings, refused before training --------------------------------------------------

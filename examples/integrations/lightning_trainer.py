@@ -67,6 +67,13 @@ class LitGPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def init_inner(module: L.LightningModule, names: list[str]) -> None:
+    """``param_init`` for LitGPT on the meta device: the GPT's own init, by name."""
+    from zeroshard.models import init_weights
+
+    init_weights(module.model, 0, [n.removeprefix("model.") for n in names])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--strategy", default="zeroshard_stage_2")
@@ -75,12 +82,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from the step-3 checkpoint")
     p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
+    p.add_argument("--empty-init", action="store_true",
+                   help="build the model on the meta device (stage 3: materialised per unit)")
     a = p.parse_args(argv)
     strategy: object = a.strategy
-    if a.strategy.startswith("zeroshard") and a.state_dict_type == "full":
+    if a.strategy.startswith("zeroshard") and (a.state_dict_type == "full" or a.empty_init):
         from zeroshard.integrations.lightning_trainer import ZeroShardStrategy
 
-        strategy = ZeroShardStrategy(stage=int(a.strategy[-1]), state_dict_type="full")
+        # a model built on the meta device is initialised unit by unit: here with the init
+        # of zeroshard's reference GPT (the LightningModule holds it as .model)
+        strategy = ZeroShardStrategy(stage=int(a.strategy[-1]), state_dict_type=a.state_dict_type,
+                                     param_init=init_inner if a.empty_init else None)
     L.seed_everything(0, verbose=False)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{a.out}/ckpt", every_n_train_steps=3,
                                               save_top_k=-1, filename="step-{step}")
@@ -89,7 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[ckpt],
                         use_distributed_sampler=True)
-    module = LitGPT()
+    with trainer.init_module(empty_init=a.empty_init):
+        module = LitGPT()
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
     trainer.fit(module, loader, ckpt_path=f"{a.out}/ckpt/step-step=3.ckpt" if a.resume else None)
     if trainer.is_global_zero:

@@ -98,12 +98,29 @@ def _strategy_class() -> type:
                         "checkpoint: fit(ckpt_path=...))")
                 self.setup_optimizers(trainer)
                 optimizer = one_optimizer(self.optimizers, "configure_optimizers returned")
-                _, optimizer = zeroshard.shard(self.lightning_module, optimizer,
-                                               **self.shard_options)
+                try:
+                    _, optimizer = zeroshard.shard(self.lightning_module, optimizer,
+                                                   **self.shard_options)
+                except Exception:
+                    if _on_meta(self.lightning_module):  # so Lightning's teardown, which
+                        self.lightning_module.to_empty(device="cpu")  # moves it, shows this
+                    raise
                 self.optimizers = [optimizer]
             self.setup_precision_plugin()
             if trainer.state.fn == TrainerFn.FITTING:
                 _optimizers_to_device(self.optimizers, self.root_device)
+
+        @contextmanager
+        def tensor_init_context(self, empty_init: bool | None = None
+                                ) -> Generator[None, None, None]:
+            """``trainer.init_module(empty_init=True)`` at stage 3: the meta device; setup's
+            shard() materialises the model unit by unit (``param_init=``)."""
+            if empty_init and self.shard_options.get("stage") == 3:
+                with torch.device("meta"):
+                    yield
+                return
+            with super().tensor_init_context(empty_init):
+                yield
 
         # -- steps through the module's __call__ ----------------------------------------
         def _through_module(self, method: str, *args: Any, **kwargs: Any) -> Any:
