@@ -63,6 +63,7 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["s3-eval"] = ["--stage", "3", "--eval", "--checkpointing", "--out", f"{base}/s3e"]
     runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
     runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
+    runs["s2-fp16"] = ["--stage", "2", "--fp16", "--out", f"{base}/s2h"]
     # TRL's SFTTrainer with LoRA (peft_config=), through zeroshard_trainer(SFTTrainer)
     runs["trl-ddp"] = ["trl", "--ddp", "--out", f"{base}/trl-ddp"]
     for s in range(4):
@@ -114,6 +115,13 @@ def test_evaluation_generation_and_checkpointing_at_stage_3() -> None:
     _assert_same_logs([h for h in got if "eval_loss" in h],
                       [h for h in want if "eval_loss" in h], keys=("eval_loss",))
     assert len([h for h in got if "eval_loss" in h]) == 2  # steps 3 and 6
+
+
+def test_fp16_is_zeroshards_loss_scaled_fp16() -> None:
+    """fp16=True: zeroshard's fp16 recipe with its own loss scaling (Accelerate's GradScaler
+    is off): the fp32 run's losses and norms within fp16's rounding."""
+    logs = _all()["logs"]
+    _assert_same_logs(logs["s2-fp16"], logs["ddp"], rel=3e-2)
 
 
 def test_bf16_trains_within_the_bf16_tolerance() -> None:

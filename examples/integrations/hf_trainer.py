@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=3)
     p.add_argument("--resume", nargs="?", const=True, default=None,
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=a.accum, learning_rate=1e-2, weight_decay=0.1,
         max_grad_norm=1.0, logging_steps=1, save_steps=a.save_steps, report_to=[],
-        bf16=a.bf16, use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0,
+        bf16=a.bf16, fp16=a.fp16, use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=a.checkpointing,
         eval_strategy="steps" if a.eval else "no", eval_steps=3, per_device_eval_batch_size=2)
     model, data = tiny_llama(), Tokens(128, 16, 64)
