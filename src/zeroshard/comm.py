@@ -30,21 +30,24 @@ made once per group (:func:`_decompose_for`) and reported in the ledger as ``imp
 
 from __future__ import annotations
 
-import datetime
 import functools
-import threading
-import time
-import warnings
-import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, WATCH
+from .comm_check import _OPS, _PHASES, CHECK_TIMEOUT, _Check, _check_group, _key
+from .comm_wait import (  # noqa: F401  (_IN_FLIGHT_GLOBAL: read by the test harness)
+    _IN_FLIGHT_GLOBAL,
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    Pending,
+    _waiting_in,
+)
+from .peer_watch import WATCH
 
 __all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "CollectiveTimeout",
            "CollectiveMismatch", "CollectiveError", "CHECK_TIMEOUT"]
@@ -113,21 +116,6 @@ class CommLedger:
             groups[str(getattr(r, key))].append(r)
         return {k: self.totals(v) for k, v in groups.items()}
 
-
-# What each thread is blocked in, readable from other threads so a watchdog (the test
-# harness's) can say where a rank hung: thread id -> (description, since).
-_IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
-
-
-@contextmanager
-def _waiting_in(desc: str) -> Iterator[None]:
-    _IN_FLIGHT_GLOBAL[threading.get_ident()] = (desc, time.monotonic())
-    try:
-        yield
-    finally:
-        _IN_FLIGHT_GLOBAL.pop(threading.get_ident(), None)
-
-
 def _decompose_for(group: dist.ProcessGroup | None) -> bool:
     """See [Note: collectives per backend]."""
     try:
@@ -141,23 +129,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed because a peer is no longer running (it exited or crashed)."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within ``ShardConfig.timeout`` (see [Note: divergence])."""
-
-
-class CollectiveMismatch(RuntimeError):
-    """Ranks issued different collectives at the same point (see [Note: divergence])."""
-
-
-_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
-_PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other",
-           "late")
-
-
 #: [Note: small pieces]
 #: A gloo broadcast costs a fixed ~0.2-0.4 ms on our machines however small, and stages
 #: 1-2's post-step gather moves one piece per parameter per rank: on gpt2-small 200
@@ -168,17 +139,6 @@ _PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "o
 #: pieces still go straight into place: copying them would cost more than it saves.
 PACK_BELOW = 64 * 2**10
 
-#: Seconds a collective check waits for its peers unless ``timeout`` says otherwise:
-#: NCCL's default process-group timeout. A rank that legitimately works alone longer
-#: (saving a large checkpoint from rank 0) needs ``timeout=`` raised.
-CHECK_TIMEOUT = 600.0
-#: Seconds after which a waiting check warns (once) that a peer has not arrived.
-SLOW_CHECK = 30.0
-
-
-def _key(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
 
 class Comm:
     """The collectives of one process group, recorded in a :class:`CommLedger`.
@@ -186,23 +146,7 @@ class Comm:
     ``group=None`` means the default (world) group. All methods are synchronous from the
     caller's point of view unless ``async_op=True`` is passed where offered.
 
-    [Note: divergence]
-    Two guards turn diverging ranks — one rank evaluating alone, saving a stage-3 state
-    dict alone, taking another branch — into errors on every rank instead of hangs,
-    process aborts or silently mixed-up weights:
-
-    * ``check`` (on by default): before each collective the group all-gathers a
-      48-byte descriptor (step, index within the step, op, unit, phase, element count)
-      over a *separate* gloo group and compares. On a mismatch every rank raises
-      :class:`CollectiveMismatch` naming the step, the ranks, what each was doing and
-      the fix — before issuing the mismatched collective. The descriptors always have
-      the same size, so the check itself can never mismatch; a real collective of
-      another size could (gloo aborts the process on that, NCCL hangs or mixes data).
-      The check group is CPU-side, so on GPUs it does not synchronise the device.
-      Cost: one tiny all-gather round trip per collective (measured in docs/porting.md).
-    * ``timeout`` (seconds): checks wait at most this long (default: ``CHECK_TIMEOUT``),
-      then raise :class:`CollectiveTimeout` naming the rank, the collective, its unit
-      and phase; set explicitly, every collective is waited on with it too.
+    Collective checks and timeouts: see [Note: divergence] in comm_check.py.
     """
 
     def __init__(
@@ -231,9 +175,10 @@ class Comm:
         self._seq = (-1, 0)  # (step, index within step)
 
     def enable_check(self, mode: bool | str = True) -> None:
-        """Turn on the collective check (see [Note: divergence]). Collective over the
-        group's ranks: it creates the gloo group the descriptors travel on. A fake group
-        (traced planning) has no peers to disagree with, so nothing is checked there."""
+        """Turn on the collective check (see [Note: divergence] in comm_check.py).
+        Collective over the group's ranks: it creates the gloo group the descriptors travel
+        on. A fake group (traced planning) has no peers to disagree with, so nothing is
+        checked there."""
         self.check = False
         if self.size == 1 or not dist.is_available():
             return
@@ -251,7 +196,7 @@ class Comm:
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str
     ) -> tuple[str, _Check | None]:
-        """Record the collective and post its check (see [Note: divergence]); its
+        """Record the collective and post its check (see [Note: divergence] in comm_check.py); its
         description and the check to verify before its result is used."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
@@ -311,26 +256,12 @@ class Comm:
         self._unverified.append(check)
         return check
 
-    def _mismatch(self, rows: list[list[int]]) -> CollectiveMismatch:
-        def say(r: list[int]) -> str:
-            where = self._names.get(r[3], f"unit #{r[3]}")
-            what = "" if r[6] else " without gradients"
-            return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}{what}, {r[5]} elements) as "
-                    f"collective #{r[1]} of step {r[0]}")
-
-        step = min(r[0] for r in rows)
-        lines = [f"rank {self._peers[i]}: {say(r)}" for i, r in enumerate(rows)]
-        return CollectiveMismatch(
-            f"ranks diverged at step {step}: they issued different collectives "
-            f"(group {self.label!r}):\n  " + "\n  ".join(lines) + "\n" + _fix(rows, self._names)
-        )
-
     def sync_point(self, name: str, phase: str = "sync") -> None:
         """With ``check`` on, make ranks agree they reached ``name`` before going on
         (no-op otherwise): a blocking check, where one rank alone would start something
         the others are not doing — a stage-3 forward (evaluation on one rank), a state
         dict — so that every rank reports the divergence before any mismatched
-        collective is issued (see [Note: divergence])."""
+        collective is issued (see [Note: divergence] in comm_check.py)."""
         if self.check and self.size > 1:
             self._post("barrier", name, phase, 0)
             while self._unverified:
@@ -478,95 +409,6 @@ class Comm:
         self._finish([work], tensor, desc, False, check)
 
 
-_STATE_UNITS = frozenset({"state_dict", "optimizer.state_dict", "full_state_dict",
-                          "save_pretrained"})
-_STATE_HINT = ("A state dict of a sharded model is a collective here: call "
-               "model.state_dict() / optimizer.state_dict() on every rank and save on "
-               "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
-_EXPORT_HINT = ("zeroshard.hf.save_pretrained and zeroshard.full_state_dict gather the "
-                "weights from every rank: call them on every rank (rank 0 writes the files).")
-
-
-def _state_hint(units: set[str]) -> str:
-    return _EXPORT_HINT if units & {"save_pretrained", "full_state_dict"} else _STATE_HINT
-
-
-_FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
-                 "stage 3 every forward gathers weights from every rank: run forward passes, "
-                 "evaluation included, on every rank (each on its own share of the data).")
-_UNIT_HINT = ("A unit ran on some ranks only (layer drop / stochastic depth or early exit "
-              "with rank-dependent randomness?): at stage 3 a unit's forward gathers its "
-              "weights from every rank and its backward reduces its gradients over every "
-              "rank, so every rank must run the same units. Make the same random choice on "
-              "every rank (draw it from a generator seeded alike everywhere, or broadcast "
-              "it), or use stage 2, where a skipped unit's parameters just get no gradient.")
-_UNEVEN_HINT = ("One rank left the training loop while another still trains: if the ranks "
-                "have different numbers of batches (uneven data), use zeroshard.join().")
-_ORDER_HINT = "Every rank must run the same units in the same order each step."
-_TRAINING = frozenset({"forward", "backward", "late"})
-
-
-def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
-    """What to do about a mismatch, from what the ranks were doing."""
-    hints = []
-    units = {names.get(r[3], "") for r in rows}
-    state = units & _STATE_UNITS
-    if state:
-        hints.append(_state_hint(state))
-    phases = [_PHASES[r[4]] for r in rows]
-    training = [p in _TRAINING for p in phases]
-    if len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
-        hints.append(_FORWARD_HINT)
-    elif all(training) and len(units) > 1:
-        hints.append(_UNIT_HINT)
-    elif "forward" in phases and not all(training) and not state:
-        hints.append(_FORWARD_HINT)
-    if any(training) and not all(training):
-        hints.append(_UNEVEN_HINT)
-    hints.append(_ORDER_HINT)
-    return "\n".join(hints)
-
-
-def _fix_for(unit: str, phase: str, rank: int) -> str:
-    """What to do when the peers never reach rank ``rank``'s collective on ``unit``."""
-    if unit in _STATE_UNITS:
-        return (f"Rank {rank} takes a state dict that the other ranks skipped (or ended "
-                "their scripts before). " + _state_hint({unit}))
-    if phase == "forward":
-        return _FORWARD_HINT
-    return _ORDER_HINT
-
-
-# Check groups by their ranks (global), one per set of ranks per process group world:
-# creating a gloo group connects every pair of its ranks, which costs more than many
-# steps of checks, so sharded models over the same ranks share one (their checks pair up
-# in program order, which every rank follows alike).
-_CHECK_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
-    key = tuple(peers)
-    group = _CHECK_GROUPS.get(key)
-    if group is not None and not _alive(group):
-        group = None
-    if group is None:
-        if whole_world:
-            group = dist.new_group(backend="gloo")
-        else:
-            group = dist.new_group(peers, backend="gloo", use_local_synchronization=True)
-        _CHECK_GROUPS[key] = group
-    return group
-
-
-def _alive(group: dist.ProcessGroup) -> bool:
-    """False once the default group it was made under has been destroyed."""
-    try:
-        dist.get_world_size(group)
-    except (RuntimeError, ValueError):
-        return False
-    return True
-
-
 def _unpack(packs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
     """Copy received packs of small pieces into place (see [Note: small pieces])."""
     for pack, pieces in packs:
@@ -583,161 +425,3 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bo
 def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=async_op)
-
-
-class _Check:
-    """One collective's descriptor exchange on the check group (see [Note: divergence])."""
-
-    __slots__ = ("comm", "work", "table", "desc", "unit", "phase", "done")
-
-    def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str, unit: str,
-                 phase: str) -> None:
-        self.comm, self.work, self.table, self.desc = comm, work, table, desc
-        self.unit, self.phase = unit, phase
-        self.done = False
-
-    def ready(self) -> bool:
-        return self.done or self.work.is_completed()
-
-    def verify(self) -> None:
-        """Wait for the peers' descriptors (bounded; a warning after ``SLOW_CHECK`` s; an
-        error at once if a peer is provably blocked elsewhere, see [Note: asking the
-        peers]) and raise on any difference."""
-        if self.done:
-            return
-        c = self.comm
-        total = c.timeout or CHECK_TIMEOUT
-        start = time.monotonic()
-        ask_at, warned = start + ASK_AFTER_S, False
-        while not self.work.is_completed():
-            waited = time.monotonic() - start
-            if waited >= total:
-                self._give_up(total)
-            if not warned and waited >= SLOW_CHECK:
-                warned = True
-                warnings.warn(
-                    f"rank {c.global_rank} has waited {waited:g} s for its peers in "
-                    f"{self.desc} (group {c.label!r}). If only some ranks run it (a stage-3 "
-                    "forward or a state dict on rank 0 alone, while the others wait in a "
-                    f"barrier), run it on every rank. It gives up after {total:g} s.",
-                    stacklevel=3)
-            if time.monotonic() >= ask_at:
-                self._ask_peers()
-                ask_at = time.monotonic() + ASK_EVERY_S
-            until = min(ask_at, start + total, *(() if warned else (start + SLOW_CHECK,)))
-            try:
-                Pending([self.work], self.table, self.desc, c,
-                        timeout=max(0.01, until - time.monotonic())).wait()
-            except CollectiveTimeout:
-                continue
-            except CollectiveError as e:
-                raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__
-        try:
-            Pending([self.work], self.table, self.desc, c).wait()  # surfaces a peer's failure
-        except CollectiveError as e:
-            raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__
-        self.done = True
-        if self in c._unverified:
-            c._unverified.remove(self)
-        rows = self.table.view(c.size, 7).tolist()
-        if any(r != rows[0] for r in rows):
-            raise c._mismatch(rows)
-
-    def _hint(self) -> str:
-        return _fix_for(self.unit, self.phase, self.comm.global_rank)
-
-    def _ask_peers(self) -> dict[int, dict]:
-        """Ask the peers where they are; raise if one is blocked in a collective of the
-        user's that includes this rank (it can never return: see [Note: asking the
-        peers])."""
-        c = self.comm
-        answers = WATCH.ask([p for p in c._peers if p != c.global_rank], self.desc)
-        stuck = {p: a for p, a in answers.items() if a.get("state") == "foreign" and (
-            a.get("ranks") is None or c.global_rank in a["ranks"])}
-        if stuck:
-            blocked = "; ".join(f"rank {p} is blocked in {a['call']} called at {a['where']}"
-                                for p, a in sorted(stuck.items()))
-            message = (
-                f"ranks diverged (group {c.label!r}): rank {c.global_rank} waits in "
-                f"{self.desc}, which every rank must reach, while {blocked}: a collective "
-                f"rank {c.global_rank} is not in, so neither can go on.\n" + self._hint())
-            WATCH.tell(sorted(stuck), message)
-            raise CollectiveMismatch(message)
-        return answers
-
-    def _give_up(self, total: float) -> None:
-        c = self.comm
-        self._ask_peers()  # a peer blocked elsewhere gets the error too
-        raise CollectiveTimeout(
-            f"rank {c.global_rank} waited {total:g} s in {self.desc} (group {c.label!r}) "
-            "and gave up: a peer is not issuing the same collective (diverged, hung or busy "
-            "elsewhere). If one rank runs a forward or a stage-3 state dict alone, run it on "
-            "every rank; if a rank legitimately works alone this long (saving a large "
-            "checkpoint), raise shard(..., timeout=)")
-
-
-class Pending:
-    """A collective that may still be running; ``wait()`` blocks and returns its output.
-
-    With collective checks on, its descriptor check is verified first: a divergence is
-    reported before the result is used, and before waiting on peers that will never
-    issue this collective."""
-
-    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check", "_then")
-
-    def __init__(self, work: list | None, out: torch.Tensor, desc: str,
-                 comm: Comm | None = None, timeout: float | None = None,
-                 check: _Check | None = None, then: Callable[[], None] | None = None,
-                 ) -> None:
-        self._then = then  # runs once the work is done (copying packed pieces out)
-        self._work = work
-        self._out = out
-        self._desc = desc
-        self._comm = comm
-        self._timeout = timeout
-        self._check = check
-
-    def done(self) -> bool:
-        """Whether ``wait()`` would return at once (the collective, and its descriptor
-        check if any, have completed on this rank)."""
-        if self._check is not None and not self._check.ready():
-            return False
-        return not self._work or all(w.is_completed() for w in self._work)
-
-    def wait(self) -> torch.Tensor:
-        if self._check is not None:
-            self._check.verify()
-            self._check = None
-        if self._work:
-            timeout = self._timeout or (self._comm.timeout if self._comm is not None else None)
-            with _waiting_in(self._desc):
-                start = time.monotonic()
-                for w in self._work:
-                    if timeout is None:
-                        w.wait()
-                        continue
-                    left = max(0.0, timeout - (time.monotonic() - start))
-                    try:
-                        w.wait(timeout=datetime.timedelta(seconds=left))
-                    except RuntimeError as e:
-                        c = self._comm
-                        if "timed out" not in str(e).lower():
-                            raise CollectiveError(
-                                f"rank {c.global_rank}: {self._desc} (group {c.label!r}) "
-                                "failed: a peer is no longer running (its script ended, it "
-                                "left the process group, or it crashed: see its log). "
-                                f"Underlying error: {e}"
-                            ) from e
-                        raise CollectiveTimeout(
-                            f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
-                            f"(group {c.label!r}) and gave up: a peer is not issuing the "
-                            "same collective (diverged, hung or busy elsewhere). If one "
-                            "rank runs a forward or a stage-3 state dict alone, run it on "
-                            "every rank; if a rank legitimately works alone this long "
-                            "(saving a large checkpoint), raise shard(..., timeout=)"
-                        ) from e
-        self._work = None
-        if self._then is not None:
-            self._then()
-            self._then = None
-        return self._out

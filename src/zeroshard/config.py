@@ -96,7 +96,7 @@ class ShardConfig:
     broadcast_buffers: bool = True
     #: Verify that all ranks issue the same collectives, so a rank that diverges
     #: (evaluates or saves a stage-3 state dict alone) raises an error on every rank
-    #: instead of hanging (see [Note: divergence] in comm.py). "strict": every collective
+    #: instead of hanging (see [Note: divergence] in comm_check.py). "strict": every collective
     #: waits for its check first (debug runs of models with data-dependent branches).
     check_collectives: bool | str = True
     #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.

@@ -1,7 +1,7 @@
 """What a rank's peers are doing while it waits for them in a collective check.
 
 [Note: asking the peers]
-A collective check (see [Note: divergence] in comm.py) that a peer never joins can only
+A collective check (see [Note: divergence] in comm_check.py) that a peer never joins can only
 time out: the waiting rank cannot tell a slow peer from one that is blocked somewhere it
 will never leave. The commonest case is a DDP habit, ``if rank == 0:
 torch.save(model.state_dict(), path)`` followed by ``dist.barrier()``: at stage 3 the

@@ -12,7 +12,7 @@ values being trained, which is what a user reloads), buffers as they are.
   must call it. Buckets are gathered one at a time (a stage-3 bucket is one unit) and
   each parameter is copied to the CPU, so the device never holds more than its shards
   plus one gathered bucket (in the master dtype). Calling it on one rank only ends in
-  an error on every rank (see [Note: divergence] in comm.py).
+  an error on every rank (see [Note: divergence] in comm_check.py).
 
 ``load_state_dict(full)`` copies each rank's piece of every parameter into its master
 weights and compute weights at any stage, from any full state dict (the model's, a

@@ -1,0 +1,117 @@
+"""Waiting for a collective: :class:`Pending`, its timeout, and the errors a wait raises.
+
+Every collective of :class:`~zeroshard.comm.Comm` returns a ``Pending``; ``wait()``
+verifies the collective's descriptor check first (comm_check.py), then waits (bounded by
+``timeout``), and names the collective, its group and the fix when a peer is gone or late.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .comm import Comm
+    from .comm_check import _Check
+
+__all__ = ["Pending", "CollectiveError", "CollectiveTimeout", "CollectiveMismatch"]
+
+# What each thread is blocked in, readable from other threads so a watchdog (the test
+# harness's) can say where a rank hung: thread id -> (description, since).
+_IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
+
+
+@contextmanager
+def _waiting_in(desc: str) -> Iterator[None]:
+    _IN_FLIGHT_GLOBAL[threading.get_ident()] = (desc, time.monotonic())
+    try:
+        yield
+    finally:
+        _IN_FLIGHT_GLOBAL.pop(threading.get_ident(), None)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed because a peer is no longer running (it exited or crashed)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within ``ShardConfig.timeout`` (see [Note:
+    divergence] in comm_check.py)."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives at the same point (see [Note: divergence] in
+    comm_check.py)."""
+
+
+class Pending:
+    """A collective that may still be running; ``wait()`` blocks and returns its output.
+
+    With collective checks on, its descriptor check is verified first: a divergence is
+    reported before the result is used, and before waiting on peers that will never
+    issue this collective."""
+
+    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check", "_then")
+
+    def __init__(self, work: list | None, out: torch.Tensor, desc: str,
+                 comm: Comm | None = None, timeout: float | None = None,
+                 check: _Check | None = None, then: Callable[[], None] | None = None,
+                 ) -> None:
+        self._then = then  # runs once the work is done (copying packed pieces out)
+        self._work = work
+        self._out = out
+        self._desc = desc
+        self._comm = comm
+        self._timeout = timeout
+        self._check = check
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective, and its descriptor
+        check if any, have completed on this rank)."""
+        if self._check is not None and not self._check.ready():
+            return False
+        return not self._work or all(w.is_completed() for w in self._work)
+
+    def wait(self) -> torch.Tensor:
+        if self._check is not None:
+            self._check.verify()
+            self._check = None
+        if self._work:
+            timeout = self._timeout or (self._comm.timeout if self._comm is not None else None)
+            with _waiting_in(self._desc):
+                start = time.monotonic()
+                for w in self._work:
+                    if timeout is None:
+                        w.wait()
+                        continue
+                    left = max(0.0, timeout - (time.monotonic() - start))
+                    try:
+                        w.wait(timeout=datetime.timedelta(seconds=left))
+                    except RuntimeError as e:
+                        c = self._comm
+                        if "timed out" not in str(e).lower():
+                            raise CollectiveError(
+                                f"rank {c.global_rank}: {self._desc} (group {c.label!r}) "
+                                "failed: a peer is no longer running (its script ended, it "
+                                "left the process group, or it crashed: see its log). "
+                                f"Underlying error: {e}"
+                            ) from e
+                        raise CollectiveTimeout(
+                            f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
+                            f"(group {c.label!r}) and gave up: a peer is not issuing the "
+                            "same collective (diverged, hung or busy elsewhere). If one "
+                            "rank runs a forward or a stage-3 state dict alone, run it on "
+                            "every rank; if a rank legitimately works alone this long "
+                            "(saving a large checkpoint), raise shard(..., timeout=)"
+                        ) from e
+        self._work = None
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return self._out
