@@ -7,7 +7,7 @@ A :class:`FlatBucket` holds a run of parameters of one dtype. Parameter p of sha
 elements and is cut along dim 0 into N chunks of ``c = ceil(R / N)`` rows — rank q owns
 rows ``[q·c, min((q+1)·c, R))``, possibly none: exactly ``torch.chunk``, so a rank's
 piece is a DTensor ``Shard(0)`` local tensor (see [Note: parameters the user sees] in
-engine.py). Each chunk is padded to ``c·C`` elements. Two layouts of the same elements:
+params.py). Each chunk is padded to ``c·C`` elements. Two layouts of the same elements:
 
 * **shard** (one rank's, S = Σ c·C elements): this rank's chunk of every parameter, end
   to end, at ``slot.shard_offset``. Masters, optimizer state and reduced gradients

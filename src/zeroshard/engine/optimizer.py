@@ -83,7 +83,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             engine.skip_step()
             return loss
         engine.scaler.update(overflow=False)
-        engine.adopt_user_grads()  # .grad assigned by the user (see engine.py)
+        engine.adopt_user_grads()  # .grad assigned by the user (see step_grads.py)
         self._sync_hyperparameters()
         for b, slots in engine.unused_slots():
             skip_slots(b, slots)  # as torch skips a parameter whose grad is None

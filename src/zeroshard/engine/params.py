@@ -44,11 +44,11 @@ gpt2-124m 3 x 147 MiB, the peak of DDP, FSDP2 and every stage). So each home aft
 first holds its own compute parameter during forward and backward, an *alias*: another
 autograd leaf over the same memory (``alias.data`` is the compute parameter's, set again
 whenever the modules are shown the compute parameters). Each leaf's part arrives at its
-own gradient hook (engine._on_grad): later parts are added into the one held from this
+own gradient hook (``_on_grad`` in backward.py): later parts are added into the one held from this
 backward, in place, in arrival order (autograd's own order), so one part lives through
 backward, as under torch, and the last use costs one more part, not two plus a sum.
 When every leaf has delivered, the sum is added to what earlier backwards left
-(accumulation: set aside before the own use accumulates, engine._before_own_part), which is
+(accumulation: set aside before the own use accumulates, tied.py), which is
 ``AccumulateGrad``'s order, earlier + (part + part), so sums round exactly as under
 DDP; from there the parameter's gradient takes the untied path of its stage. A home
 whose module did not run leaves its slot to the end of backward, as an unused parameter
@@ -227,7 +227,7 @@ class Faces:
     def unpublish(self, buckets) -> None:
         """Where the compute parameters are the user ones (stages 1-2 without mixed
         precision or offload), as a backward reaches its first parameter: drop their
-        DTensor ``.grad``, or autograd would add into it (see engine._drop_published).
+        DTensor ``.grad``, or autograd would add into it (see _drop_published in backward.py).
         The sum lives in the engine's buffers and is published again when that backward
         ends."""
         if self.sharded and not self.swap and self.published:

@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from .buffers import broadcast_buffers
 from .flat import FlatBucket
 
 if TYPE_CHECKING:
     from ..comm import Comm
+    from .reduction import Reducer
     from .units import Unit
 
 __all__ = ["JoinReplay"]
@@ -24,23 +27,22 @@ __all__ = ["JoinReplay"]
 class JoinReplay:
     """Mixin of :class:`~zeroshard.engine.engine.Engine`."""
 
+    model: nn.Module
     world: Comm
     comm: Comm
+    reducer: Reducer
     device: torch.device
     units: list[Unit]
     buckets: list[FlatBucket]
     compute_dtype: torch.dtype | None
-    active_ranks: int | None
     _last_iter: list
     _last_clip: tuple[float, float] | None
     _replaying: bool
 
-    def _broadcast_buffers(self) -> None: ...
-
     def _count_active(self, mine: int) -> None:
         t = torch.tensor([float(mine)], device=self.device)
         self.world.all_reduce(t, phase="control", unit="join").wait()
-        self.active_ranks = int(t.item())
+        self.reducer.active_ranks = int(t.item())
 
     def shadow_iteration(self, optimizer: Any) -> None:
         """One iteration without data: the collectives of the last real one, neutral."""
@@ -67,15 +69,15 @@ class JoinReplay:
         for b in self.buckets:
             buckets.setdefault(b.name, []).append(b)
         seen: dict[str, int] = {}
-        if self.units:  # the forward's check point (engine._pre_forward), as the others
+        if self.units:  # the forward's check point (forward.py, _pre_forward), as the others
             self.comm.sync_point("forward", phase="forward")
         broadcast = False
         for r in self._last_iter:
             if r.phase not in ("forward", "backward") or r.group == "replicate":
                 continue
-            if r.op == "broadcast":  # rank 0's buffers (engine._broadcast_buffers)
+            if r.op == "broadcast":  # rank 0's buffers (buffers.py)
                 if not broadcast:
-                    self._broadcast_buffers()  # every group's broadcast, in order
+                    broadcast_buffers(self.model, self.world)  # every group's, in order
                 broadcast = True
                 continue
             if r.op == "all_gather":  # a stage-3 unit: serve our slice to the others
@@ -88,9 +90,8 @@ class JoinReplay:
             b = buckets[r.unit][seen.get(r.unit, 0)]
             seen[r.unit] = seen.get(r.unit, 0) + 1
             if b.grad is None:
-                self._new_grad(b, zeros=True)
-            self._launch(b)  # stale slots are zeroed: this rank contributes nothing
-            while self._pending:
-                self._complete(self._pending.popleft())
+                self.reducer.new_grad(b, zeros=True)
+            self.reducer.launch(b)  # stale slots are zeroed: this rank contributes nothing
+            self.reducer.drain()
         self._finish_backward()
 

@@ -81,7 +81,7 @@ class Stage3Hooks:
         if u.state is not UnitState.SHARDED:
             # Gathered already (the root from forward to backward), but after a forward
             # with gradients its modules hold the user parameters ([Note: between forward
-            # and backward] in engine.py): a second forward before the backward computes
+            # and backward] in forward.py): a second forward before the backward computes
             # with the gathered ones again.
             self.faces.show(u.buckets, compute=True)
             return

@@ -1,0 +1,303 @@
+"""The backward hooks: each gradient's arrival, its bucket's turn to be reduced, and the
+end of backward.
+
+A parameter's gradient reaches ``_on_grad`` (a post-accumulate hook on each of its leaves;
+a tied parameter's parts are summed by tied.py first). Stage 0 keeps it in the bucket's
+buffer as a view; stages 1-2 copy it in; stage 3 leaves it on the parameter until the
+unit's post-backward folds the unit into one buffer. Complete buckets go to the reducer
+(reduction.py) in a fixed order; the end of backward launches the rest, waits, agrees
+with the other ranks on what was used and publishes the gradients (step_grads.py).
+
+[Note: collective order in backward]
+Collectives pair up by their order on each rank, so the order of the reductions in
+backward must not depend on the data: which parameters a rank used in a step does. In a
+mixture-of-experts model one rank routes no token to an expert another rank keeps busy;
+an adapter or an auxiliary head runs on some micro-batches only. Launching each bucket
+as soon as all its gradients arrived (this engine once did) launched a bucket with such
+a parameter early on the rank that used it and at the end of backward on the other: the
+ranks reduced different buckets against each other (gloo aborts; NCCL mixes data). So:
+
+* stages 0-2 launch buckets in one fixed order, ``self.buckets`` (reverse registration,
+  about the order backward produces gradients), each once it is complete and every
+  bucket before it has been launched (``_launch_in_order``), as DDP's reducer does (reduction.py); the
+  end of backward launches the rest, in the same order, with zeros for what this rank
+  did not produce. A bucket that waits for a parameter this rank will not use holds the
+  buckets after it until the end of backward on that rank: less overlap, same result.
+* stage 3 reduces all of a unit's buckets at its post-backward, whatever its parameters
+  received (zeros for the rest), as FSDP2 does; units without a post-backward signal
+  (the root; a unit whose inputs need no gradient) at the end of backward, in order.
+  Which units run is the same on every rank (the forward's collective checks refuse
+  otherwise, naming the unit), so the order is too.
+* gradient parts that arrive after their bucket was reduced (stage 3: a unit's
+  parameter used after its post-backward, reentrant checkpointing) are reduced again at
+  the end — by every rank, for the buckets *any* rank flagged: the flags travel in the
+  one all-reduce of usage flags every synchronised backward ends with
+  (``_agree_on_usage``), so what is reduced never depends on one rank's data.
+
+That all-reduce also tells every rank which parameters no rank used: they keep
+``grad = None`` and the step skips them exactly as torch's optimizer does, state and
+AdamW's ``step`` untouched (chunks.skip_slots, [Note: optimizer chunks]). A parameter
+used on some ranks gets DDP's gradient: the others contribute zeros. An MoE step issues
+exactly the collectives of a dense step of the same buckets.
+
+[Note: end of backward]
+The first gradient hook of a backward queues ``_finish_backward`` on the
+autograd engine; it runs once backward is done, launches reductions of buckets that
+never became complete (parameters unused in this step), waits for all in flight and,
+after a synchronised backward, agrees with the other ranks on which parameters were
+used ([Note: collective order in backward]) and publishes the gradients to the user
+parameters.
+Reentrant activation checkpointing runs a backward per region from inside the outer
+one; a callback queued from inside ends with that region, so the finish then defers
+itself to the outer node's completion (and so on outwards). A parameter used in several
+such regions gets its gradient in parts: only the first counts towards its bucket being
+complete; at stage 3 later parts are reduced again at the end (the reduced slices add
+up); at stages 0-2 a part arriving after its bucket's reduction started is refused with
+the fix (tests/test_backward_edges.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .flat import FlatBucket
+from .storage import same_memory
+from .units import Unit
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["BackwardHooks", "accumulate_node"]
+
+
+def accumulate_node(leaf: torch.Tensor):
+    """The AccumulateGrad node of a leaf (created if it has none yet)."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+class BackwardHooks:
+    """Mixin of :class:`~zeroshard.engine.engine.Engine`: the hooks decide, per gradient,
+    what every other phase does next (stage-3 prefetch and free, tied parts, the
+    reducer's launches, the faces at the end of backward, publication), so they read the
+    engine's whole state. What they own lives on the buckets (``ready``, ``arrived``,
+    ``launched``, ``used``) and in the collaborators they drive."""
+
+    def _drop_published(self: Engine, grads: tuple) -> None:
+        """Stages 1-2 without mixed precision or offload: the user parameters are the
+        compute ones, and their ``.grad`` are DTensor views of the reduced slices. Drop
+        them as the next backward reaches its first parameter, before autograd would add
+        into one (the sums live in the engine's buffers and are published again at the
+        end). Not at the forward: one under ``torch.no_grad()`` (an evaluation between
+        backward and step) or with no backward after it must leave the gradients that
+        ``clip_grad_norm_`` and the step read, as under DDP."""
+        if self.faces.published:
+            self.faces.unpublish(self.buckets)
+
+    def _queue_finish(self: Engine) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad(self: Engine, p: torch.Tensor) -> None:
+        self._queue_finish()
+        b, i = self._slot_of[id(p)]
+        b.used[i] = 1.0
+        self.grads.prepared = False
+        # A parameter's gradient can arrive in several parts in one backward: reentrant
+        # activation checkpointing (use_reentrant=True) runs a backward per region, each
+        # accumulating into .grad. Only the first part counts towards the bucket's
+        # readiness; a part arriving after the bucket's reduction has started is reduced
+        # again at the end of backward (stage 3) or refused (stages 0-2: it would land
+        # in a buffer being reduced).
+        leaves = b.arrived[i]  # ids of the slot's leaves heard from in this backward
+        first = id(p) not in leaves
+        was_complete = len(leaves) == len(tied := self.faces.leaves(b.slots[i].param))
+        leaves.add(id(p))
+        completes = first and len(leaves) == len(tied)
+        if self.sync and b.launched and not self.units:
+            raise RuntimeError(
+                f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
+                "backward after its bucket's reduction started. Reentrant activation "
+                "checkpointing (torch.utils.checkpoint with use_reentrant=True, the "
+                "default of HF's gradient_checkpointing_enable()) does this when a "
+                "parameter is used in several checkpointed regions. Use "
+                "use_reentrant=False (HF: gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), or shard "
+                "with overlap=False (buckets are then reduced once backward is done)")
+        if len(tied) > 1:  # see [Note: tied parameters] in params.py
+            if was_complete:  # a late part (reentrant): onto the parameter's own .grad
+                p = self.tied.move_part(p, tied[0])
+            else:
+                held = self.tied.merge_parts(tied, p, leaves)
+                if len(leaves) < len(tied):  # other uses still to deliver
+                    if self.units:
+                        self.prefetch_backward()
+                    return
+                p = self.tied.settle(tied[0], held, leaves)
+        if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
+            if b.grad is None:
+                self.reducer.new_grad(b)
+            view = b.slot_view(b.grad, i)
+            if not same_memory(p.grad, view):  # fresh: we (or the user) set None
+                self._stage0_put(b, i, view, p.grad)
+                p.grad = view  # later backwards accumulate into the buffer in place
+            b.valid[i] = True
+        elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
+            self.prefetch_backward()
+        elif self.policy.keep_full_grads or self.sync:
+            if self.policy.keep_full_grads:
+                self.reducer.stash(b)
+            if b.grad is None:
+                self.reducer.new_grad(b)
+            b.put_grad(b.grad, i, p.grad, add=b.valid[i])
+            b.valid[i] = True
+            p.grad = None
+        # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
+        # autograd accumulates; the first synced backward folds it into the bucket.
+        if not self.sync or not completes or b.launched:
+            return
+        b.ready += 1
+        # Stage 3 reduces a unit at its post-backward, or at the end of backward (see
+        # [Note: collective order in backward]); stages 0-2 in bucket order.
+        if b.ready == len(b.slots) and self.config.overlap and not self.units:
+            self.reducer.launch_in_order()
+
+    def _stage0_put(self: Engine, b: FlatBucket, i: int, view: torch.Tensor,
+                    grad: torch.Tensor) -> None:
+        """Stage 0: a fresh gradient into the parameter's view of the buffer. Without
+        mixed precision a fresh ``.grad`` means it was None (zero_grad, or the user):
+        it replaces. Under mixed precision the compute ``.grad`` is ours and detached at
+        every reduction, and the user's ``.grad`` (fp32, unscaled) is the sum so far,
+        which DDP would accumulate into: start from it (edits included), then add."""
+        user = self.faces.user[id(b.slots[i].param)]
+        if not self.faces.swap or user.grad is None:
+            view.copy_(grad)
+            return
+        base = user.grad.detach()
+        view.copy_(base * self.scaler.scale if self.scaler.enabled else base)
+        view.add_(grad)
+
+    def _post_backward(self: Engine, u: Unit) -> None:
+        """Stage 3: every node that read the unit's weights has run (see _PostBackward):
+        free the weights, then reduce the buckets whose gradients have all arrived, so the
+        whole gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
+        u.backward_done = True
+        self._reshard(u)
+        if not self.sync:
+            return
+        for b in u.trainable:  # whatever its parameters received: see [Note: collective
+            if not b.launched:  # order in backward]; a missing gradient counts as zeros
+                self._fold(b)
+                self.reducer.launch(b)
+
+    def _fold(self: Engine, b: FlatBucket) -> None:
+        """Stage 3: move a unit's gradients, as autograd left them on its parameters, into
+        one whole buffer for its reduce-scatter. A unit's buffer is allocated only once its
+        last gradient has arrived, as FSDP2 does: early in a unit's backward, where its
+        activations are all still alive, the unit holds only the gradients produced so far,
+        not a whole unit's worth (the cost: both for a moment at the end, once the unit's
+        activations are gone)."""
+        self.reducer.new_grad(b)
+        self._take_param_grads(b)
+
+    def _take_param_grads(self: Engine, b: FlatBucket) -> None:
+        """Move gradients autograd left on the bucket's parameters into its buffer, for
+        slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
+        unused in a synchronised backward that still holds gradients from no_sync()."""
+        for i, s in enumerate(b.slots):
+            for leaf in self.faces.leaves(s.param):
+                # Stage 0's .grad may be the buffer's own view: already in.
+                g = leaf.grad
+                if g is None or (b.valid[i] and same_memory(g, b.slot_view(b.grad, i))):
+                    continue
+                if not self.policy.shard_optimizer:
+                    self._stage0_put(b, i, b.slot_view(b.grad, i), g)
+                else:
+                    if self.policy.keep_full_grads:
+                        self.reducer.stash(b)
+                    b.put_grad(b.grad, i, g, add=b.valid[i])
+                b.valid[i] = True
+                leaf.grad = None
+
+    def _finish_backward(self: Engine) -> None:
+        """See [Note: end of backward]."""
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            # A reentrant backward (torch.utils.checkpoint with use_reentrant=True runs one
+            # per region, from inside the outer backward's node) has ended, not the
+            # backward: finish when the outer node is done, in the outer backward.
+            outer.register_hook(lambda *_: torch.autograd.Variable._execution_engine
+                                .queue_callback(self._finish_backward))
+            return
+        self.tied.settle_unfinished()
+        self._backward_queued = False
+        self._backward_ended = True  # see _backward_begins in forward.py
+        self._bwd_cursor = 0
+        self._prefetch_due = False
+        for u in self.units:
+            u.in_backward = False
+            self._reshard(u)
+        self._show_user()
+        if not self.sync:
+            for b in self.buckets:
+                b.ready = 0
+                b.launched = False
+                b.arrived = [set() for _ in b.slots]
+            return
+        reducer = self.reducer
+        for b in self.buckets:  # in order: see [Note: collective order in backward]
+            if not b.launched:
+                if self.units:
+                    self._fold(b)  # some parameters got no gradient in this backward
+                else:
+                    if b.grad is None:  # stage 2, no gradient at all for this bucket
+                        reducer.new_grad(b, zeros=True)
+                    self._take_param_grads(b)
+                reducer.launch(b)
+            b.ready = 0
+            b.arrived = [set() for _ in b.slots]
+        reducer.next_launch = 0
+        reducer.drain()
+        late = self._agree_on_usage()
+        for b in late:  # parts of gradients that arrived after their unit's reduction
+            self._fold(b)  # zeros where this rank has none: every rank reduces it
+            reducer.launch(b, phase="late")  # its reduced slice adds to the first one's
+        reducer.drain()
+        for b in self.buckets:
+            b.launched = False
+        self.publish_grads()
+
+    def _agree_on_usage(self: Engine) -> list[FlatBucket]:
+        """End of a synchronised backward: every rank learns which parameters some rank
+        produced a gradient for (the others keep ``grad = None``, as under DDP, and the
+        step skips them) and, at stage 3, which buckets some rank holds a late gradient
+        part for (every rank then reduces those buckets again, so that what is reduced
+        never depends on one rank's data). One small all-reduce per synchronised
+        backward, as DDP's ``find_unused_parameters``. Returns the late buckets."""
+        n = sum(len(b.slots) for b in self.buckets)
+        flags = self._backward_flags
+        if flags is None:
+            flags = self._backward_flags = torch.empty(n + len(self.buckets),
+                                                       device=self.device)
+        torch.cat([b.used for b in self.buckets], out=flags[:n])
+        if self.units:
+            late = [float(any(leaf.grad is not None for s in b.slots
+                              for leaf in self.faces.leaves(s.param))) for b in self.buckets]
+            flags[n:].copy_(torch.tensor(late))
+        else:
+            flags[n:].zero_()
+        self.world.all_reduce(flags, phase="control", unit="used").wait()
+        if is_fake(flags):  # a trace (memory/traced.py) reads no values: all were used
+            for b in self.buckets:
+                b.unused = set()
+            return []
+        values = flags.tolist()  # one read, not one per slot
+        k = 0
+        for b in self.buckets:
+            b.unused = {j for j in range(len(b.slots)) if values[k + j] == 0}
+            k += len(b.slots)
+        return [b for b, f in zip(self.buckets, values[n:]) if f > 0]

@@ -1,0 +1,75 @@
+"""The model's buffers (BatchNorm's running statistics and the like) across ranks: rank
+0's at start-up, and before a forward that follows a training one, as DDP does."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+
+__all__ = ["sync_module_states", "broadcast_buffers", "materialize_buffers"]
+
+
+@torch.no_grad()
+def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm,
+                       compute_dtype: torch.dtype | None) -> None:
+    """Start every rank from rank 0's buffers and (stages 0-2) frozen parameters, as
+    DDP does; trainable weights are broadcast per bucket (materialize.py). Frozen
+    floating parameters then take the compute dtype, as stage 3 keeps them (its frozen
+    buckets)."""
+    for name, t in model.named_buffers():
+        buf = t if t.is_contiguous() else t.contiguous()
+        world.broadcast(buf, 0, phase="init", unit=f"buffer {name}")
+        if buf is not t:
+            t.copy_(buf)
+    for p in frozen:
+        world.broadcast(p.data, 0, phase="init", unit="frozen")
+        if compute_dtype is not None and p.is_floating_point():
+            p.data = p.data.to(compute_dtype)
+
+
+def _state_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """The model's persistent buffers (state, such as BatchNorm's running statistics;
+    non-persistent ones are derived, such as RoPE tables), grouped by dtype and
+    device: one broadcast each."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for prefix, m in model.named_modules():
+        for n, t in m._buffers.items():
+            if t is None or n in m._non_persistent_buffers_set or t.is_meta:
+                continue
+            name = f"{prefix}.{n}" if prefix else n
+            groups.setdefault((t.dtype, t.device), []).append((name, t))
+    return list(groups.values())
+
+
+@torch.no_grad()
+def broadcast_buffers(model: nn.Module, world: Comm) -> None:
+    """Rank 0's buffers to every rank before a forward that follows a training one —
+    DDP's ``broadcast_buffers`` (its default), so BatchNorm's running statistics are
+    rank 0's everywhere as under DDP. Version counters are kept (as DDP does): a
+    forward may have saved a buffer for a backward still to come."""
+    for group in _state_buffers(model):
+        tensors = [t for _, t in group]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        world.broadcast(flat, 0, phase="forward", unit="buffers")
+        with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+            torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
+                flat.split([t.numel() for t in tensors]), tensors)])
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-built model real buffers, recomputed by its ``reset_buffers()``."""
+    metas = [(m, n) for m in model.modules() for n, t in m._buffers.items()
+             if t is not None and t.is_meta]
+    if not metas:
+        return
+    reset = getattr(model, "reset_buffers", None)
+    if not callable(reset):
+        raise TypeError(
+            f"{type(model).__name__} has buffers on the meta device but no reset_buffers() "
+            "method to recompute them; add one, or build the model on a real device"
+        )
+    for m, n in metas:
+        m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
+    reset()

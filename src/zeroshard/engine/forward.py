@@ -1,0 +1,180 @@
+"""The root module's forward hooks: what every forward does before and after the model
+runs, and the hand-over from forward to backward.
+
+Before: refuse parameters replaced or re-flagged since sharding, re-derive weights the
+user edited (refresh.py), count the ranks with data inside ``join()`` (replay.py),
+broadcast buffers as DDP does (buffers.py), and put the compute parameters into the
+modules (stage 3: gather the root unit and prefetch; units are gathered by stage3.py's
+hooks). After: hand the modules back the user parameters until a backward starts
+([Note: between forward and backward]) and scale the gradient entering the model (fp16).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .buffers import broadcast_buffers
+from .stage3 import in_backward
+from .units import UnitState
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["ForwardHooks"]
+
+
+class ForwardHooks:
+    """Mixin of :class:`~zeroshard.engine.engine.Engine`: the root hooks read and drive
+    every phase's state (stage-3 units, faces, join counting, buffers, loss scale)."""
+
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
+    def _pre_forward(self: Engine, module: nn.Module, args: tuple, kwargs: dict):
+        self._check_params()
+        if not in_backward():
+            self.weights.refresh_edited()
+            self._backward_ended = False
+        if self._joinable is not None and not in_backward():
+            from torch.distributed.algorithms.join import Join
+
+            if Join.notify_join_context(self._joinable) is not None:  # join() is active
+                self._count_active(1)
+                self._iter_start = len(self.comm.ledger.records)
+        if self.units:
+            # One rank alone in a forward (evaluation on rank 0 only) is refused here,
+            # before any gather; see [Note: divergence] in comm_check.py.
+            self.comm.sync_point("forward", phase="forward")
+        if self.config.broadcast_buffers and self._sync_buffers and not in_backward():
+            broadcast_buffers(self.model, self.world)
+        if self.units:
+            root = self.units[-1]
+            self._fwd_cursor = 0
+            self._unshard(root, "forward")
+            root.wait()
+            self._prefetch(self._order, 0)
+        else:
+            self._show_compute()
+        if self.compute_dtype is None:
+            return None
+        cast = self._cast_floating
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def _cast_floating(self: Engine, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.compute_dtype)
+        return x
+
+    @torch.compiler.disable  # see [Note: compile] in stage3.py
+    def _post_forward(self: Engine, module: nn.Module, args, output):
+        if not in_backward():  # as DDP: the next forward syncs buffers after a training one
+            self._sync_buffers = torch.is_grad_enabled() and self.sync
+        if self.units:
+            self._recording = False
+            if not torch.is_grad_enabled():
+                self._reshard(self.units[-1])
+        elif self._shown_compute and not torch.is_grad_enabled():
+            self._show_user()  # no backward follows
+        if torch.is_grad_enabled() and not in_backward():
+            self._between_forward_and_backward(output)
+        if self.scaler.enabled and torch.is_grad_enabled():
+            # Scaling the gradient that enters the model equals scaling the loss (backward
+            # is linear) and keeps the plain ``loss.backward()`` API. If the model returns a
+            # scalar (a loss computed inside), scale only that: its gradient already flows
+            # through the other outputs.
+            leaves = [t for t in tree_flatten(output)[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            scalars = [t for t in leaves if t.dim() == 0]
+            for t in scalars or leaves:
+                t.register_hook(self._scale_grad)
+        return output
+
+    def _between_forward_and_backward(self: Engine, output: Any) -> None:
+        """[Note: between forward and backward]
+        A forward with gradients may have no backward after it (a validation loss computed
+        without ``torch.no_grad()``). Until a backward starts, the modules must hold the
+        user parameters, as they do between steps: torch APIs on ``model.parameters()``
+        (``clip_grad_norm_``, an optimizer, ``p.grad``) read those, and under DDP that
+        forward changes nothing. The autograd graph already holds the compute
+        parameters, so the backward needs them in the modules only to recompute
+        (activation checkpointing): the first gradient reaching an output shows them again
+        (_backward_begins). Gathered stage-3 units stay gathered for that backward; a
+        step frees them (after_step), so no forward uses weights gathered before it."""
+        if not (self.units or self.faces.swaps):
+            return  # the modules hold the user parameters throughout
+        if self.units:
+            self._show_gathered(compute=False)
+        else:
+            self._show_user()
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_begins)
+
+    def _backward_begins(self: Engine, grad: torch.Tensor) -> None:
+        """See [Note: between forward and backward]."""
+        if self.units and self._backward_ended:
+            # The units were freed at the end of the last backward, and the graph's saved
+            # tensors view their (now empty) storage: refuse before autograd reads them.
+            raise RuntimeError(
+                "stage 3 runs one backward per forward: this backward goes through a graph "
+                "that an earlier backward already went through (retain_graph=True), or "
+                "through a second forward's graph after the first one's backward. Sum the "
+                "losses and call backward once ((loss_a + loss_b).backward()), run a "
+                "forward before each backward, or use stage 2")
+        if self.units:
+            self._show_gathered(compute=True)
+        else:
+            self._show_compute()
+
+    def _show_gathered(self: Engine, compute: bool) -> None:
+        """Stage 3: which face the modules of the gathered units hold."""
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self.faces.show(u.buckets, compute=compute)
+
+    def _show_compute(self: Engine) -> None:
+        """Stages 0-2: the modules hold the compute parameters (forward and backward)."""
+        if self.faces.swaps and not self._shown_compute:
+            self.faces.show(self.all_buckets, compute=True)
+            self._shown_compute = True
+
+    def _scale_grad(self: Engine, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.scaler.scale
+
+    def _show_user(self: Engine) -> None:
+        """Stages 0-2: the modules hold the user parameters again (end of backward, or of
+        a forward without gradients)."""
+        if self._shown_compute:
+            self.faces.show(self.all_buckets, compute=False)
+            self._shown_compute = False
+
+    def _check_params(self: Engine) -> None:
+        for name, p in self.model.named_parameters():
+            if id(p) not in self._known_params:
+                raise RuntimeError(
+                    f"parameter {name!r} was replaced after zeroshard.shard(); sharded "
+                    "buffers no longer back it. Change the model before sharding it, or "
+                    "build a new model and shard that"
+                )
+            was = self._grad_flags.get(id(p))
+            if was is None or p.requires_grad == was:
+                continue
+            # Freezing is honoured where the modules compute with the parameters you
+            # hold (fp32 stages 0-2: autograd skips them, the step restores them as
+            # unused). Elsewhere the model computes with other tensors, whose flag is
+            # the engine's; and a parameter frozen at shard() time has no optimizer
+            # state or bucket slot at all: either would train (or not) silently.
+            if was and not self.faces.swap:
+                continue
+            raise RuntimeError(
+                f"parameter {name!r} had requires_grad={was} when the model was sharded "
+                f"and has requires_grad={p.requires_grad} now: "
+                + ("a parameter frozen at shard() time has no optimizer state and is never "
+                   "stepped" if not was else "at this stage (or under mixed precision or "
+                   "offload) the model computes with zeroshard's own tensors, so the flag "
+                   "would not reach the backward")
+                + ". Set requires_grad before zeroshard.shard() (for a schedule that "
+                "unfreezes layers later, shard them trainable and keep their gradient out "
+                "with lr=0 in their own parameter group)")

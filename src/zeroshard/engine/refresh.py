@@ -1,0 +1,99 @@
+"""The compute weights re-derived from the masters: after a step, a load, or a user's
+in-place edit of a parameter.
+
+The optimizer steps the masters (fp32 slices, a host copy, or this rank's chunks of the
+whole weights: [Note: buffer lifetimes] in engine.py); forward reads ``full`` (stages
+0-2) or ``shard16`` (stage 3, gathered per unit by units.py). This file moves the values
+from the first to the second: a copy (stages 0 and 3), or at stages 1-2 every rank's
+updated slice to every rank (an all-gather; on gloo one broadcast per rank's piece).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from .flat import FlatBucket
+from .offload import Offload
+from .params import Faces
+from .policy import StagePolicy
+from .storage import same_memory
+
+__all__ = ["WeightRefresh"]
+
+
+class WeightRefresh:
+    """Re-derives compute weights; remembers which masters it derived them from."""
+
+    def __init__(self, *, policy: StagePolicy, comm: Comm, offloader: Offload,
+                 faces: Faces, buckets: list[FlatBucket]) -> None:
+        self.policy = policy
+        self.comm = comm
+        self.offloader = offloader
+        self.faces = faces
+        self.buckets = buckets
+
+    @torch.no_grad()
+    def refresh(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
+        """Re-derive the compute weights from the masters (after a step or a load, or
+        for ``buckets`` whose masters the user edited; see refresh_edited)."""
+        pending = []
+        offload = self.offloader.enabled
+        for b in self.buckets if buckets is None else buckets:
+            if self.policy.shard_params:
+                if offload and not self.offloader.params:
+                    self.offloader.upload(b, b.shard16)
+                elif not same_memory(b.shard16, b.master):
+                    b.shard16.copy_(b.master.detach())
+                continue
+            if not self.policy.gather_after_step:  # stage 0: the whole master
+                if not same_memory(b.full, b.master):
+                    b.full.copy_(b.master.detach())
+                continue
+            if self.comm.decompose and not offload:
+                # gloo: the updated slice into this rank's chunks of ``full`` (nothing to
+                # do where the optimizer stepped them in place), every rank's chunk of
+                # every parameter broadcast straight into place: no gathered buffer, no
+                # copy-out; all buckets in flight at once.
+                if not b.master_in_full:
+                    b.shard_to_full(b.master.detach(), b.full)
+                pending.append(self.comm.all_gather_pieces(
+                    b.full, b.rank_pieces(b.full), phase=phase, unit=b.name, async_op=True))
+                continue
+            # Stages 1-2: the updated slice into a gathered buffer, all-gather, copy out.
+            gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
+            target = b.shard_of(gathered)
+            if offload:
+                self.offloader.upload(b, target)
+            elif b.master_in_full:  # this rank's chunks of ``full``, already stepped
+                b.shard_from_full(b.full, out=target)
+            else:
+                target.copy_(b.master.detach())
+            self.comm.all_gather(gathered, phase=phase, unit=b.name).wait()
+            b.gathered_to_full(gathered, b.full)
+            del gathered
+        for p in pending:
+            p.wait()
+        self.note_edits(self.buckets if buckets is None else buckets)
+
+    def note_edits(self, buckets: list[FlatBucket]) -> None:
+        """Remember the user parameters' versions the compute weights now derive from."""
+        if self.faces.swap:
+            for b in buckets:
+                b.edits_seen = self.faces.edits(b)
+
+    def refresh_edited(self) -> None:
+        """Before a forward: re-derive the compute weights of buckets whose masters
+        changed since they were last derived — the user edited a parameter in place
+        (``p.mul_()``, an EMA copy-in) where the user parameters are the masters (mixed
+        precision, stage 3, offload). Under DDP the next forward sees such an edit; here
+        the compute weights are a copy of (or gathered from) the masters, so they are
+        refreshed. Edits are seen as a change of the user parameters' version counters
+        (the optimizer steps the masters' chunks, which leaves those alone). At stages
+        1-2 the refresh is an all-gather: every rank must make the same edit, as DDP's
+        replicas must."""
+        if not self.faces.swap:
+            return  # the modules' parameters are the compute weights: edits are seen
+        stale = [b for b in self.buckets if self.faces.edits(b) != b.edits_seen]
+        if stale:
+            self.refresh(phase="forward", buckets=stale)

@@ -1,0 +1,79 @@
+"""What the engine holds, read by others: its tensors by memory category (the tracker),
+and the whole master weights of a bucket (state dicts, checkpoints)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .flat import FlatBucket
+from .storage import shares
+
+if TYPE_CHECKING:
+    from ..comm import Comm
+    from .engine import Engine
+
+__all__ = ["memory_sources", "full_master", "gather_shard"]
+
+
+def memory_sources(e: Engine) -> Callable[[], dict[str, list[torch.Tensor]]]:
+    """Tensors by category, for the memory tracker (names match memory.Category)."""
+
+    def sources() -> dict[str, list[torch.Tensor]]:
+        params, grads, optim = [], [], []
+        for b in e.all_buckets:
+            params += [t for t in (b.full, b.shard16, b.host_weights) if t is not None]
+            grads += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
+            if b.master_grad is not None:
+                grads.append(b.master_grad)
+            if b.master is None:
+                continue
+            if not shares(b.master, b.full) and not (
+                b.shard16 is not None and shares(b.master, b.shard16)
+            ):
+                optim.append(b.master)
+        params += e.frozen
+        if e.units:  # stage 3: gradients autograd left on a unit until its _fold
+            grads += [s.param.grad for b in e.buckets for s in b.slots
+                      if s.param.grad is not None]
+        # A tied parameter's parts held until its other uses deliver (tied.py).
+        grads += e.tied.held_grads()
+        # Stage 3's all-gathers in flight (gathered layout, before the copy-out).
+        comm = [b.gathering for b in e.all_buckets if b.gathering is not None]
+        # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
+        other = [b.used for b in e.all_buckets if b.used is not None]
+        used = e.grads.used_flags
+        other += [used] if used is not None else []
+        return {"params": params, "grads": grads, "optim": optim, "comm": comm,
+                "other": other}
+
+    return sources
+
+
+def full_master(e: Engine, b: FlatBucket) -> torch.Tensor:
+    """The whole master-precision weights of a bucket in the full layout, every rank.
+
+    Collective at stages >= 1 unless the compute weights are the master values
+    (stages 1-2 without mixed precision).
+    """
+    if not e.policy.shard_optimizer:
+        return b.master.detach()
+    if b.master_in_full:
+        return b.full  # the masters are the weights' own chunks: whole and current
+    src = (b.master if b.master is not None else b.shard16).detach()
+    return gather_shard(e.comm, b, src, phase="state")
+
+
+def gather_shard(comm: Comm, b: FlatBucket, shard: torch.Tensor, *, phase: str
+                 ) -> torch.Tensor:
+    """Every rank's ``shard`` (shard layout, any dtype) as one full-layout tensor."""
+    # Offloaded slices are on the host; collectives run on the device (NCCL needs it).
+    gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
+    comm.all_gather_into(gathered, shard.to(b.device), phase=phase, unit=b.name)
+    if b.world == 1:
+        return gathered
+    full = torch.empty_like(gathered)
+    b.gathered_to_full(gathered, full)
+    return full

@@ -1,0 +1,236 @@
+"""The gradients the optimizer step reads: formed from the reduced slices, published on
+the user parameters, adopted back where the user assigned ``.grad``, clipped, cleared.
+
+Backward leaves each bucket's reduced slice (``grad_shard``, the stage-1 whole buffer or
+the host copy; see reduction.py). Before the step every master gets its fp32, unscaled
+``master_grad`` from it (``prepare``), and the user parameters' ``.grad`` become views of
+that (``publish``; [Note: parameters the user sees] in params.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from .chunks import set_master_grad
+from .flat import FlatBucket
+from .offload import Offload
+from .params import Faces
+from .policy import StagePolicy
+from .precision import LossScaler
+from .reduction import Reducer
+from .storage import same_memory
+from .tied import TiedGrads
+
+__all__ = ["StepGrads"]
+
+
+class StepGrads:
+    """Forms, publishes, adopts, measures and clears the masters' gradients."""
+
+    def __init__(self, *, policy: StagePolicy, comm: Comm, world: Comm, device: torch.device,
+                 buckets: list[FlatBucket], faces: Faces, reducer: Reducer,
+                 offloader: Offload, scaler: LossScaler, tied: TiedGrads) -> None:
+        self.policy = policy
+        self.comm = comm
+        self.world = world
+        self.device = device
+        self.buckets = buckets
+        self.faces = faces
+        self.reducer = reducer
+        self.offloader = offloader
+        self.scaler = scaler
+        self.tied = tied
+        self.prepared = False  # master_grad formed since the last backward
+        self.overflow = False
+        self.used_flags: torch.Tensor | None = None  # see gather_used_flags
+
+    def publish(self) -> None:
+        """Form the masters' fp32 gradients and show them on the user parameters (None
+        for those no rank produced one for, see _agree_on_usage in backward.py)."""
+        self.prepare()
+        for b in self.buckets:
+            self.faces.publish_grads(b, b.unused)
+
+    def adopt_user_grads(self) -> None:
+        """Before the step (and zeroshard's own clipping): take in ``.grad`` the user
+        assigned since the gradients were published.
+
+        [Note: assigned gradients]
+        The optimizer steps the engine's ``master_grad``, and each parameter's ``.grad``
+        is a view of its part, so in-place edits (``p.grad.mul_``, torch's clipping) reach
+        the step. Torch also lets a script *assign* ``.grad``: ``p.grad = None`` makes
+        torch's optimizers skip the parameter, ``p.grad = p.grad * 0.5`` steps the new
+        tensor. Both once went unseen (the step used the reduced gradient: silently
+        wrong, at every stage). Now a new tensor's values (a DTensor like the published
+        one, or the whole gradient, of which this rank takes its rows) are copied into
+        ``master_grad`` and ``.grad`` views it again; ``None`` marks the parameter unused on
+        this rank, so where every rank cleared it the step skips it as torch does, its
+        optimizer state and AdamW's ``step`` untouched (as for a parameter no rank used,
+        see chunks.skip_slots)."""
+        if not self.faces.published:
+            return
+        for b in self.buckets:
+            for i, s in enumerate(b.slots):
+                user = self.faces.user[id(s.param)]
+                g = user.grad
+                target = (b.local(b.master_grad, i) if self.faces.sharded
+                          else b.slot_view(b.master_grad, i))
+                if g is None:  # torch's optimizers skip it: so does the step (unused)
+                    b.used[i] = 0.0
+                    target.zero_()
+                    continue
+                local = self._local_grad(b, i, g)
+                if same_memory(local, target):
+                    continue
+                target.copy_(local)
+                self.faces.publish_slot(b, i)
+
+    def _local_grad(self, b: FlatBucket, i: int, g: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a gradient the user assigned to slot ``i``'s parameter."""
+        from torch.distributed.tensor import DTensor
+
+        s = b.slots[i]
+        name = s.names[0]
+        if tuple(g.shape) != tuple(s.shape):
+            raise ValueError(
+                f"the .grad assigned to parameter {name!r} has shape {tuple(g.shape)}, the "
+                f"parameter {tuple(s.shape)}: assign a gradient shaped like the parameter")
+        if isinstance(g, DTensor):
+            if tuple(g.placements) != tuple(self.faces.placements) or g.device_mesh != \
+                    self.faces.mesh:
+                raise ValueError(
+                    f"the .grad assigned to parameter {name!r} is a DTensor placed as "
+                    f"{g.placements} on another mesh or layout than the parameter's "
+                    f"{self.faces.placements}: build it from the parameter's own .grad "
+                    "(e.g. p.grad * 0.5), or assign a whole (non-DTensor) tensor")
+            return g._local_tensor  # not to_local(): an autograd op, per slot and step
+        if not self.faces.sharded:
+            return g
+        lo, hi = s.piece(b.rank)
+        return g.detach().reshape(-1)[lo:hi].view(s.local_shape(b.rank))
+
+    def prepare(self) -> bool:
+        """Give every master its fp32, unscaled gradient; return True if any overflowed.
+
+        Idempotent until the next backward.
+        """
+        if self.prepared:
+            return self.overflow
+        grads = []
+        reducer = self.reducer
+        for b in self.buckets:
+            if self.offloader.enabled:  # copies started in backward; the rest go now
+                if not b.host_fresh and reducer.in_place(b):
+                    self.offloader.start_grad_copy(b, reducer.reduced_slice(b))
+                elif not b.host_fresh:  # no backward since zero_grad: a zero gradient
+                    self.offloader.zero_grad(b, reducer.reduce_dtype_of(b))
+                grads.append(b.host_grad)
+                continue
+            if self.policy.reduce_op == "all_reduce" and b.grad is None:
+                reducer.new_grad(b, zeros=True)  # no backward since zero_grad
+            grads.append(b.grad if self.policy.reduce_op == "all_reduce"
+                         else reducer.reduced_slice(b))
+        if self.offloader.enabled:
+            self.offloader.wait_copies()
+        for b, g in zip(self.buckets, grads):
+            if g.dtype == b.master_dtype and not self.scaler.enabled:
+                set_master_grad(b, g)
+            else:
+                # A copy even where the dtypes agree: ``g`` is the accumulator later
+                # backwards add (scaled) gradients to, so it must stay scaled.
+                set_master_grad(b, g.to(b.master_dtype, copy=True))
+                if self.scaler.enabled:
+                    b.master_grad.div_(self.scaler.scale)
+        self.overflow = False
+        if self.scaler.enabled:
+            bad = torch.zeros(1, device=b.master_grad.device)
+            for b in self.buckets:
+                bad += (~torch.isfinite(b.master_grad)).any().float()
+            bad = bad.to(self.device)  # collectives run on the device (NCCL needs it)
+            self.world.all_reduce(bad, phase="control", unit="overflow").wait()
+            self.overflow = bool(bad.item() > 0)
+        self.prepared = True
+        return self.overflow
+
+    def norm(self, norm_type: float) -> torch.Tensor:
+        """The global gradient norm, equal to clip_grad_norm_'s on the unsharded model."""
+        self.prepare()
+        self.adopt_user_grads()
+        grads = [b.master_grad for b in self.buckets]
+        device = grads[0].device
+        sharded = self.policy.shard_optimizer
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max().float().to(self.device)
+            if sharded:
+                self.comm.all_reduce(local, phase="control", unit="grad_norm",
+                                     op=dist.ReduceOp.MAX).wait()
+            return local.to(device)
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.float().pow(norm_type).sum()
+        if sharded:
+            local = local.to(self.device)  # offloaded grads live on the host
+            self.comm.all_reduce(local, phase="control", unit="grad_norm").wait()
+        return local.pow(1.0 / norm_type).to(device)
+
+    def scale(self, coef: torch.Tensor) -> None:
+        for b in self.buckets:
+            b.master_grad.mul_(coef.to(b.master_grad.dtype))
+
+    def gather_used_flags(self) -> torch.Tensor:
+        """Every rank's "got a gradient" flags, summed, in one persistent buffer (a new
+        tensor per step would be held for a while by the collective library)."""
+        flags = self.used_flags
+        if flags is None:
+            flags = self.used_flags = torch.empty(sum(len(b.slots) for b in self.buckets),
+                                                  device=self.device)
+        torch.cat([b.used for b in self.buckets], out=flags)
+        self.world.all_reduce(flags, phase="control", unit="used").wait()
+        return flags
+
+    def unused_slots(self, flags: list[float]) -> list[tuple[FlatBucket, set[int]]]:
+        """Per bucket, the slots whose summed flag (``flags``, see gather_used_flags) is
+        0: parameters no rank produced a gradient for (or whose ``.grad`` every rank set
+        to None). The step skips them (chunks.skip_slots)."""
+        out: list[tuple[FlatBucket, set[int]]] = []
+        k = 0
+        for b in self.buckets:
+            unused = {j for j in range(len(b.slots)) if flags[k + j] == 0}
+            k += len(b.slots)
+            if unused:
+                out.append((b, unused))
+        return out
+
+    def zero(self, set_to_none: bool = True) -> None:
+        """Clear every gradient. ``set_to_none=True``: free the gradient buffers (the next
+        backward allocates them; see [Note: buffer lifetimes] in engine.py). False, as
+        torch: the parameters' ``.grad`` stay, as zeros (stage 0: the buffer's views;
+        otherwise the masters' gradients)."""
+        self.clear()
+        if set_to_none:
+            return
+        for b in self.buckets:
+            if not self.policy.shard_optimizer and not self.faces.swap:
+                self.reducer.new_grad(b, zeros=True)
+                b.grad_views(b.grad)
+                continue
+            set_master_grad(b, torch.zeros(b.shard_numel, dtype=b.master_dtype,
+                                           device=b.master_device))
+            self.faces.publish_grads(b)
+
+    def clear(self) -> None:
+        """Free every gradient buffer (see [Note: buffer lifetimes] in engine.py); the next
+        backward allocates them again."""
+        for b in self.buckets:
+            b.grad_shard = None
+            self.reducer.drop_grad(b)
+            b.reduced = False
+            b.host_fresh = False
+            set_master_grad(b, None)
+            b.used.zero_()
+            b.valid = [False] * len(b.slots)
+            self.faces.clear_grads(b)
+        self.tied.earlier.clear()
+        self.prepared = False
