@@ -71,7 +71,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from zeroshard.models.config import GPT2Config, ModelConfig
+from zeroshard.models.config import ModelConfig
+
+from .recipes import RECIPES, STAGES, Recipe, get_recipe
+from .recipes import check_stage as _check
+from .stage3_buffers import (
+    Stage3Buffers,
+    Stage3Moment,
+    block_params,
+    head_params,
+    root_params,
+    stage3_buffer_bytes,
+    stage3_moments,
+)
 
 __all__ = [
     "RECIPES",
@@ -105,73 +117,11 @@ __all__ = [
     "step_time",
 ]
 
-STAGES = (0, 1, 2, 3)
 PCIE_GBPS = 25.0
 """Default host <-> device bandwidth per device (PCIe Gen4 x16 moves ~25 GB/s each way)."""
 HOST_MEM_GBPS = 20.0
 """Default host memory bandwidth per rank for the host optimizer step (a rough figure;
 see [Note: offload, priced])."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recipe:
-    """Bytes per parameter of each kind of model state, and of activations."""
-
-    name: str
-    """Short name used by the CLI, e.g. "bf16-adamw"."""
-    param_bytes: int
-    """P: the weights the model computes with (2 for 16-bit)."""
-    grad_bytes: int
-    """G: gradients as produced and reduced (2 for 16-bit)."""
-    optim_bytes: int
-    """K: optimizer state (12 = fp32 master + Adam m + v; 8 = Adam m + v, fp32 weights)."""
-    act_bytes: int
-    """Bytes per stored activation element (2 for 16-bit compute)."""
-    master_in_optim: bool = True
-    """K holds the fp32 master weights (16-bit recipes). Without mixed precision the
-    weights are the master at every stage (stages 1-2 step each rank's chunks of the
-    whole weights in place; see [Note: masters inside the weights] in engine/chunks.py);
-    with offload that slice's master lives on the host (:func:`host_optimizer_bytes`)."""
-
-    def __post_init__(self) -> None:
-        for field in ("param_bytes", "grad_bytes", "optim_bytes", "act_bytes"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"Recipe.{field} must be an int >= 0 bytes per element, got {value!r}"
-                )
-
-    @property
-    def bytes_per_param(self) -> int:
-        """P + G + K: 16 for mixed-precision Adam (ZeRO §3.1)."""
-        return self.param_bytes + self.grad_bytes + self.optim_bytes
-
-
-RECIPES: dict[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe(name="bf16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
-        # fp16 costs the same bytes; it adds dynamic loss scaling, not memory.
-        Recipe(name="fp16-adamw", param_bytes=2, grad_bytes=2, optim_bytes=12, act_bytes=2),
-        Recipe(name="fp32-adamw", param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4,
-               master_in_optim=False),
-    )
-}
-
-
-def get_recipe(recipe: str | Recipe) -> Recipe:
-    if isinstance(recipe, Recipe):
-        return recipe
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; use one of {', '.join(RECIPES)}")
-    return RECIPES[recipe]
-
-
-def _check(stage: int, n: int) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"data-parallel degree N={n!r} must be an int >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,206 +159,10 @@ def model_state_bytes(
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Stage3Buffers:
-    """Stage 3's bytes beyond the 1/N shards at the two moments that bound them; see
-    [Note: stage-3 buffers]."""
-
-    backward: int
-    """While the blocks run backward, their activations alive: the root's weights, the
-    head's gradients, prefetch + 1 blocks' weights and two blocks' gradients."""
-    root_reduce: int
-    """At the end of backward, the activations freed: the root's weights and its
-    gradients twice (autograd's, and the buffer they are copied into for the
-    reduce-scatter), beside the first block's reduction in flight."""
-
-    @property
-    def peak(self) -> int:
-        """The most held at once over a step."""
-        return max(self.backward, self.root_reduce)
-
-    def beside(self, activation_bytes: int) -> int:
-        """The part of a stage-3 step's peak that no device count shrinks, less
-        ``activation_bytes`` (the activations' own peak): the backward window, or the
-        root's reduction if that alone is larger. With every gradient slice counted
-        beside it, an upper bound of the step's peak (see [Note: stage-3 peak])."""
-        return max(self.backward, self.root_reduce - activation_bytes)
-
-
-def root_params(config: ModelConfig) -> int:
-    """Parameters outside the blocks, stage 3's root unit: embeddings, the LM head unless
-    tied, the final norm."""
-    return config.param_count() - config.n_layers * block_params(config)
-
-
-def head_params(config: ModelConfig) -> int:
-    """Root parameters whose gradient arrives at the start of backward: the LM head (for a
-    tied model, the head's part of the shared table's gradient, a whole table) and the
-    final norm. The rest of the root (the token and position embeddings) gets its
-    gradient at the end of backward."""
-    norm = 2 * config.hidden if isinstance(config, GPT2Config) else config.hidden
-    return config.vocab * config.hidden + norm
-
-
-def stage3_buffer_bytes(
-    *,
-    block: int,
-    root: int,
-    head: int,
-    prefetch: int = 1,
-    recipe: str | Recipe = "bf16-adamw",
-) -> Stage3Buffers:
-    """[Note: stage-3 buffers]
-    What the engine holds beyond its 1/N shards at stage 3 (engine/units.py [Note: unit
-    lifecycle] and [Note: prefetch]; engine.py ``_fold``, ``_MAX_PENDING_UNITS``), for a
-    model of ``block``-parameter blocks and a ``root`` unit (everything else), of which
-    ``head`` parameters (:func:`head_params`) get their gradients first in backward. P, G
-    bytes per weight and gradient, k = prefetch, B, R, H the three counts:
-
-    * The root is gathered at the model's forward and freed only once all its gradients
-      have arrived, at the end of backward: P·R for the whole step. The head's gradients
-      (G·H) arrive first in backward and stay on their parameters until then, since the
-      root is one bucket, reduced whole.
-    * A block is gathered around its forward and again around its backward; entering one
-      (and, in backward, its first parameter gradient) starts the gathers of the next k:
-      (k+1)·P·B of block weights. Its gradients stay on its parameters until its
-      backward is done (G·B), then are copied into one whole buffer for the
-      reduce-scatter (G·B) after its weights are freed; one reduction may be in flight
-      when the next unit allocates its buffer (G·B). So in backward, before a block's
-      copy (k+1)·P·B + 2·G·B, and at it k·P·B + 3·G·B:
-
-          backward    = P·R + G·H + max((k+1)·P + 2·G, k·P + 3·G)·B
-
-    * The root is reduced at the end of backward (engine.py, [Note: collective order in
-      backward]), after every unit's weights are freed: its buffer (G·R) is allocated
-      while autograd's gradients (G·R) are still on the parameters, beside the first
-      block's reduction in flight; by then the activations are freed:
-
-          root_reduce = 2·G·R + G·B
-
-    A trace counts both to the byte (tests/test_traced.py; [Note: stage-3 buffers,
-    traced] in traced.py): llama-3-8B's shape (untied, R = 1.05B, H = 0.53B, B = 0.22B)
-    gives 4.90 GB and 4.64 GB in bf16, not the 8.4 GB of "(k+1) x the largest unit's
-    weights and gradients" counted before, which priced the root like a block. What they
-    come beside (gradient slices, activations) differs between the two moments: see
-    [Note: stage-3 peak]. Counts are unpadded; the engine pads each parameter to a
-    multiple of N rows.
-    """
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (units gathered ahead)")
-    r = get_recipe(recipe)
-    p, g, k = r.param_bytes, r.grad_bytes, prefetch
-    blocks = max((k + 1) * p + 2 * g, k * p + 3 * g) * block
-    return Stage3Buffers(backward=p * root + g * head + blocks,
-                         root_reduce=2 * g * root + g * block)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stage3Moment:
-    """What a stage-3 rank holds at one moment of a step beyond its weight and
-    optimizer-state shards; see [Note: stage-3 peak]."""
-
-    name: str
-    grad_slices: int
-    """Its reduced gradient slices that exist by then."""
-    activations: int
-    """Activations (saved for backward, and the recompute working set) still alive."""
-    buffers: int
-    """Stage 3's buffers then (:class:`Stage3Buffers`); at the optimizer step, the fp32
-    copies of the gradient slices that the optimizer steps with."""
-
-    @property
-    def total(self) -> int:
-        return self.grad_slices + self.activations + self.buffers
-
-
-def stage3_moments(
-    *,
-    block: int,
-    blocks: int,
-    root: int,
-    head: int,
-    n: int,
-    activations: int,
-    late_activations: int,
-    prefetch: int = 1,
-    recipe: str | Recipe = "bf16-adamw",
-    offload: bool = False,
-) -> tuple[Stage3Moment, ...]:
-    """[Note: stage-3 peak]
-    ZeRO's model state counts every gradient slice (G·Ψ/N), as a rank holds them between
-    backward and the optimizer step; stage 3's buffers ([Note: stage-3 buffers]) sit
-    beside the activations. None of the three is whole at the same time. A unit's slice
-    appears when its reduce-scatter is issued (the output of a native reduce-scatter,
-    kept as ``grad_shard`` once it completes: engine.py ``_launch``, ``_complete``);
-    ``zero_grad`` frees every slice before the next forward; backward frees each block's
-    activations as it passes it. So the step's peak is the largest of four moments, each
-    beside the weight and optimizer-state shards ((P + K)·Ψ/N), with ``blocks`` = L
-    blocks of B parameters, k = ``prefetch``, A = ``activations`` (their peak, all alive)
-    and A' = ``late_activations`` (those of the k+1 lowest blocks, with the recompute
-    working set):
-
-        backward begins      A  + backward                      no slice yet
-        end of the blocks'   A' + backward + G·⌈(L-k-1)·B/N⌉   every block above block k
-          backward                                              issued its reduction
-        root's reduction          root_reduce + G·⌈L·B/N⌉       every block's slice, not
-                                                                the root's
-        optimizer step            G·⌈Ψ/N⌉ + 4·⌈Ψ/N⌉             every slice, and its fp32
-                                                                copy (16-bit gradients)
-
-    Between the first two, each block's backward trades its saved activations for its
-    slice (G·B/N), a straight line with its largest value at one end: the start where a
-    block saves more than its slice (no checkpointing), the end where it saves less (full
-    checkpointing keeps one block input, 2·s·b·h bytes: 16.8 MB against a 54.5 MB slice
-    at llama-3-8B's shape, seq 2048, N = 8, bf16). The end is block k's backward, the
-    last with k blocks to prefetch below it: past it the gathers stop, and k·P·B falls
-    faster than slices grow. The head's saved activations (the final norm's, the LM
-    head's input, the loss's log-softmax) are freed by the head's backward, before it:
-    A' leaves them out, with the embedding's token ids and the RoPE tables (kilobytes to
-    megabytes). At the optimizer step the engine has cast each slice to an fp32 copy for
-    the fp32 masters (engine.py ``prepare_grads``; a view of the slice under the fp32
-    recipe, where G = 4 already is the masters' dtype) and freed every buffer; the
-    activations are gone. ``offload``: the slices and their copies live on the host.
-
-    A trace of llama-3-8B's shape (untied; N = 8, seq 2048, full checkpointing, bf16)
-    peaks at the end of the blocks' backward at 20.91 GB: 29 slices complete and block
-    2's in flight, two block inputs and block 1's recompute; this prices it at 21.02 GB,
-    +0.5% (tests/test_traced.py). Counting every slice beside every activation and the
-    backward window gave 22.48 GB (+7.5%); leaving the slices out of the start of
-    backward alone, 20.47 GB (-2.1%, and not the moment of the peak). "backward begins"
-    counts the head's saved activations beside the blocks' window, a little more than
-    any one moment holds: the head's backward frees them before the first block's (the
-    loss's own transients there are the activation estimate's to price). Stages 0-2 do
-    not count the step's fp32 copies (docs/planning.md, "Traced estimates").
-    """
-    b = stage3_buffer_bytes(block=block, root=root, head=head, prefetch=prefetch,
-                            recipe=recipe)
-    _check(3, n)
-    r = get_recipe(recipe)
-    g = 0 if offload else r.grad_bytes
-    copy = 0 if offload or r.grad_bytes >= 4 else 4  # fp32 masters, 16-bit gradients
-    psi = root + blocks * block
-    done = max(blocks - prefetch - 1, 0)
-
-    def slices(elems: int) -> int:
-        return g * math.ceil(elems / n)
-
-    return (
-        Stage3Moment(name="backward begins", grad_slices=0, activations=activations,
-                     buffers=b.backward),
-        Stage3Moment(name="end of the blocks' backward", grad_slices=slices(done * block),
-                     activations=late_activations, buffers=b.backward),
-        Stage3Moment(name="root's reduction", grad_slices=slices(blocks * block),
-                     activations=0, buffers=b.root_reduce),
-        Stage3Moment(name="optimizer step", grad_slices=slices(psi), activations=0,
-                     buffers=copy * math.ceil(psi / n)),
-    )
-
-
 def grad_bucket_bytes(bucket_bytes: int, *, in_flight: int = 3) -> int:
     """Stage 2's transient whole-gradient buckets: each lives from its first gradient
     until its reduce-scatter completes. The engine lets 2 reductions be pending plus the
-    one filling (``_MAX_PENDING + 1`` in engine.py). ``bucket_bytes``: the engine's
+    one filling (``_MAX_PENDING + 1`` in engine/reduction.py). ``bucket_bytes``: the engine's
     (``zeroshard.config.auto_bucket_bytes`` unless set)."""
     return bucket_bytes * in_flight
 
@@ -635,16 +389,6 @@ def break_even_tokens(
     overlaps with: ``window_fraction`` of the step's compute (2/3 for backward-only
     overlap, stages 0-2). Below this, communication shows in the step time."""
     return comm_time_s * mfu * peak_flops / (window_fraction * flops_per_token)
-
-
-def block_params(config: ModelConfig) -> int:
-    """Parameters of one transformer block (the stage-3 unit and the recompute region):
-    GPT-2 ``12h^2 + 13h``, Llama ``2h^2 + 2h*kv_dim + 3hf + 2h`` (see models/config.py)."""
-    h = config.hidden
-    if isinstance(config, GPT2Config):
-        return 12 * h * h + 13 * h
-    kv = config.kv_heads * config.head_dim
-    return 2 * h * h + 2 * h * kv + 3 * h * config.ffn_dim + 2 * h
 
 
 def recompute_flops_per_token(config: ModelConfig, seq_len: int, policy: str) -> int:

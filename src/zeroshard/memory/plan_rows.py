@@ -91,7 +91,7 @@ class Setup:
     """Activation bytes per policy (same at every stage: no sharding touches them)."""
     act_late: dict[str, int]
     """Per policy, those still alive at the end of stage 3's blocks' backward (see
-    [Note: stage-3 peak] in analytic.py)."""
+    [Note: stage-3 peak] in stage3_buffers.py)."""
     layer_bytes: int
     """One block's 16-bit weights + gradients + activations at micro-batch 1."""
     stage3: analytic.Stage3Buffers
@@ -113,7 +113,7 @@ class Setup:
     def stage3_peak(self, *, n: int, policy: str, offload: bool = False,
                     offload_params: bool = False) -> tuple[int, analytic.Stage3Moment]:
         """A stage-3 step's peak on the device, sharded over ``n``, and the moment that
-        sets it (see [Note: stage-3 peak] in analytic.py): the weight and optimizer-state
+        sets it (see [Note: stage-3 peak] in stage3_buffers.py): the weight and optimizer-state
         shards (those not offloaded) beside that moment's gradient slices, activations and
         buffers."""
         cfg, r = self.cfg, self.recipe

@@ -7,7 +7,7 @@ and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks
 [Note: what "fits" means]
 A row fits when total = model state + activations + buffers <= usable memory (stage 3:
 the most held at one moment of the step, with its buffers then, which never holds every
-gradient slice beside every activation: [Note: stage-3 peak] in analytic.py), where
+gradient slice beside every activation: [Note: stage-3 peak] in stage3_buffers.py), where
 usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
@@ -76,8 +76,8 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
     kernel as on GPUs. Backward's peak adds the recompute working set: one checkpointed
     region re-run whole (one block for full / every-k, ceil(sqrt(L)) blocks for sqrt), or
     one block's attention scores for selective. At the end of the blocks' backward (block
-    ``prefetch`` running, see [Note: stage-3 peak] in analytic.py) only the ``prefetch`` + 1
-    lowest blocks' saved bytes are left, beside the same working set.
+    ``prefetch`` running, see [Note: stage-3 peak] in stage3_buffers.py) only the
+    ``prefetch`` + 1 lowest blocks' saved bytes are left, beside the same working set.
     """
     from zeroshard.checkpointing import Selective, parse_policy
     from zeroshard.memory.activations import estimate_activation_bytes
@@ -150,7 +150,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     total = state.total + su.act[policy] + buffers
     if stage == 3:  # units are gathered into whole buffers even at N=1
         total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
-        buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in analytic.py
+        buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in stage3_buffers.py
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)

@@ -12,7 +12,7 @@ fits: if one block's 16-bit weights, gradients and activations (micro-batch 1) e
 device, no sharding helps -> tensor parallelism; if a row fits the device but not the
 host memory (offload), say so. Else stage 3's peak falls with N towards what no N
 shrinks, the largest moment's activations and buffers (backward's start or the root's
-reduction, [Note: stage-3 peak] in analytic.py). If that is under a device, the fewest
+reduction, [Note: stage-3 peak] in stage3_buffers.py). If that is under a device, the fewest
 devices on which a stage-3 row fits (-> more devices), found by evaluating the real
 stage-3 peak at each N (not by dividing a remainder by 16Ψ: the moment that peaks
 changes with N and holds no activation at the optimizer step), and that row's figures at
@@ -112,7 +112,7 @@ def _floor(su: Setup, x: PlanRow) -> int:
     largest moment's activations and buffers, which no N shrinks. Its shards and gradient
     slices go to 0, the late activations are fewer than their peak and the optimizer
     step's fp32 copies are 1/N, so that is backward's start (activations A beside the
-    backward window) or the root's reduction ([Note: stage-3 peak] in analytic.py)."""
+    backward window) or the root's reduction ([Note: stage-3 peak] in stage3_buffers.py)."""
     return x.activation_bytes + su.stage3.beside(x.activation_bytes)
 
 

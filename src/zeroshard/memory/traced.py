@@ -62,7 +62,7 @@ at the end of backward, after every unit's weights are freed). These are the two
 :func:`zeroshard.memory.analytic.stage3_buffer_bytes` prices; tests/test_traced.py checks
 them to the byte. What else exists at each (gradient slices, activations) is in the
 tracker's ``peak`` breakdown; the planner prices it by [Note: stage-3 peak] in
-analytic.py. The fake process group never completes a collective before it is waited
+stage3_buffers.py. The fake process group never completes a collective before it is waited
 for, so a trace sees the engine's worst case: each unit's reduce-scatter still in flight
 when the next unit's gradient buffer is allocated.
 
