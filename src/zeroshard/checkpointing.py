@@ -5,8 +5,10 @@ inside during backward, so a region's internals exist for one region at a time, 
 price of a second forward (~+33% arithmetic: training is ~3 forwards). A policy picks
 the regions: ``none``; ``full`` (every block); ``every-k`` (blocks k-1, 2k-1, ...);
 ``selective`` (each block's ``attn.core``: scores, softmax and dropout cost O(a*s^2)
-bytes but few FLOPs, Korthikanti et al. 2022, sec. 4.2); ``sqrt`` (segments of
-ceil(sqrt(n)) consecutive blocks, one input stored per segment, Chen et al. 2016, sec. 4).
+bytes but few FLOPs, Korthikanti et al. 2022, sec. 4.2); ``selective-op`` (every block,
+keeping the outputs of its matmuls and fused attention kernels: see [Note: op-level
+selective checkpointing]); ``sqrt`` (segments of ceil(sqrt(n)) consecutive blocks, one
+input stored per segment, Chen et al. 2016, sec. 4).
 
 The engine is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 preserve_rng_state=True)``: the RNG state is stashed before the forward and restored for
@@ -36,8 +38,30 @@ Inside a checkpointed region torch's own saved-tensor hooks replace outer ones, 
 region keeps alive is its tensor inputs; we report them with
 :func:`~zeroshard.memory.record_kept` (all active counters and trackers; storages are
 counted once, so torch versions that also pass the inputs through the outer hooks are
-not double counted). The CPU RNG state stashed per region (``torch.get_rng_state()``,
-5056 bytes of host memory) is not an activation and is not reported.
+not double counted); ``selective-op`` also reports the op outputs it caches. The CPU
+RNG state stashed per region (``torch.get_rng_state()``, 5056 bytes of host memory) is
+not an activation and is not reported.
+
+[Note: op-level selective checkpointing]
+With a fused attention kernel (SDPA's flash / memory-efficient paths, and the CPU's flash
+kernel when dropout is 0) no a*s^2 scores are stored, so ``selective`` (recompute the
+attention core) frees almost nothing. ``selective-op`` works one level lower, as
+torchtitan's op-level selective AC does: each block is checkpointed with
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` and a policy that
+*saves the outputs* of ``mm`` / ``addmm`` (every linear layer) and of the fused SDPA
+kernels, and *recomputes* every other op in backward: norms, GELU / SiLU, rotary
+embedding, dropout (its RNG replayed), residual adds, the math-path attention (``bmm``,
+softmax: the scores are not saved either). The FLOP-heavy ops run once; what is dropped
+is the inputs and outputs of the cheap elementwise ops. For a GPT-2 block (b, s, h, no
+dropout) the stored tensors go from 16 b*s*h elements (norm inputs and outputs, qkv,
+attention output, the MLP's 4h hidden before and after GELU, plus norm statistics and the
+kernel's log-sum-exp) to 11 (the block input, qkv 3, attention output 1, both output
+projections 1 + 1, the MLP's 4h hidden before GELU 4); ``full`` keeps 1. The MLP's output
+projection is kept although backward never needs it (the policy sees an op before it
+runs, not whether its output will be needed; the recompute stops before it, torch's early
+stop, so it never runs twice): 1 b*s*h per block that a smarter policy could drop.
+The cached outputs are held by the checkpoint, not through saved-tensor hooks, so
+:func:`~zeroshard.memory.record_kept` reports them to counters and trackers.
 """
 
 from __future__ import annotations
@@ -52,6 +76,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from zeroshard.memory.saved import record_kept
@@ -62,6 +87,7 @@ __all__ = [
     "FullCheckpoint",
     "NoCheckpoint",
     "Selective",
+    "SelectiveOps",
     "SqrtSegments",
     "apply_checkpointing",
     "checkpointed_modules",
@@ -71,7 +97,7 @@ __all__ = [
     "remove_checkpointing",
 ]
 
-SUPPORTED = "'none', 'full', 'every-<k>' (e.g. 'every-2'), 'selective', 'sqrt'"
+SUPPORTED = "'none', 'full', 'every-<k>' (e.g. 'every-2'), 'selective', 'selective-op', 'sqrt'"
 Match = str | type | Callable[[str, nn.Module], bool]
 
 
@@ -82,6 +108,10 @@ class CheckpointPolicy:
 
     def regions(self, blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
         raise NotImplementedError
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        """``torch.utils.checkpoint``'s ``context_fn`` for every region (None: plain)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -155,6 +185,73 @@ class Selective(CheckpointPolicy):
 
 
 @dataclass(frozen=True)
+class SelectiveOps(CheckpointPolicy):
+    """Checkpoint every block, keeping the outputs of its matmuls and fused attention
+    kernels; recompute the cheap ops (see [Note: op-level selective checkpointing])."""
+
+    name = "selective-op"
+
+    def regions(self, blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+        return [[b] for b in blocks]
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        return _op_level_contexts
+
+
+def _saved_ops() -> frozenset:
+    """The aten ops whose outputs ``selective-op`` keeps: the matmuls of linear layers and
+    the fused SDPA kernels (those this torch build has)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    fused = [getattr(aten, n).default for n in names if hasattr(aten, n)]
+    return frozenset([aten.mm.default, aten.addmm.default, *fused])
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy as Sac
+
+    return Sac.MUST_SAVE if op in _SAVED_OPS else Sac.PREFER_RECOMPUTE
+
+
+class _ReportCached(TorchDispatchMode):
+    """Entered after SAC's caching mode, so it sees each op first: reports the outputs the
+    cache keeps to active counters and trackers (they bypass saved-tensor hooks)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVED_OPS:
+            record_kept([t for t in (out if isinstance(out, tuple) else (out,))
+                         if isinstance(t, torch.Tensor)])
+        return out
+
+
+class _Both:
+    def __init__(self, first: Any, second: Any) -> None:
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.__enter__()
+        self._second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._second.__exit__(*exc)
+        finally:
+            self._first.__exit__(*exc)
+
+
+def _op_level_contexts() -> tuple[Any, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    return _Both(forward, _ReportCached()), recompute
+
+
+_SAVED_OPS = _saved_ops()
+
+
+@dataclass(frozen=True)
 class SqrtSegments(CheckpointPolicy):
     """Segments of ``segment_size`` blocks (default ceil(sqrt(n))), each one region."""
 
@@ -187,6 +284,7 @@ def parse_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
         "none": NoCheckpoint,
         "full": FullCheckpoint,
         "selective": Selective,
+        "selective-op": SelectiveOps,
         "sqrt": SqrtSegments,
     }
     if policy in simple:
@@ -220,6 +318,7 @@ class _Region:
     checkpoint: bool = True
     offload: bool = False
     pin_memory: bool = True
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
     # Leader's output and call, awaited by follower ``next_index`` (see [Note: sqrt segments]).
     pending: tuple[weakref.ref[torch.Tensor], int, tuple, dict] | None = field(default=None)
 
@@ -240,7 +339,8 @@ class _CheckpointedMixin(nn.Module):
                 )
                 return args[0]
             return _run(
-                _Region([self], region.checkpoint, region.offload, region.pin_memory), args, kwargs
+                _Region([self], region.checkpoint, region.offload, region.pin_memory,
+                        context_fn=region.context_fn), args, kwargs
             )
         return _run(region, args, kwargs)
 
@@ -278,7 +378,9 @@ def _run(region: _Region, args: tuple, kwargs: dict) -> Any:
         else:
             if not region.offload:  # offloaded inputs are reported by the offload hook
                 record_kept(_tensors(args, kwargs))
-            out = checkpoint(chain, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            extra = {} if region.context_fn is None else {"context_fn": region.context_fn}
+            out = checkpoint(chain, *args, use_reentrant=False, preserve_rng_state=True,
+                             **extra, **kwargs)
     if len(mods) > 1 and isinstance(out, torch.Tensor):
         region.pending = (weakref.ref(out), 1, args[1:], kwargs)
     return out
@@ -331,7 +433,8 @@ def apply_checkpointing(
     """Apply ``policy`` to ``model``'s blocks in place and return ``model``.
 
     Args:
-        policy: a name (``'none'``, ``'full'``, ``'every-2'``, ``'selective'``, ``'sqrt'``)
+        policy: a name (``'none'``, ``'full'``, ``'every-2'``, ``'selective'``,
+            ``'selective-op'``, ``'sqrt'``)
             or a :class:`CheckpointPolicy`. Replaces any policy applied before.
         blocks: the repeated blocks; default :func:`find_blocks`.
         offload_activations: run each block under :func:`offload_to_host`, so what it
@@ -344,7 +447,8 @@ def apply_checkpointing(
     regions = pol.regions(blocks)  # raises before anything is modified
     for mods in regions:
         on_blocks = mods[0] in blocks
-        region = _Region(mods, offload=offload_activations and on_blocks, pin_memory=pin_memory)
+        region = _Region(mods, offload=offload_activations and on_blocks, pin_memory=pin_memory,
+                         context_fn=pol.context_fn())
         for m in mods:
             _wrap(m, region)
     if offload_activations:

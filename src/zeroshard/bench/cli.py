@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="local ranks to start (default: one per GPU, else 2)")
     a("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
     a("--seq", type=int, default=128, help="sequence length (default 128)")
-    a("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
-    a("--warmup", type=int, default=2, help="warm-up steps per configuration (default 2)")
+    a("--steps", type=int, default=4, help="timed steps per configuration (default 4)")
+    a("--warmup", type=int, default=1, help="warm-up steps per configuration (default 1)")
     a("--configs", default=",".join(DEFAULT_CONFIGS),
       help="comma-separated configuration names (see --list-configs)")
     a("--list-configs", action="store_true", help="list configuration names and exit")
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.bench.render import format_table, plot
     from zeroshard.bench.report import build_result, write_json
 
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     try:
         meta = launch(settings, progress=not args.quiet)
     except Exception as exc:  # a rank died outside any configuration (crash, signal)
@@ -203,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if meta is None:  # a torchrun rank other than 0
         return 0
-    result = build_result(settings, meta, _command(settings), time.perf_counter() - start)
+    result = build_result(settings, meta, _command(settings), time.perf_counter() - start,
+                          started)
     if args.plot is not None:
         plot(result, args.plot)
         result["plot"] = str(args.plot)

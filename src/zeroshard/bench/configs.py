@@ -42,13 +42,13 @@ SYSTEMS: dict[str, tuple[str, int, str]] = {
 #: Test-only (not listed): a DDP run whose step raises on rank 1.
 HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1")}
 _RESHARDABLE = ("fsdp2", "zs-s3")
-POLICIES = ("none", "full", "selective", "sqrt")  # plus every-<k>
+POLICIES = ("none", "full", "selective", "selective-op", "sqrt")  # plus every-<k>
 HF_FACTORY = "zeroshard.hf:bench_model"
 """The factory ``--hf-config`` uses (an HF model: checkpointed with zeroshard.hf's policies)."""
 
 DEFAULT_CONFIGS = (
     "ddp", "zero-redundancy", "fsdp2", "fsdp2-noreshard",
-    "zs-s0", "zs-s1", "zs-s2", "zs-s2-full", "zs-s3", "zs-s3-full", "zs-s3-selective",
+    "zs-s0", "zs-s1", "zs-s2", "zs-s2-full", "zs-s3", "zs-s3-full", "zs-s3-selective-op",
     "ds-z1", "ds-z2", "ds-z3",
 )
 
@@ -114,7 +114,8 @@ def describe_configs() -> str:
         "  -noreshard       fsdp2 / zs-s3: keep gathered weights from forward to backward",
         "                   (2 Psi traffic instead of 3 Psi; fsdp2-noreshard is reported as",
         "                   stage 2, '2-like')",
-        "  -full, -selective, -sqrt, -every-<k>   activation checkpointing (default none)",
+        "  -full, -selective, -selective-op, -sqrt, -every-<k>   activation checkpointing",
+        "                   (default none; docs/activation-checkpointing.md)",
         "", "default: " + ",".join(DEFAULT_CONFIGS),
         "(deepspeed configurations are skipped with a note when deepspeed is not installed)",
     ]
@@ -155,9 +156,9 @@ class BenchSettings:
     micro_batch: int = 2
     """Sequences per rank per step (global batch = micro_batch x world_size)."""
     seq: int = 128
-    steps: int = 6
-    """Measured (timed) steps per configuration."""
-    warmup: int = 2
+    steps: int = 4
+    """Timed steps per configuration (the memory is measured in one more step after them)."""
+    warmup: int = 1
     configs: tuple[ConfigSpec, ...] = field(
         default_factory=lambda: tuple(parse_config(n) for n in DEFAULT_CONFIGS))
     baseline: str = "ddp"

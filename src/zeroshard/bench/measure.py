@@ -1,16 +1,21 @@
-"""Instruments for one step: a collective byte counter, an RSS sampler, and timing.
+"""Instruments for one step: a collective byte counter, the peak RSS, and timing.
 
 [Note: timed steps and measured steps are different steps]
 The memory tracker is a ``TorchDispatchMode``: every op goes through Python, which slows
-a step several times. So a configuration is never timed with it on. After warm-up each
-configuration runs one *measured* step with the tracker (and, for systems without a
-ledger, the collective counter) active; its throughput comes only from the plain timed
-steps that follow. Both kinds are real training steps on the shared data, so every
-configuration still takes the same number of optimizer steps on the same batches.
+a step several times. So a configuration is never timed with it on. After its warm-up and
+timed steps each configuration runs one *measured* step with the tracker (and, for
+systems without a ledger, the collective counter) active; its throughput comes only from
+the plain timed steps before. Both kinds are real training steps on the shared data, so
+every configuration takes the same number of optimizer steps on the same batches. The
+measured step must not be one of the first two: DDP rebuilds its gradient buckets in its
+second step, and zeroshard's stage 2 allocates its gradient stash then, so a second step
+measures more (or other) bytes than every later one. With the defaults (one warm-up step,
+four timed) it is the sixth.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -24,7 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.memory.tracker import MemoryTracker
 
-__all__ = ["CommCounter", "RssSampler", "StepMemory", "measured_step", "sync", "timed_step"]
+__all__ = ["CommCounter", "RssSampler", "StepMemory", "measured_step", "release_memory", "rss",
+           "sync", "timed_step"]
 
 
 def _nbytes(tree: Any) -> int:
@@ -72,7 +78,8 @@ class CommCounter(TorchDispatchMode):
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
 
-def _rss() -> int:
+def rss() -> int:
+    """This process's resident set size now, in bytes (0 where /proc is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -80,33 +87,75 @@ def _rss() -> int:
         return 0
 
 
-class RssSampler:
-    """Highest resident set size seen (every ``interval_s``) while the block runs.
+def _reset_high_water_mark() -> bool:
+    """Linux >= 4.0: writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
-    RSS is the whole process: the torch runtime and, in interleaved runs, every
-    configuration built so far. It is shown beside the tracker's per-category bytes,
-    not instead of them.
+
+def _high_water_mark() -> int:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``).
+
+    glibc keeps freed memory in its arenas: chunks under the mmap threshold (which grows
+    up to 32 MiB as large blocks are freed) stay resident after ``free``. Without a trim,
+    a configuration that has been dropped still counts in the process's RSS until some
+    other allocation happens to reuse its pages. Never called between timed steps (the
+    pages would have to be faulted in again)."""
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        pass
+
+
+class RssSampler:
+    """Highest resident set size of the process while the block runs.
+
+    Exact where the kernel lets a process reset its RSS high-water mark (Linux): VmHWM is
+    reset on entry and read on exit, at no cost to the step. Elsewhere a thread samples
+    the RSS every ``interval_s`` (it can miss a short peak, and competes with the step
+    for the interpreter lock).
     """
 
     def __init__(self, interval_s: float = 0.002) -> None:
-        self.interval_s, self.peak = interval_s, 0
+        self.interval_s, self.peak, self.exact = interval_s, 0, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss())
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RssSampler:
-        self.peak = _rss()
-        self._thread.start()
+        self.peak = rss()
+        self.exact = _reset_high_water_mark()
+        if not self.exact:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
+        if self.exact:
+            try:
+                self.peak = max(self.peak, _high_water_mark())
+            except (OSError, StopIteration, ValueError):
+                self.exact = False
+        else:
+            self._stop.set()
+            self._thread.join()
+        self.peak = max(self.peak, rss())
 
 
 def sync(device: torch.device) -> None:

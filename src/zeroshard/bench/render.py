@@ -25,7 +25,7 @@ def _ckpt(r: dict[str, Any]) -> str:
 def format_table(result: dict[str, Any]) -> str:
     s, rows = result["settings"], result["rows"]
     base = s["baseline"]
-    head = (f"{'config':<18} {'st':>2} {'ckpt':<9} {'tokens/s':>8} {'[min-max]':>13} "
+    head = (f"{'config':<18} {'st':>2} {'ckpt':<12} {'tokens/s':>8} {'[min-max]':>13} "
             f"{'x' + base:>6} {'step s':>6} {'params':>6} {'grads':>6} {'optim':>6} "
             f"{'act':>5} {'other':>5} {'peak':>6} {'x' + base:>6} {'state':>6} {'plan':>6} "
             f"{'rss':>6} {'comm/st':>7} {'loss':>7} {'dloss':>6}")
@@ -33,13 +33,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"model {s['model']} ({s['params'] / 1e6:.1f}M params), world {s['world_size']} x "
         f"micro-batch {s['micro_batch']} x seq {s['seq']} = {s['tokens_per_step']:,} tokens/step, "
         f"{s['mixed_precision'] or 'fp32'}, {s['backend']} on {s['device']}, "
-        f"{s['warmup']} warm-up + 1 measured + {s['steps']} timed steps per configuration, "
+        f"{s['warmup']} warm-up + {s['steps']} timed + 1 measured step per configuration, "
         f"{'interleaved' if s['interleaved'] else 'sequential'}",
         "", head, "-" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             why = textwrap.shorten(r["error"] or "", width=len(head) - 40, placeholder="...")
-            lines.append(f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<9} "
+            lines.append(f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<12} "
                          f"{r['status'].upper()}: {why}")
             continue
         pk = r["peak_bytes"]
@@ -49,7 +49,7 @@ def format_table(result: dict[str, Any]) -> str:
         dloss = "-" if r["loss_rel_dev"] is None else f"{100 * r['loss_rel_dev']:.2f}%"
         span = f"[{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
         lines.append(
-            f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<9} {r['tokens_per_s']:>8,.0f} "
+            f"{r['name']:<18} {r['stage']:>2} {_ckpt(r):<12} {r['tokens_per_s']:>8,.0f} "
             f"{span:>13} {ratio:>6} {r['step_s_median']:>6.2f} "
             f"{_mib(pk['params']):>6} {_mib(pk['grads']):>6} {_mib(pk['optim']):>6} "
             f"{_mib(pk['activations']):>5} {_mib(pk['comm'] + pk['other']):>5} "
@@ -62,8 +62,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"baseline. Memory in MiB per rank, measured by the category tracker in a separate "
         "step (the rank with the highest peak): params/grads/optim/act/other(+comm) at the "
         "moment of peak; state = params+grads+optim measured, plan = the planner's ZeRO "
-        "model-state prediction; rss = peak resident set of the whole process during that "
-        f"step{' (every configuration is resident: interleaved)' if s['interleaved'] else ''}. "
+        "model-state prediction; rss = peak resident set of a process running only that "
+        "configuration (the rank's RSS before any configuration + the step's peak RSS - the "
+        "RSS once the configuration is dropped). "
         "comm/st = logical collective MiB per step "
         f"(2 Psi all-reduce, 3 Psi stage 3). dloss: relative deviation of the final loss "
         f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%.",

@@ -24,8 +24,10 @@ ROW_KEYS = (
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
     "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
-    "memory_timeline",
+    "memory_timeline", "time_s",
 )
+PHASES = ("build", "warmup", "measured", "timed")
+"""Where a configuration's wall time goes (row ``time_s``)."""
 
 #: Dense 16-bit peak FLOP/s per device, for MFU (vendor datasheets, no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -69,6 +71,7 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
                reshard_after_forward=spec.reshard_after_forward,
                activation_checkpointing=spec.activation_checkpointing, world_size=world,
                status=raw["status"], error=raw["error"] or None, note=raw["note"] or None,
+               time_s={k: round(raw.get("time_s", {}).get(k, 0.0), 3) for k in PHASES},
                predicted_model_state_bytes=predicted_state(psi, spec.stage, world,
                                                            s.mixed_precision, spec.system))
     if raw["status"] != "ok":
@@ -128,9 +131,22 @@ def choose(rows: list[dict[str, Any]], budget: int | None) -> dict[str, Any] | N
     return {"budget_bytes": budget, "choice": best["name"], "reason": why}
 
 
+def _time_split(meta: dict[str, Any], rows: list[dict[str, Any]], wall_s: float,
+                started: float | None) -> dict[str, float]:
+    """Where the run's wall time went: starting the ranks (processes, imports, rendezvous),
+    their set-up (data, probe model), each phase summed over configurations, the rest."""
+    out = {"start_ranks": (meta["entered"] - started) if started and "entered" in meta else 0.0,
+           "setup": meta.get("setup_s", 0.0)}
+    for k in PHASES:
+        out[k] = sum(r["time_s"][k] for r in rows)
+    out["other"] = wall_s - sum(out.values())
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def build_result(s: BenchSettings, meta: dict[str, Any], command: str,
-                 wall_s: float) -> dict[str, Any]:
-    """Rows with statistics, ratios vs the baseline, loss check and the budget choice."""
+                 wall_s: float, started: float | None = None) -> dict[str, Any]:
+    """Rows with statistics, ratios vs the baseline, loss check and the budget choice.
+    ``started``: the launcher's ``time.time()`` before starting the ranks."""
     rows = [_row(r, s, meta) for r in meta["rows"]]
     base = next(r for r in rows if r["name"] == s.baseline)
     notes = []
@@ -157,7 +173,7 @@ def build_result(s: BenchSettings, meta: dict[str, Any], command: str,
         "threads_per_rank": meta["threads_per_rank"], "interleaved": meta["interleaved"],
     }
     return {"schema": "zeroshard.bench/1", "command": command, "wall_s": wall_s,
-            "settings": settings, "rows": rows, "budget": budget, "notes": notes}
+            "time_s": _time_split(meta, rows, wall_s, started), "settings": settings, "rows": rows, "budget": budget, "notes": notes}
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:

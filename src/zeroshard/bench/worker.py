@@ -4,12 +4,30 @@
 On a noisy machine (two cores shared by two ranks, a laptop, a shared node) the speed of
 the machine drifts over a run. Timing configuration A for a minute and then B for a
 minute folds that drift into the A/B ratio. So every configuration is built once and they
-take turns: warm-up rounds (one step each, in order A B C ...), one measured step each
-(see [Note: timed steps and measured steps are different steps] in measure.py), then
-``steps`` timed rounds A B C, A B C, ... Drift then hits all of them alike. If all models
-would not fit in memory at once (estimate: model state of every configuration within
-half of the host's available memory per rank, or of the free device memory), each
-configuration runs alone, one after the other, and the report says so.
+take turns: warm-up rounds (one step each, in order A B C ...), then ``steps`` timed
+rounds A B C, A B C, ... Drift then hits all of them alike. Last, one configuration after
+the other runs its measured step (see [Note: timed steps and measured steps are
+different steps] in measure.py) and is dropped (see [Note: the rss of one
+configuration]). If all models would not fit in memory at once (estimate: model state of
+every configuration within half of the host's available memory per rank, or of the free
+device memory), each configuration runs alone, one after the other, and the report says
+so.
+
+[Note: the rss of one configuration]
+The process's resident set is shared: the torch runtime, every configuration still alive
+(all of them while interleaving), and heap pages glibc kept after earlier configurations
+freed them. Read in the measured step, the RSS grew row after row (gpt2-124m, world 2,
+one configuration at a time: ddp 2,784 MiB ... zs-s3 6,060, DeepSpeed's rows up to
+10,311), because freed memory stayed in malloc's arenas. A row's ``rss`` is therefore
+computed as what a process running only that configuration would hold at the peak of its
+step: ``base + (peak - after)``, where ``base`` is the rank's RSS before any
+configuration is built, ``peak`` the high-water mark of the measured step, and ``after``
+the RSS once the configuration is dropped (every reference gone, ``malloc_trim``:
+:func:`~zeroshard.bench.measure.release_memory`). Whatever else is resident at the peak
+(other configurations, kept pages) is resident after it too and cancels; pages the step
+reused from earlier garbage are handed back by the trim and count for the configuration,
+as they would in a process of its own. Not counted: runtime state created lazily by
+whichever configuration ran first (thread pools, kernel caches), a few MiB.
 
 [Note: failing configurations]
 A configuration may raise on one rank only (out of memory, a bug, data-dependent control
@@ -29,6 +47,7 @@ import importlib
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -38,8 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.bench.configs import HF_FACTORY, BenchSettings, ConfigSpec
-from zeroshard.bench.measure import StepMemory, measured_step, timed_step
-from zeroshard.bench.runners import Runner, SkipConfig, build_runner
+from zeroshard.bench.measure import StepMemory, measured_step, release_memory, rss, timed_step
+from zeroshard.bench.runners import Runner, SkipConfig, build_runner, deepspeed_missing
 from zeroshard.data import SyntheticLanguage, TokenLoader
 
 __all__ = ["rank_main", "make_model"]
@@ -74,6 +93,11 @@ class _Config:
     comm: list[int] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, Any] = field(default_factory=dict)
+    time_s: dict[str, float] = field(default_factory=dict)
+    """Wall seconds this configuration spent building, warming up, measured, timed."""
+
+    def clock(self, phase: str, secs: float) -> None:
+        self.time_s[phase] = self.time_s.get(phase, 0.0) + secs
 
 
 class _Progress:
@@ -133,6 +157,9 @@ def _describe(exc: BaseException) -> str:
 def _build(c: _Config, s: BenchSettings, device: torch.device, ctrl: dist.ProcessGroup) -> None:
     from zeroshard.checkpointing import apply_checkpointing
 
+    if c.spec.system == "deepspeed" and (why := deepspeed_missing()) is not None:
+        _fail(c, "skipped", why)  # the same on every rank: no model, no group, no exchange
+        return
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=s.timeout_s))
     skip, err = False, ""
@@ -159,13 +186,17 @@ def _build(c: _Config, s: BenchSettings, device: torch.device, ctrl: dist.Proces
 
 
 def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
-          ctrl: dist.ProcessGroup) -> None:
+          ctrl: dist.ProcessGroup, base_rss: int = 0) -> None:
+    """One step of ``kind`` (warmup, timed, measured) on every rank. A measured step is a
+    configuration's last: it is dropped afterwards (see [Note: the rss of one
+    configuration])."""
     assert c.runner is not None
     x, y = batches[k]
     err, secs, loss, mem = "", 0.0, float("nan"), None
     try:
         if kind == "measured":
             ledger = c.runner.ledger
+            release_memory()
             mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
                                 count_comm=ledger is None)
             loss = mem.loss
@@ -186,6 +217,10 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
         if ledger is not None:
             c.comm.append(ledger.totals(ledger.last_step())["logical_bytes"])
     elif kind == "measured":
+        assert mem is not None
+        c.runner = None
+        release_memory()
+        mem.rss_bytes = base_rss + max(0, mem.rss_bytes - rss())
         _merge_memory(c, mem, ctrl)
 
 
@@ -228,6 +263,7 @@ def _fits_together(s: BenchSettings, psi: int, device: torch.device, world: int)
 
 def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
     """The per-rank entry point (elastic_launch or torchrun). Rank 0 returns the results."""
+    entered = time.time()  # wall clock: the launcher compares it with its own start
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -251,6 +287,9 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
     total = s.warmup + 1 + s.steps
     batches = [tuple(t.to(device) for t in next(loader)) for _ in range(total)]
 
+    release_memory()
+    base_rss = rss()
+    setup_s = time.time() - entered
     together = _fits_together(s, psi, device, world)
     configs = [_Config(spec) for spec in s.configs]
     waves = [configs] if together else [[c] for c in configs]
@@ -258,17 +297,23 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
     for wave in waves:
         for c in wave:
             bar.update(f"build {c.spec.name}")
+            t = time.perf_counter()
             _build(c, s, device, ctrl)
-        plan = [("warmup", w) for w in range(s.warmup)] + [("measured", s.warmup)]
-        plan += [("timed", s.warmup + 1 + r) for r in range(s.steps)]
-        for kind, k in plan:
-            for c in wave:
+            c.clock("build", time.perf_counter() - t)
+        plan = [("warmup", w) for w in range(s.warmup)]
+        plan += [("timed", s.warmup + r) for r in range(s.steps)]
+        rounds = [(kind, k, wave) for kind, k in plan]
+        rounds += [("measured", total - 1, [c]) for c in wave]  # one at a time, then dropped
+        for kind, k, turn in rounds:
+            for c in turn:
                 bar.update(f"{kind} {c.spec.name} (step {k + 1}/{total})")
                 if c.runner is not None:
-                    _step(c, kind, k, batches, device, ctrl)
+                    t = time.perf_counter()
+                    _step(c, kind, k, batches, device, ctrl, base_rss)
+                    c.clock(kind, time.perf_counter() - t)
         for c in wave:
             c.runner = None
-        gc.collect()
+        release_memory()
     bar.close()
     dist.barrier(group=ctrl)
     if own:
@@ -279,8 +324,10 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         "psi": psi, "vocab": vocab, "world_size": world, "interleaved": together,
         "backend": "nccl" if device.type == "cuda" else "gloo", "device": _device_name(device),
         "threads_per_rank": torch.get_num_threads(),
+        "entered": entered, "setup_s": setup_s, "ranks_s": time.time() - entered,
         "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
-                  "step_s": c.step_s, "comm": c.comm, "loss": c.loss, "memory": c.memory}
+                  "step_s": c.step_s, "comm": c.comm, "loss": c.loss, "memory": c.memory,
+                  "time_s": c.time_s}
                  for c in configs],
     }
 
