@@ -125,6 +125,28 @@ def test_saved_bytes_order_and_full_is_exactly_block_inputs(measured) -> None:
 @pytest.mark.parametrize(
     "preset,dropout", [("gpt2-tiny", 0.1), ("gpt2-tiny", 0.0), ("llama-tiny", 0.0)]
 )
+def test_selective_op_keeps_the_matmul_outputs_only(measured, preset: str, dropout: float) -> None:
+    """[Note: op-level selective checkpointing]: bitwise the same gradients as none; saved
+    bytes between full and none, and on GPT-2 exactly the block input plus the outputs of
+    the four linear layers (qkv 3, attention out 1, fc 4, MLP out 1: b*s*h units), plus,
+    with the fused kernel (no dropout), its output (1) and log-sum-exp (b*a*s fp32)."""
+    cfg = _config(preset, dropout)
+    got, grads, loss = _step(cfg, "selective-op")
+    ref_bytes, ref, ref_loss = measured[(preset, dropout, "none")]
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[n], g) for n, g in ref.items())
+    assert measured[(preset, dropout, "full")][0] < got < ref_bytes
+    if preset.startswith("gpt2"):
+        L, h, a, d = cfg.n_layers, cfg.hidden, cfg.n_heads, 4
+        per_block = (1 + 3 + 1 + 4 + 1) * B * S * h * d
+        if dropout == 0:
+            per_block += B * S * h * d + B * a * S * 4
+        assert got == L * per_block + 265_732  # + outside, as for full
+
+
+@pytest.mark.parametrize(
+    "preset,dropout", [("gpt2-tiny", 0.1), ("gpt2-tiny", 0.0), ("llama-tiny", 0.0)]
+)
 def test_estimate_matches_measurement_exactly(measured, preset: str, dropout: float) -> None:
     cfg = _config(preset, dropout)
     # The CPU runs SDPA's fused kernel only without dropout, and its dropout keeps a

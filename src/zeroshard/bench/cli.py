@@ -74,6 +74,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     label = None
     if getattr(args, "hf_config", None) is not None:
         factory, vocab, label = _hf_model(args.hf_config, vocab)
+        if configs == ",".join(DEFAULT_CONFIGS):  # zeroshard.hf's selective is op-level already
+            configs = configs.replace("zs-s3-selective-op", "zs-s3-selective")
     model = args.model if factory is None else None
     if factory is None:
         from zeroshard.models import get_preset
