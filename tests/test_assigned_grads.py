@@ -1,7 +1,7 @@
 """Gradients the user assigns, and requires_grad flipped after sharding.
 
 ``p.grad = None`` makes torch's optimizers skip ``p``; ``p.grad = p.grad * 0.5`` steps the
-new tensor (see [Note: assigned gradients] in engine.py). zeroshard once stepped its own
+new tensor (see [Note: assigned gradients] in step_grads.py). zeroshard once stepped its own
 reduced gradient in both cases, at every stage (silently). Freezing a parameter after
 ``shard()`` is honoured where the modules compute with the parameters the user holds
 (fp32 stages 0-2) and refused elsewhere (it trained on at stage 3); unfreezing one that

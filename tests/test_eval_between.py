@@ -9,7 +9,7 @@ reaches its first parameter (engine._drop_published). With gradients enabled and
 backward after it, stage 3 (and mixed precision at stages 0-2) left the modules holding
 the compute parameters (no gradients: the same zero norm) and stage 3 kept the root
 unit's weights gathered through the step, so the next forward computed with the old
-weights ([Note: between forward and backward] in engine.py). Checked at world 2, every
+weights ([Note: between forward and backward] in forward.py). Checked at world 2, every
 stage, fp32 and bf16: runs with an evaluation under ``no_grad`` or with gradients equal
 the run without one exactly, and fp32 runs equal one process's.
 """

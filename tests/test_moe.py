@@ -1,6 +1,6 @@
 """Rank-dependent parameter use (mixture of experts, one-rank branches): DDP's answer at
 every stage, never an abort (issue #27; [Note: collective order in backward] in
-engine/engine.py).
+engine/backward.py).
 
 The model (tests/_moe.py) routes tokens by id, so per step expert 2 is busy on rank 0 and
 empty elsewhere, expert 3 is empty everywhere and the ``aux`` head runs on rank 0 only.

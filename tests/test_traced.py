@@ -19,7 +19,7 @@ Four checks, each against something independent of the trace:
   ``test_user_meta_model_with_its_own_loss_and_padding`` checks both terms to the byte
   at N = 7. Buffers that are not parameters (Llama's RoPE tables) are filed
   under ``other``, as on a real run, and are model state on neither side.
-* **Stage 3's buffers** (analytic.py [Note: stage-3 buffers]: the root gathered all step,
+* **Stage 3's buffers** (stage3_buffers.py [Note: stage-3 buffers]: the root gathered all step,
   the head's gradients all backward, (k+1) blocks' weights and two blocks' gradients, the
   root's reduction) vs what the trace sees the engine hold beyond its shards, to the
   byte: small tied and untied Llamas, GPT-2, prefetch 0-2, fp32, and Llama-3-8B's shape
@@ -134,7 +134,7 @@ def _stage3_analytic(config, prefetch: int = 1, recipe: str = "bf16-adamw"):
          "tied", "gpt2"])
 def test_stage3_buffers_match_analytic(config, n: int, prefetch: int, precision,
                                        root_sets_it: bool) -> None:
-    """[Note: stage-3 buffers] in analytic.py, to the byte: the engine's most beyond its
+    """[Note: stage-3 buffers] in stage3_buffers.py, to the byte: the engine's most beyond its
     shards while the blocks run (root whole, head gradients, (k+1) blocks' weights, two
     blocks' gradients) and at the root's reduction (its gradients twice, its weights
     freed), which sets the most where the embedding outweighs the blocks' share (three
@@ -155,7 +155,7 @@ def test_llama_8b_untied_stage3_peak_matches_traced() -> None:
     holds 4.90 GB while the blocks run backward and 4.64 GB at the root's reduction (its
     weights freed first); a trace at llama-3-8B's shape counts both to the byte (~20 s on
     2 cores). With full checkpointing at seq 2048 the step's peak is at the end of the
-    blocks' backward (analytic.py [Note: stage-3 peak]): 29 gradient slices complete and
+    blocks' backward (stage3_buffers.py [Note: stage-3 peak]): 29 gradient slices complete and
     block 2's in flight, two blocks' inputs and block 1's recompute, 20.91 GB traced. The
     plan prices that moment at 21.02 GB (+0.5%); counting every slice beside every
     activation gave 22.48 GB (+7.5%), and the old term 15% over."""
