@@ -15,6 +15,15 @@ compiles it (each block in place, or the whole model) with inductor, ``@block:ao
 with another backend. Prints the median step time
 of each, and each one's speed relative to the first (ratio of medians, and the median of
 per-step ratios).
+
+``old:SPEC`` builds SPEC with an older zeroshard vendored as the package ``zeroshard_old``
+(to compare an engine before and after a change in the same processes): check the old
+commit out (``git worktree add /tmp/wt_before REV``), copy its ``src/zeroshard`` to
+``/tmp/oldpkg/zeroshard_old``, rename ``zeroshard`` to ``zeroshard_old`` in its import
+lines (sed over its files) and run with ``PYTHONPATH=/tmp/oldpkg``. Each SPEC that also
+ran as ``old:SPEC`` is then compared with it: wall-clock and CPU-time
+(``time.process_time``, this rank's threads) per-step ratios; on a loaded machine the CPU
+time is the steadier of the two.
 """
 
 from __future__ import annotations
@@ -56,12 +65,16 @@ def _build(spec: str, cfg, rank: int):
 
 
 def _build_eager(spec: str, cfg, rank: int):
+    import importlib
+
     import torch.distributed as dist
 
-    import zeroshard
-    from zeroshard.models import build_model
+    old = spec.startswith("old:")
+    spec = spec.removeprefix("old:")
+    zeroshard = importlib.import_module("zeroshard_old" if old else "zeroshard")
+    build_model = importlib.import_module(zeroshard.__name__ + ".models").build_model
 
-    model = build_model(cfg, seed=0)
+    model = build_model(cfg, seed=0)  # a preset name: either package builds it
     if spec in ("ddp", "zro"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -97,20 +110,24 @@ def _rank(rank: int, world: int, specs: list[str], model: str, seq: int, steps: 
     from zeroshard.models import get_preset
 
     cfg = get_preset(model)
-    runs = [(s, *_build(s, cfg, rank)) for s in specs]
+    runs = [(s, *_build(s, model, rank)) for s in specs]
     data = TokenLoader(SyntheticLanguage(cfg.vocab, seq, seed=0), global_batch=2 * world,
                        rank=rank, world_size=world)
     times: dict[str, list[float]] = {s: [] for s in specs}
+    cpu: dict[str, list[float]] = {s: [] for s in specs}  # this rank's CPU seconds
     for i in range(steps + 2):
         x, y = next(data)
         order = runs if i % 2 == 0 else runs[::-1]
         for name, m, opt in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
             opt.step()
             opt.zero_grad()
             times[name].append(time.perf_counter() - t0)
-    return {k: v[2:] for k, v in times.items()}  # drop the warm-up steps
+            cpu[name].append(time.process_time() - c0)
+    out = {k: v[2:] for k, v in times.items()}  # drop the warm-up steps
+    out.update({"cpu:" + k: v[2:] for k, v in cpu.items()})
+    return out
 
 
 def main() -> None:
@@ -133,6 +150,14 @@ def main() -> None:
         pairs = statistics.median(x / y for x, y in zip(t[s], t[base]))
         print(f"  {s:<28} {med * 1e3:8.1f} ms   step time / {base}: {ratio:.3f} "
               f"(median of per-step ratios {pairs:.3f})")
+    for s in a.specs:  # each configuration against its old engine, if both ran
+        old = "old:" + s
+        if old in t:
+            pairs = statistics.median(x / y for x, y in zip(t[s], t[old]))
+            cpus = statistics.median(x / y for x, y in zip(t["cpu:" + s], t["cpu:" + old]))
+            print(f"  {s} / {old}: ratio of medians "
+                  f"{statistics.median(t[s]) / statistics.median(t[old]):.3f}, "
+                  f"median of per-step ratios {pairs:.3f} (wall), {cpus:.3f} (CPU time)")
 
 
 if __name__ == "__main__":
