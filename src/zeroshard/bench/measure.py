@@ -10,7 +10,7 @@ every configuration takes the same number of optimizer steps on the same batches
 measured step must not be one of the first two: DDP rebuilds its gradient buckets in its
 second step, and zeroshard's stage 2 allocates its gradient stash then, so a second step
 measures more (or other) bytes than every later one. With the defaults (one warm-up step,
-four timed) it is the sixth.
+three timed) it is the fifth.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _high_water_mark() -> int:
     return kib * 1024
 
 
-def release_memory() -> None:
+def release_memory(*, collect: bool = True) -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``).
 
     glibc keeps freed memory in its arenas: chunks under the mmap threshold (which grows
@@ -113,7 +113,8 @@ def release_memory() -> None:
     pages would have to be faulted in again)."""
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim

@@ -196,7 +196,7 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     try:
         if kind == "measured":
             ledger = c.runner.ledger
-            release_memory()
+            release_memory(collect=False)  # trim only: nothing of this configuration is garbage
             mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
                                 count_comm=ledger is None)
             loss = mem.loss
