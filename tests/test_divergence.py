@@ -7,10 +7,12 @@ Every test here finishes in bounded time on its own: the engine's ``timeout`` an
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from _training import loader, loss_of, make_model, rel_diffs
 
 import zeroshard
@@ -237,8 +239,6 @@ TIMEOUT = 60.0
 def _state_dict_alone(rank: int, world: int, others: str) -> dict:
     """Rank 0 takes a stage-3 state dict alone; the other ranks exit, wait in a barrier
     of their own, or run a forward."""
-    import torch.distributed as dist
-
     from zeroshard.comm import CollectiveError
 
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
@@ -296,3 +296,22 @@ def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(others: 
             assert "test_divergence.py" in msg, msg
         else:
             assert msg.startswith("CollectiveMismatch") and "state_dict" in msg, msg
+
+
+def _check_group_after_reinit(rank: int, world: int, root: str) -> bool:
+    from zeroshard.comm_check import _check_group
+
+    first = _check_group(list(range(world)), True)
+    dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(root, "again"), world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    second = _check_group(list(range(world)), True)
+    return second is not first and dist.get_process_group_ranks(second) == list(range(world))
+
+
+def test_a_new_default_group_gets_new_check_groups(tmp_path) -> None:
+    """A script that destroys its group and makes a new one: zeroshard's collective checks
+    run on a check group of the new one. They reused the destroyed group's (its size is
+    still readable), where a check left pending by a timeout paired with the new run's
+    first check: 'ranks diverged at step 0' on a correct program."""
+    assert run_ranks(_check_group_after_reinit, 2, str(tmp_path), timeout=60) == [True, True]

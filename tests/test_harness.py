@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm
-from zeroshard.testing import RankError, RankTimeout, SweepError, run_ranks, sweep
+from zeroshard.testing import (
+    RankError,
+    RankTimeout,
+    SweepError,
+    kept_processes,
+    run_ranks,
+    sweep,
+)
 
 
 # -- rank functions ------------------------------------------------------------------------
@@ -57,16 +64,30 @@ def _sweep_rank(rank: int, world_size: int, grid: list[dict[str, int]]) -> list[
     return sweep(_square, grid)
 
 
+def _dirty(rank: int, world_size: int) -> int:
+    torch.set_default_dtype(torch.float64)
+    os.environ["ZEROSHARD_LEAK"] = "1"
+    os.chdir("/")
+    torch.set_grad_enabled(False)
+    return os.getpid()
+
+
+def _look(rank: int, world_size: int) -> tuple:
+    return (os.getpid(), torch.get_default_dtype(), os.environ.get("ZEROSHARD_LEAK"),
+            os.getcwd(), torch.is_grad_enabled())
+
+
 # -- tests ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_results_in_rank_order(world_size: int) -> None:
     results = run_ranks(_all_reduce_rank, world_size, 2.0, timeout=60)
     expected = 2.0 * sum(range(world_size))
     assert results == [(r, expected, 1) for r in range(world_size)]
-    assert not mp.active_children()
+    assert set(mp.active_children()) <= set(kept_processes())  # nothing else left running
 
 
 def test_exception_is_reported_quickly() -> None:
+    run_ranks(_all_reduce_rank, 2, 1.0, timeout=60)  # ranks started: time the failure alone
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         run_ranks(_raise_on_rank_1, 2, timeout=60)
@@ -76,10 +97,11 @@ def test_exception_is_reported_quickly() -> None:
     assert msg.startswith("rank 1 of 2 failed: ValueError: boom from rank 1")
     assert "Traceback" in msg and "_raise_on_rank_1" in msg
     assert not isinstance(info.value, RankTimeout)
-    assert not mp.active_children()
+    assert set(mp.active_children()) <= set(kept_processes())  # nothing else left running
 
 
 def test_hang_names_the_collective_and_the_stack() -> None:
+    run_ranks(_all_reduce_rank, 3, 1.0, timeout=60)  # ranks started: time the hang alone
     start = time.monotonic()
     # 15 s: on a loaded 2-core machine creating the pair's gloo group alone took over 8 s
     with pytest.raises(RankTimeout) as info:
@@ -91,7 +113,7 @@ def test_hang_names_the_collective_and_the_stack() -> None:
     assert rank0.startswith("0 did not finish within 15.0 s; waiting in all_reduce(unit, backward")
     assert rank1.startswith("1 did not finish") and "time.sleep(600)" in rank1
     assert rank2 == "2 finished."
-    assert not mp.active_children()
+    assert set(mp.active_children()) <= set(kept_processes())  # nothing else left running
 
 
 def test_hard_exit_reports_exit_code_and_output() -> None:
@@ -119,3 +141,21 @@ def test_validation() -> None:
         run_ranks(_all_reduce_rank, 9)
     with pytest.raises(TypeError, match="module-level function"):
         run_ranks(lambda rank, world_size: rank, 1)
+
+
+def test_kept_ranks_start_every_call_as_a_fresh_process_would() -> None:
+    pids = run_ranks(_dirty, 2, timeout=60)
+    kept = run_ranks(_look, 2, timeout=60)
+    assert [k[0] for k in kept] == pids  # the same processes ...
+    fresh = run_ranks(_look, 2, timeout=60, fresh=True)
+    assert all(f[0] not in pids for f in fresh)
+    assert [k[1:] for k in kept] == [f[1:] for f in fresh]  # ... in a fresh one's state
+    assert kept[0][1:] == (torch.float32, None, os.getcwd(), True)
+
+
+def test_a_failed_call_ends_its_ranks() -> None:
+    pids = run_ranks(_dirty, 2, timeout=60)
+    with pytest.raises(RankError):
+        run_ranks(_raise_on_rank_1, 2, timeout=60)
+    after = [k[0] for k in run_ranks(_look, 2, timeout=60)]
+    assert not set(after) & set(pids)  # a peer may have been stuck: nothing is reused

@@ -133,7 +133,8 @@ def test_meta_init_llama_1b_world2_never_holds_the_model() -> None:
     first backward) plus about one unit (the largest, the root with the 128k-token
     embedding, is 1.05 GB, with its new slice 1.58 GB) — never the whole model. Measured:
     peak 4.05 GB = slices 2.47 GB + 1.58 GB. Run time ~80 s, so kept out of CI."""
-    for r in run_ranks(_meta_init, 2, timeout=900):
+    # fresh ranks: ru_maxrss is the process's peak since it started
+    for r in run_ranks(_meta_init, 2, timeout=900, fresh=True):
         # beyond the slices: the unit being initialised, whole, and its new slice
         transient = r["peak"] - r["shard_state"]
         assert 0 <= transient <= 1.5 * r["largest_unit"] + 64 * 2**20, r

@@ -151,10 +151,12 @@ def _check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
-    """False once the default group it was made under has been destroyed."""
+    """False once the default group it was made under has been destroyed: its size is
+    still readable then (it was reused after a re-init, pairing new checks with a dead
+    group's pending ones); its ranks are not."""
     try:
-        dist.get_world_size(group)
-    except (RuntimeError, ValueError):
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
         return False
     return True
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
-from zeroshard.testing.multiprocess import RankError, RankTimeout, SweepError, run_ranks, sweep
+from zeroshard.testing.errors import RankError, RankTimeout, SweepError
+from zeroshard.testing.multiprocess import run_ranks, sweep
+from zeroshard.testing.rank_pool import kept_processes
 
-__all__ = ["RankError", "RankTimeout", "SweepError", "run_ranks", "sweep"]
+__all__ = ["RankError", "RankTimeout", "SweepError", "kept_processes", "run_ranks", "sweep"]
