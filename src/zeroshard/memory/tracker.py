@@ -74,6 +74,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.memory.saved import _as_tensors, _ObserveSaved, storage_of
+from zeroshard.memory.tally import Tally
+from zeroshard.memory.timeline import Timeline
 
 __all__ = ["Category", "MemoryTracker", "Source"]
 
@@ -112,10 +114,6 @@ class _Record:
     @property
     def where(self) -> str:
         return "host" if self.host else "device"
-
-
-def _zero() -> dict[Category, int]:
-    return dict.fromkeys(Category, 0)
 
 
 LOCATIONS = ("device", "host")
@@ -162,14 +160,9 @@ class MemoryTracker(TorchDispatchMode):
         compute = torch.device(compute_device) if compute_device is not None else None
         self._cpu_is_host = compute is not None and compute.type not in ("cpu", "meta")
         self._live: dict[int, _Record] = {}  # id(storage) -> record
-        self._total = 0
-        self._current, self._peak, self._max = _zero(), _zero(), _zero()
-        self._peak_total = 0
+        self._all = Tally(Category)  # bytes by category: now, at the peak, maxima
         # The same, per location (see [Note: device and host]).
-        self._loc = {w: _zero() for w in LOCATIONS}
-        self._loc_total = dict.fromkeys(LOCATIONS, 0)
-        self._loc_peak = {w: _zero() for w in LOCATIONS}
-        self._loc_peak_total = dict.fromkeys(LOCATIONS, 0)
+        self._at = {w: Tally(Category) for w in LOCATIONS}
         self._host_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
         self._host_ids: set[int] = set()
         self._host_optimizers: list[torch.optim.Optimizer] = []
@@ -177,8 +170,7 @@ class MemoryTracker(TorchDispatchMode):
         self._in_step = False  # see [Note: inside the optimizer step]
         self._classified_total = 0  # the total at the last re-classification
         self._snapshots: dict[str, dict[Category, int]] = {}
-        self._timeline: list[tuple[int, ...]] | None = None  # see record_timeline
-        self._marks: list[tuple[int, str]] = []
+        self._timeline: Timeline | None = None  # see record_timeline
         self._sources: list[Source] = []
         self._source_ids: dict[int, Category] = {}  # last source scan, by id(storage)
         self._modules: list[nn.Module] = []
@@ -274,40 +266,39 @@ class MemoryTracker(TorchDispatchMode):
     def current(self) -> dict[Category, int]:
         """Bytes per category now (re-classifies first)."""
         self._after_change(reclassify=True)
-        return dict(self._current)
+        return dict(self._all.now)
 
     def current_total(self) -> int:
-        return self._total
+        return self._all.total
 
     def peak(self) -> dict[Category, int]:
         """Breakdown at the moment the total was highest since the last ``reset_peak``."""
-        return dict(self._peak)
+        return dict(self._all.peak)
 
     def peak_total(self) -> int:
-        return self._peak_total
+        return self._all.peak_total
 
     def current_by_location(self) -> dict[str, dict[Category, int]]:
         """``{"device": {category: bytes}, "host": {...}}`` now (re-classifies first)."""
         self._after_change(reclassify=True)
-        return {w: dict(d) for w, d in self._loc.items()}
+        return {w: dict(t.now) for w, t in self._at.items()}
 
     def peak_by_location(self) -> dict[str, dict[Category, int]]:
         """Per location, the breakdown at the moment *that location's* total was highest."""
-        return {w: dict(d) for w, d in self._loc_peak.items()}
+        return {w: dict(t.peak) for w, t in self._at.items()}
 
     def peak_total_by_location(self) -> dict[str, int]:
-        return dict(self._loc_peak_total)
+        return {w: t.peak_total for w, t in self._at.items()}
 
     def max_per_category(self) -> dict[Category, int]:
         """Each category's own maximum (may occur at different moments; see notes)."""
-        return dict(self._max)
+        return dict(self._all.max)
 
     def reset_peak(self) -> None:
         """Restart peak and per-category maxima from the current state."""
         self._reclassify()
-        self._peak, self._max, self._peak_total = dict(self._current), _zero(), self._total
-        self._loc_peak = {w: dict(d) for w, d in self._loc.items()}
-        self._loc_peak_total = dict(self._loc_total)
+        for t in (self._all, *self._at.values()):
+            t.reset_peak()
         self._after_change()
 
     def snapshot(self, label: str) -> dict[Category, int]:
@@ -317,13 +308,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def record_timeline(self) -> MemoryTracker:
         """Also keep the bytes by category after every op (see :meth:`timeline`)."""
-        self._timeline, self._marks = [], []
+        self._timeline = Timeline()
         return self
 
     def mark(self, label: str) -> None:
         """Mark the current point of the timeline (e.g. "backward" when it starts)."""
         if self._timeline is not None:
-            self._marks.append((len(self._timeline), label))
+            self._timeline.mark(label)
 
     def timeline(self, max_points: int = 600) -> dict[str, Any]:
         """Bytes by category over the ops seen since :meth:`record_timeline`, in op order:
@@ -331,15 +322,8 @@ class MemoryTracker(TorchDispatchMode):
         are folded into at most ``max_points`` points, each the op of its run with the
         highest total, so every peak survives. A point's categories are as cached then:
         exact at new peaks (see [Note: categories are resolved late])."""
-        points = self._timeline or []
-        size = max(1, -(-len(points) // max_points))
-        keep = [max(range(i, min(i + size, len(points))), key=lambda j: sum(points[j]))
-                for i in range(0, len(points), size)]
-        out: dict[str, Any] = {"op": keep}
-        for k, cat in enumerate(Category):
-            out[cat.value] = [points[j][k] for j in keep]
-        out["marks"] = [[i, label] for i, label in self._marks]
-        return out
+        timeline = self._timeline or Timeline()
+        return timeline.folded([c.value for c in Category], max_points)
 
     @property
     def snapshots(self) -> dict[str, dict[Category, int]]:
@@ -347,18 +331,17 @@ class MemoryTracker(TorchDispatchMode):
 
     def report(self) -> dict[str, Any]:
         """JSON-ready summary: bytes by category (current, peak, max) and process stats."""
-
         plain = _plain
         return {
             "current": plain(self.current()),
-            "current_total": self._total,
-            "peak": plain(self._peak),
-            "peak_total": self._peak_total,
-            "max_per_category": plain(self._max),
+            "current_total": self._all.total,
+            "peak": plain(self._all.peak),
+            "peak_total": self._all.peak_total,
+            "max_per_category": plain(self._all.max),
             "snapshots": {k: plain(v) for k, v in self._snapshots.items()},
-            **{w: {"current": plain(self._loc[w]), "current_total": self._loc_total[w],
-                   "peak": plain(self._loc_peak[w]), "peak_total": self._loc_peak_total[w]}
-               for w in LOCATIONS},
+            **{w: {"current": plain(t.now), "current_total": t.total,
+                   "peak": plain(t.peak), "peak_total": t.peak_total}
+               for w, t in self._at.items()},
             **_process_memory(),
         }
 
@@ -404,7 +387,7 @@ class MemoryTracker(TorchDispatchMode):
                     self._track(t)
             self._after_change()
             if self._timeline is not None:
-                self._timeline.append(tuple(self._current.values()))
+                self._timeline.record(tuple(self._all.now.values()))
         return out
 
     # -- internals ---------------------------------------------------------------------
@@ -437,10 +420,8 @@ class MemoryTracker(TorchDispatchMode):
         return on_free
 
     def _add(self, rec: _Record, delta: int) -> None:
-        self._total += delta
-        self._current[rec.category] += delta
-        self._loc_total[rec.where] += delta
-        self._loc[rec.where][rec.category] += delta
+        self._all.add(rec.category, delta)
+        self._at[rec.where].add(rec.category, delta)
 
     def _resize(self, rec: _Record, nbytes: int) -> None:
         delta = nbytes - rec.nbytes
@@ -486,25 +467,19 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._busy = False
         self._source_ids, self._host_ids = ids, host
-        self._classified_total = self._total
+        self._classified_total = self._all.total
         for key, rec in list(self._live.items()):
             self._file(rec, ids.get(key))
 
     def _after_change(self, *, reclassify: bool = False) -> None:
         """Called after every allocation/label/resize: peak and per-category maxima."""
-        grew = self._total > self._peak_total or any(
-            t > self._loc_peak_total[w] for w, t in self._loc_total.items())
+        grew = any(t.total > t.peak_total for t in (self._all, *self._at.values()))
         if reclassify or (grew and (not self._in_step
-                                    or self._total > 1.01 * self._classified_total)):
+                                    or self._all.total > 1.01 * self._classified_total)):
             self._reclassify()
-        if self._total > self._peak_total:
-            self._peak_total, self._peak = self._total, dict(self._current)
-        for w, total in self._loc_total.items():
-            if total > self._loc_peak_total[w]:
-                self._loc_peak_total[w], self._loc_peak[w] = total, dict(self._loc[w])
-        for cat, v in self._current.items():
-            if v > self._max[cat]:
-                self._max[cat] = v
+        for t in (self._all, *self._at.values()):
+            t.update_peak()
+        self._all.update_max()
 
     def _hook_module(self, module: nn.Module) -> None:
         for p in module.parameters():
