@@ -274,7 +274,9 @@ def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(others: 
     """Every rank still running ends with an error that says to call state_dict() on every
     rank — well within the timeout: a rank blocked in a barrier of the user's is found by
     asking the peers ([Note: asking the peers]), not by waiting TIMEOUT seconds."""
-    per_rank = run_ranks(_state_dict_alone, world, others, timeout=TIMEOUT + 60)
+    # Fresh ranks: "exit" needs a process that ends, and the answers of a kept rank's peer
+    # watch are not reliable across calls (see [Note: reused ranks]).
+    per_rank = run_ranks(_state_dict_alone, world, others, timeout=TIMEOUT + 60, fresh=True)
     for rank, r in enumerate(per_rank):
         if others == "exit" and rank > 0:
             assert r == {"error": None, "exited": True}

@@ -147,3 +147,5 @@ def _run_fresh(payload: bytes, world_size: int, timeout: float, backend: str,
                 p.close()
         replay_logs(calldir, world_size)
         shutil.rmtree(calldir, ignore_errors=True)
+        if os.path.exists(calldir + ".store"):  # beside the call's directory (rank_main.py)
+            os.remove(calldir + ".store")

@@ -14,8 +14,8 @@ once and then runs call after call sent over a pipe; see [Note: reused ranks].
 Starting a rank costs 2-3 s (interpreter, torch import, group) and most distributed tests
 run for less than that, so the harness keeps ranks and reuses them. What a call could leave
 behind for the next one, and how it is prevented:
-* communication state: every call joins a *new* default group over a new store and
-  destroys it (and every subgroup made under it) at its end, so no gloo pair keeps bytes
+* communication state: every call joins a *new* default group over a new store (kept
+  until the ranks end: see _store_path) and destroys it (and every subgroup made under it) at its end, so no gloo pair keeps bytes
   of an earlier call and group names start afresh;
 * process state a test may change: the environment (each call gets the test process's
   environment of that moment, as a fresh spawn would), the working directory, signal
@@ -25,7 +25,9 @@ behind for the next one, and how it is prevented:
   it at random, so no test can rely on its state);
 * a call that fails, crashes or times out ends its whole pool: a peer may be blocked in a
   collective with the failed rank, so nothing of that pool is trusted again.
-Tests that measure the process itself (peak RSS since start) ask for ``fresh=True``.
+Tests that measure the process itself (peak RSS since start), need it to exit, or depend
+on zeroshard's peer watch answering for it (its thread may still be polling an earlier
+call's store when the next call's peers ask) ask for ``fresh=True``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir:
         import torch.distributed as dist
 
         fn, args, kwargs = pickle.loads(payload)
-        store = dist.FileStore(os.path.join(calldir, "store"), world_size)
+        store = dist.FileStore(_store_path(calldir), world_size)
         # Collective timeout above ours: the harness, not gloo, decides when a rank hung.
         limit = datetime.timedelta(seconds=timeout + 60)
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
@@ -131,6 +133,15 @@ def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir:
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
         tb = "".join(traceback.format_exception(e))
         return pickle.dumps(failure("error", f"{type(e).__name__}: {e}", tb, time.time())), 1
+
+
+def _store_path(calldir: str) -> str:
+    """Beside the call's directory, not in it: the directory goes when the call ends, the
+    store stays while the process may still poll it. zeroshard's peer watch polls the
+    store it last bound until the next group binds it, and a FileStore op on a deleted
+    path retries its open until the store's timeout (300 s), which kept the watch from
+    answering the next call's questions."""
+    return calldir.rstrip(os.sep) + ".store"
 
 
 def failure(status: str, summary: str, detail: str, when: float) -> dict[str, Any]:
