@@ -25,7 +25,15 @@ def _modules() -> dict[str, Path]:
 def _edges(name: str, f: Path, mods: dict[str, Path]) -> set[str]:
     pkg = name if f.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(f.read_text())):
+    tree = ast.parse(f.read_text())
+    # Imports under `if TYPE_CHECKING:` are annotations only: never executed, so no cycle at
+    # run time. The engine's phases name `Engine` that way (docs/architecture.md).
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))
