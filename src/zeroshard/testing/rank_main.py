@@ -126,6 +126,10 @@ def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir:
         limit = datetime.timedelta(seconds=timeout + 60)
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
                                 timeout=limit)
+        # Every rank done connecting before any runs fn: a rank whose fn returns at once
+        # tears its group down, and under load a peer still connecting its mesh then
+        # failed in init ("Connection closed by peer").
+        dist.barrier()
         value = fn(rank, world_size, *args, **kwargs)
         if dist.is_initialized():  # fn may have torn it down itself
             dist.destroy_process_group()
