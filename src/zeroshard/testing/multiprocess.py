@@ -51,7 +51,6 @@ failing point raises :class:`SweepError` naming it; peers blocked in that point 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -63,6 +62,7 @@ from typing import Any
 from zeroshard.testing.errors import RankError, RankTimeout, SweepError
 from zeroshard.testing.rank_main import fresh_main
 from zeroshard.testing.rank_pool import pool_for
+from zeroshard.testing.rank_start import rank_context
 from zeroshard.testing.supervise import replay_logs, supervise
 
 __all__ = ["RankError", "RankTimeout", "SweepError", "run_ranks", "sweep"]
@@ -123,7 +123,7 @@ def run_ranks(
 def _run_fresh(payload: bytes, world_size: int, timeout: float, backend: str,
                env: dict[str, str]) -> list[Any]:
     calldir = tempfile.mkdtemp(prefix="zeroshard-ranks-")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs = [
         ctx.Process(
             target=fresh_main,

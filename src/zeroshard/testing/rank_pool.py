@@ -11,7 +11,6 @@ longer than a short test's budget.
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any
 
 from zeroshard.testing.errors import RankError
 from zeroshard.testing.rank_main import pool_main
+from zeroshard.testing.rank_start import rank_context
 from zeroshard.testing.supervise import replay_logs, supervise
 
 __all__ = ["RankPool", "close_all", "kept_processes", "pool_for"]
@@ -39,7 +39,7 @@ class RankPool:
     def __init__(self, world_size: int, backend: str, env: dict[str, str]) -> None:
         self.world_size, self.env = world_size, dict(env)
         self.rundir = tempfile.mkdtemp(prefix="zeroshard-pool-")
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         for r in range(world_size):
