@@ -24,8 +24,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
+# Two pytest workers, each file on one (module-level caches stay shared by its tests):
+# single-process tests (traces, plans) leave a core idle without a second worker.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile tests
 
 slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests

@@ -58,7 +58,7 @@ from zeroshard.checkpointing import apply_checkpointing
 from zeroshard.memory import analytic
 from zeroshard.memory.activations import estimate_activation_bytes
 from zeroshard.memory.traced import TraceError, grad_buffer_bytes, run_steps, trace_step
-from zeroshard.models import GPT2Config, LlamaConfig, build_model
+from zeroshard.models import GPT2Config, LlamaConfig, build_model, get_preset
 from zeroshard.testing import run_ranks, sweep
 
 # ~0.86M parameters, activations larger than model state at micro-batch 4 x seq 256, so
@@ -76,13 +76,20 @@ def _assert_state_agrees(r, tol: float = 0.02) -> float:
 
 
 # -- analytic vs traced ------------------------------------------------------------------
+# gpt2-124m's widths and vocabulary (whose 50,257 rows pad) in 2 of its 12 blocks: the same
+# shapes, a sixth of the ops to trace. The whole preset: the slow grid below.
+GPT2_124M_2 = dataclasses.replace(get_preset("gpt2-124m"), n_layers=2)
+
+
 @pytest.mark.parametrize("n", [1, 2, 8, 64])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gpt2_124m_model_state_matches_analytic(stage: int, n: int) -> None:
     # Model state exists in full after one step; a short sequence keeps the trace fast.
-    r = trace_step("gpt2-124m", world_size=n, stage=stage, micro_batch=1, seq_len=64, steps=1)
+    r = trace_step(GPT2_124M_2, world_size=n, stage=stage, micro_batch=1, seq_len=64, steps=1)
     rel = _assert_state_agrees(r)
-    assert abs(rel) < 5e-4  # padding and step counters only (module docstring)
+    # Padding and step counters only (module docstring): in 2 blocks the vocabulary's
+    # padding is 6.8e-4 of model state at N = 64 (3e-4 in the whole preset's 12).
+    assert abs(rel) < 1e-3
     assert r.peak_bytes >= r.model_state_bytes and r.activation_peak_bytes > 0
     assert (r.peak_unsharded_bytes > 0) == (stage == 3)  # gathered units, even at N=1
     assert (r.stage3_buffer_bytes >= r.stage3_backward_buffer_bytes > 0) == (stage == 3)
@@ -234,13 +241,12 @@ def _compare_with_measured(config: GPT2Config, micro_batch: int, seq_len: int) -
 
 
 def test_traced_peak_matches_measured_small_config() -> None:
-    _compare_with_measured(SMALL, micro_batch=4, seq_len=256)
+    # SMALL in 2 blocks: activations still outweigh model state (both scale with blocks).
+    _compare_with_measured(dataclasses.replace(SMALL, n_layers=2), micro_batch=4, seq_len=256)
 
 
 @pytest.mark.slow
 def test_traced_peak_matches_measured_gpt2_small() -> None:
-    from zeroshard.models import get_preset
-
     _compare_with_measured(get_preset("gpt2-small"), micro_batch=2, seq_len=256)
 
 

@@ -396,11 +396,17 @@ class _Stage3Buffers(TorchDispatchMode):
             return st.nbytes()
 
         for u, b, leaves in self._buckets:
+            # Most units hold nothing at any op (sharded, no gather or reduction in flight,
+            # not in their backward): skip them with one storage read, not four.
+            in_bwd = u.is_root or (u.in_backward and not b.launched)
+            if (b.gathering is None and b.grad is None and not in_bwd
+                    and (b.full is None or b.full.untyped_storage().nbytes() == 0)):
+                continue
             held = add(b.full) + add(b.gathering)
             add(b.grad)  # a reduction in flight outlives its unit's backward
             # Autograd's gradients sit on a block's parameters only in its backward, until
             # its fold (then launched); checking just those keeps a 7B trace's cost low.
-            if u.is_root or (u.in_backward and not b.launched):
+            if in_bwd:
                 held += sum(add(leaf.grad) for leaf in leaves)
             blocks = blocks or (held > 0 and not u.is_root)
         self.peak = max(self.peak, total)
