@@ -13,10 +13,11 @@ Every distributed test in zeroshard goes through :func:`run_ranks`::
 How it works
 ------------
 * The test process pickles ``(fn, args, kwargs)`` itself, so a lambda or closure fails at
-  once with a hint. Ranks are started with the *spawn* start method: fork would copy the
-  test process's torch thread pools, locks and pytest state into them.
-* Ranks are kept and reused: starting one costs 2-3 s (interpreter, torch import), more
-  than most tests run. Each call joins a new process group and leaves the process as it
+  once with a hint. Ranks are forked from a server process that imported torch and
+  zeroshard once (:mod:`zeroshard.testing.rank_start`), never from the test process: that
+  would copy its torch thread pools, locks and pytest state into them.
+* Ranks are kept and reused: even forked, a rank must join a group, and most tests run
+  for less than a process start-up costs. Each call joins a new process group and leaves the process as it
   found it; a call that fails ends its ranks (see [Note: reused ranks] in rank_main.py and
   rank_pool.py). ``fresh=True`` gives a call processes of its own, for tests that measure
   the process itself (peak RSS); ``ZEROSHARD_TEST_FRESH_RANKS=1`` does so for every call.

@@ -7,12 +7,13 @@ output (file descriptors 1 and 2, so C++ output and segfault traces too) goes to
 ``<calldir>/rank<r>.log``.
 
 A fresh rank (:func:`fresh_main`) runs one call and exits with ``os._exit`` (interpreter
-teardown with a live group can hang). A pooled rank (:func:`pool_main`) imports torch
-once and then runs call after call sent over a pipe; see [Note: reused ranks].
+teardown with a live group can hang). A pooled rank (:func:`pool_main`) runs call after
+call sent over a pipe; see [Note: reused ranks]. Both are forked from the rank server
+(rank_start.py), which imported torch and zeroshard once.
 
 [Note: reused ranks]
-Starting a rank costs 2-3 s (interpreter, torch import, group) and most distributed tests
-run for less than that, so the harness keeps ranks and reuses them. What a call could leave
+Starting a rank costs a fork, its set-up and a group, and most distributed tests run for
+less than that, so the harness keeps ranks and reuses them. What a call could leave
 behind for the next one, and how it is prevented:
 * communication state: every call joins a *new* default group over a new store (kept
   until the ranks end: see _store_path) and destroys it (and every subgroup made under it) at its end, so no gloo pair keeps bytes
