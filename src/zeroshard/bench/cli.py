@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
     a("--seq", type=int, default=128, help="sequence length (default 128)")
     a("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
-    a("--warmup", type=int, default=1, help="warm-up steps per configuration (default 1)")
+    a("--warmup", type=int, default=2, help="warm-up steps per configuration (default 2)")
     a("--configs", default=",".join(DEFAULT_CONFIGS),
       help="comma-separated configuration names (see --list-configs)")
     a("--list-configs", action="store_true", help="list configuration names and exit")

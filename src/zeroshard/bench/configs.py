@@ -158,7 +158,7 @@ class BenchSettings:
     seq: int = 128
     steps: int = 3
     """Timed steps per configuration (the memory is measured in one more step after them)."""
-    warmup: int = 1
+    warmup: int = 2  # see docs/bench.md, 'How it measures': one left the timed steps noisy
     configs: tuple[ConfigSpec, ...] = field(
         default_factory=lambda: tuple(parse_config(n) for n in DEFAULT_CONFIGS))
     baseline: str = "ddp"
