@@ -317,3 +317,33 @@ def test_a_new_default_group_gets_new_check_groups(tmp_path) -> None:
     still readable), where a check left pending by a timeout paired with the new run's
     first check: 'ranks diverged at step 0' on a correct program."""
     assert run_ranks(_check_group_after_reinit, 2, str(tmp_path), timeout=60) == [True, True]
+
+
+def test_a_peer_that_issued_the_check_is_not_stranded(monkeypatch) -> None:
+    """Under load (two busy processes beside the suite) a correct ``zeroshard train`` run
+    failed with 'ranks diverged': rank 0 still waited in the check of a step's all-gather
+    that rank 1 had already issued, completed and left for the loss's all_reduce — a
+    collective rank 0 would reach as soon as gloo's thread delivered the descriptor. A
+    peer blocked in a collective of its own strands the waiting rank only if it has not
+    issued the waiting rank's check; each answer says how many it issued per check group."""
+    from types import SimpleNamespace
+
+    from zeroshard import comm_check
+    from zeroshard.peer_watch import WATCH
+
+    comm = SimpleNamespace(_peers=[0, 1], global_rank=0, label="world")
+    check = comm_check._Check(comm, None, None, "the check of all_gather(bucket0, step)",
+                              "bucket0", "step", number=7)
+    key = comm_check.check_key([0, 1])
+    blocked = {"state": "foreign", "call": "torch.distributed.all_reduce()",
+               "where": "train.py:305", "ranks": None}
+    for issued in (7, 8):  # issued ours (and maybe more): only slow, keep waiting
+        monkeypatch.setattr(WATCH, "ask", lambda peers, desc, n=issued: {
+            1: {**blocked, "checks": {key: n}}})
+        assert check._ask_peers()[1]["checks"][key] == issued
+    monkeypatch.setattr(WATCH, "tell", lambda ranks, message: None)
+    for answer in ({**blocked, "checks": {key: 6}}, blocked):  # not yet ours: stranded
+        monkeypatch.setattr(WATCH, "ask", lambda peers, desc, a=answer: {1: a})
+        with pytest.raises(CollectiveMismatch, match="rank 1 is blocked in "
+                           r"torch.distributed.all_reduce\(\) called at train.py:305"):
+            check._ask_peers()

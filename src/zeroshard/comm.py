@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm_check import _OPS, _PHASES, CHECK_TIMEOUT, _Check, _check_group, _key
+from .comm_check import _OPS, _PHASES, CHECK_TIMEOUT, _Check, _check_group, _key, issue
 from .comm_wait import (  # noqa: F401  (_IN_FLIGHT_GLOBAL: read by the test harness)
     _IN_FLIGHT_GLOBAL,
     CollectiveError,
@@ -250,9 +250,10 @@ class Comm:
                             dtype=torch.int64)
         table = torch.empty(self.size * 7, dtype=torch.int64)
         work = _all_gather_single(table, mine, self._check_group, True)
+        number = issue(self._peers)
         what = (f"the check point before {unit}" if op == "barrier"
                 else f"the check of {op}({unit}, {phase})")
-        check = _Check(self, work, table, what, unit, phase)
+        check = _Check(self, work, table, what, unit, phase, number)
         self._unverified.append(check)
         return check
 

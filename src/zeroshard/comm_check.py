@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_wait import CollectiveError, CollectiveMismatch, CollectiveTimeout, Pending
-from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, WATCH
+from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, CHECKS_ISSUED, WATCH
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -147,7 +147,20 @@ def _check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
         else:
             group = dist.new_group(peers, backend="gloo", use_local_synchronization=True)
         _CHECK_GROUPS[key] = group
+        CHECKS_ISSUED[check_key(peers)] = 0  # a new group: its checks pair up from here
     return group
+
+
+def check_key(peers: list[int]) -> str:
+    """The name of the check group over ``peers`` in :data:`CHECKS_ISSUED`."""
+    return ",".join(map(str, peers))
+
+
+def issue(peers: list[int]) -> int:
+    """Count one more check issued on the group over ``peers``; its number (from 1)."""
+    key = check_key(peers)
+    CHECKS_ISSUED[key] = CHECKS_ISSUED.get(key, 0) + 1
+    return CHECKS_ISSUED[key]
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
@@ -164,12 +177,13 @@ def _alive(group: dist.ProcessGroup) -> bool:
 class _Check:
     """One collective's descriptor exchange on the check group (see [Note: divergence])."""
 
-    __slots__ = ("comm", "work", "table", "desc", "unit", "phase", "done")
+    __slots__ = ("comm", "work", "table", "desc", "unit", "phase", "done", "number")
 
     def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str, unit: str,
-                 phase: str) -> None:
+                 phase: str, number: int) -> None:
         self.comm, self.work, self.table, self.desc = comm, work, table, desc
         self.unit, self.phase = unit, phase
+        self.number = number  # of this check on its group, from 1 (issue())
         self.done = False
 
     def ready(self) -> bool:
@@ -228,8 +242,10 @@ class _Check:
         peers])."""
         c = self.comm
         answers = WATCH.ask([p for p in c._peers if p != c.global_rank], self.desc)
+        key = check_key(c._peers)
         stuck = {p: a for p, a in answers.items() if a.get("state") == "foreign" and (
-            a.get("ranks") is None or c.global_rank in a["ranks"])}
+            a.get("ranks") is None or c.global_rank in a["ranks"])
+            and a.get("checks", {}).get(key, 0) < self.number}  # not yet issued ours
         if stuck:
             blocked = "; ".join(f"rank {p} is blocked in {a['call']} called at {a['where']}"
                                 for p, a in sorted(stuck.items()))

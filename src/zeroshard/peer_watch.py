@@ -17,8 +17,10 @@ peer's watch answers with where its main thread is, read from its Python stack
 (``sys._current_frames``): inside zeroshard's collectives (it will reach the check, or is
 already there), blocked in a ``torch.distributed`` collective of the user's own (which
 function, called from where, over which ranks), or running other code (busy; it may still
-come). A peer blocked in a collective whose group includes the waiting rank can never
-return — the waiting rank is here, not there — so the waiting rank raises
+come). A peer blocked in a collective whose group includes the waiting rank, and that has
+not yet issued the waiting rank's check (each answer says how many checks its rank has
+issued on each check group: ``CHECKS_ISSUED``), can never return — the waiting rank is
+here, not there — so the waiting rank raises
 :class:`~zeroshard.comm.CollectiveMismatch` at once, naming both places and the fix, and
 posts a *verdict* to the blocked peers. Their watch raises the same error in their main
 thread (``PyThreadState_SetAsyncExc``: it surfaces as soon as the main thread runs Python
@@ -50,6 +52,12 @@ ASK_EVERY_S = 15.0
 #: Seconds a rank waits for answers (or acknowledgements) after posting.
 ANSWER_WAIT_S = 3.0 * POLL_S
 
+#: Checks this process has issued, per check group (comm_check.py keys them by the
+#: group's ranks). An answer carries them: a peer blocked in a collective of its own has
+#: not stranded a waiting rank whose check it already issued — the exchange is under
+#: way, only slow (seen under load: gloo's thread had not yet run on the waiting rank).
+CHECKS_ISSUED: dict[str, int] = {}
+
 _PREFIX = "zeroshard/watch/"
 _COUNT = "alarms"
 
@@ -66,7 +74,21 @@ _COLLECTIVES = frozenset({
 def main_thread_state() -> dict[str, Any]:
     """Where this process's main thread is: ``{"state": "zeroshard"}``, ``{"state":
     "foreign", "call": ..., "where": ..., "ranks": [...] | None}`` (a torch.distributed
-    collective; ranks None = the default group) or ``{"state": "running", "where": ...}``."""
+    collective; ranks None = the default group) or ``{"state": "running", "where": ...}``;
+    each with ``"checks"``, a copy of :data:`CHECKS_ISSUED`."""
+    return {**_main_thread_state(), "checks": _issued()}
+
+
+def _issued() -> dict[str, int]:
+    for _ in range(3):  # the main thread may add a key while this thread copies
+        try:
+            return dict(CHECKS_ISSUED)
+        except RuntimeError:
+            continue
+    return {}
+
+
+def _main_thread_state() -> dict[str, Any]:
     main = threading.main_thread().ident
     frame = sys._current_frames().get(main)  # type: ignore[arg-type]
     frames = []
