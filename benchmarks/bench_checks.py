@@ -11,7 +11,12 @@ median step time, its ratio to the baseline, and whether the exact columns agree
 With ``--first K`` it also recomputes each median from the first K timed steps only
 (what ``--steps K`` would have given, interleaved the same way).
 
-    python benchmarks/bench_checks.py spread run1.json run2.json run3.json [--first 4]
+    python benchmarks/bench_checks.py spread run1.json run2.json run3.json [--first 4] [--paired]
+
+``--paired`` takes each ratio as the median over timed rounds of the baseline's step time
+over the row's in the same round (drift between rounds cancels), instead of the ratio of
+the two medians that ``zeroshard bench`` reports; on a quiet machine the two agree (the
+noise is within a round, not between rounds).
 
 Recorded output: benchmarks/bench-checks.txt.
 """
@@ -60,19 +65,30 @@ def _median(row: dict, first: int | None) -> float:
     return statistics.median(times)
 
 
+def _ratio(run: dict, name: str, base: str, first: int | None, paired: bool) -> float:
+    """The row's ratio to the baseline: of medians, or (paired) the median over timed
+    rounds of the baseline's step over the row's step in the same round."""
+    if not paired:
+        return _median(run[base], first) / _median(run[name], first)
+    b, x = run[base]["step_s_all"][:first], run[name]["step_s_all"][:first]
+    return statistics.median(bi / xi for bi, xi in zip(b, x, strict=True))
+
+
 def spread(args: argparse.Namespace) -> None:
     runs = [_rows(p) for p in args.json]
     base = json.loads(Path(args.json[0]).read_text())["settings"]["baseline"]
     names = [n for n in runs[0] if all(n in r for r in runs)]
     for first in [None] + ([args.first] if args.first else []):
         label = "all timed steps" if first is None else f"first {first} timed steps"
+        if args.paired:
+            label += "; ratios paired by round"
         print(f"-- {len(runs)} runs, medians over {label}")
         print(f"{'config':<20} {'step s: mean':>12} {'cv':>6}   {'x' + base + ': mean':>12} "
               f"{'range':>13} {'cv':>6}   exact columns equal")
         cvs = []
         for n in names:
             med = [_median(r[n], first) for r in runs]
-            ratio = [_median(r[base], first) / _median(r[n], first) for r in runs]
+            ratio = [_ratio(r, n, base, first, args.paired) for r in runs]
             exact = all(r[n]["peak_bytes"] == runs[0][n]["peak_bytes"]
                         and r[n]["comm_bytes_per_step"] == runs[0][n]["comm_bytes_per_step"]
                         for r in runs)
@@ -97,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("spread")
     s.add_argument("json", nargs="+")
     s.add_argument("--first", type=int, default=None)
+    s.add_argument("--paired", action="store_true",
+                   help="ratio = median over rounds of the per-round ratio (not of medians)")
     args = p.parse_args(argv)
     (order if args.cmd == "order" else spread)(args)
     return 0

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # 2 cores shared by the test process and up to 4 ranks: one OpenMP thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Every temporary file of the session (module-level caches' folders, torchrun's
+# torchelastic_* log folders, ranks' scratch) goes under one folder removed at exit: a
+# run used to leave ~200 MB in /tmp (trainer and Lightning checkpoints). Short on
+# purpose: multiprocessing's forkserver puts a unix socket (<= 107 bytes) under it.
+# Under pytest-xdist the workers inherit the controller's folder and nest their own.
+_SCRATCH = tempfile.mkdtemp(prefix="zs-tests-")
+os.environ["TMPDIR"] = _SCRATCH
+tempfile.tempdir = None  # tempfile caches its folder: read TMPDIR again
+atexit.register(shutil.rmtree, _SCRATCH, True)

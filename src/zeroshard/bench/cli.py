@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="local ranks to start (default: one per GPU, else 2)")
     a("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
     a("--seq", type=int, default=128, help="sequence length (default 128)")
-    a("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
+    a("--steps", type=int, default=5, help="timed steps per configuration (default 5)")
     a("--warmup", type=int, default=2, help="warm-up steps per configuration (default 2)")
     a("--configs", default=",".join(DEFAULT_CONFIGS),
       help="comma-separated configuration names (see --list-configs)")

@@ -156,7 +156,7 @@ class BenchSettings:
     micro_batch: int = 2
     """Sequences per rank per step (global batch = micro_batch x world_size)."""
     seq: int = 128
-    steps: int = 3
+    steps: int = 5
     """Timed steps per configuration (the memory is measured in one more step after them)."""
     warmup: int = 2  # see docs/bench.md, 'How it measures': one left the timed steps noisy
     configs: tuple[ConfigSpec, ...] = field(
