@@ -32,10 +32,32 @@ Llama (exact on the CPU in fp32; the tests check every policy to the byte). Diff
 * Outside the blocks: token (and position) ids for the embedding backward, the final
   norm, the LM-head input, and cross-entropy's log-softmax output T*V*d (the logits
   themselves are not saved), its targets and a scalar.
+
+[Note: activations under tensor parallelism]
+With ``tp`` > 1 the bill is one rank's under torchtitan's plan for Llama, which
+``parallelize_module`` applies on the tensor-parallel mesh dimension: q/k/v, gate and up
+projections column-wise, both out-projections row-wise into sequence shards, the norms
+sequence-parallel, the token table row-wise, the LM head column-wise into vocabulary
+shards with ``loss_parallel`` (Korthikanti et al. 2022, sec. 4.2.2). What each term
+becomes on one rank (tp must divide the heads and the sequence; for an MLP width or a
+vocabulary it does not divide, rank 0's share, the largest):
+* sequence shards (s/tp): the norms' inputs, statistics and x*rstd, blocks' and final;
+* heads or MLP width / tp: q, k, v, the attention output, the logsumexp, the SwiGLU terms;
+* vocabulary / tp: cross-entropy's log-softmax output;
+* whole: the attention and MLP inputs (each norm's output, all-gathered over the
+  sequence; torch's linear saves the gathered input for its weight gradient, where
+  Megatron-LM gathers it again in backward: so the paper's 34sbh/t becomes 2sbh + 32sbh/t
+  per layer in 16-bit), the LM head input (gathered the same way), token ids, targets and
+  the RoPE tables.
+A block's input kept by a checkpointed region is a sequence shard (s/tp). Measured on
+llama-tiny at tp 2 (tests/test_checkpointing.py): 2,053,380 bytes, equal to the estimate.
+GPT-2's fused qkv projection cannot be split column-wise (a rank's rows would mix q and
+k), so ``tp`` > 1 is for Llama only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from zeroshard.checkpointing import (
@@ -49,6 +71,7 @@ from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig
 __all__ = [
     "ActivationEstimate",
     "block_terms",
+    "check_tp",
     "estimate_activation_bytes",
     "outside_terms",
     "paper_activation_bytes",
@@ -81,24 +104,30 @@ def block_terms(
     fused_attention: bool = True,
     dropout: bool = False,
     mask_bytes: int = 1,
+    tp: int = 1,
 ) -> dict[str, int]:
     """Bytes one un-checkpointed block saves for backward, by term (see module notes).
 
-    Terms whose name starts with ``"scores"`` are what selective recompute drops.
+    Terms whose name starts with ``"scores"`` are what selective recompute drops. ``tp``:
+    one rank's bytes under tensor parallelism with sequence parallelism (see [Note:
+    activations under tensor parallelism]).
     """
     if dropout and isinstance(config, LlamaConfig):
         raise ValueError("dropout=True, but the Llama model has no dropout; pass dropout=False")
+    check_tp(config, tp, seq_len)
     b, s, h, a, d = micro_batch, seq_len, config.hidden, config.n_heads, dtype_bytes
     t = b * s
+    ts = b * s // tp  # tokens of one sequence shard
+    ah = h // tp  # attention width of a rank's heads (tp divides the heads)
     terms = {
-        "norm inputs (2 norms)": 2 * t * h * d,
+        "norm inputs (2 norms)": 2 * ts * h * d,
         "attention input (norm1 output)": t * h * d,
-        "q, k, v (attention core inputs)": 3 * t * h * d,
-        "attention output (out-proj input)": t * h * d,
+        "q, k, v (attention core inputs)": 3 * t * ah * d,
+        "attention output (out-proj input)": t * ah * d,
         "mlp input (norm2 output)": t * h * d,
     }
     if fused_attention:
-        terms["scores: logsumexp (fp32, fused SDPA)"] = b * a * s * STAT_BYTES
+        terms["scores: logsumexp (fp32, fused SDPA)"] = b * (a // tp) * s * STAT_BYTES
     else:
         terms["scores: softmax output"] = b * a * s * s * d
         if dropout:
@@ -111,21 +140,44 @@ def block_terms(
         if dropout:
             terms["residual dropout masks (2)"] = 2 * t * h * mask_bytes
     else:
-        f = config.ffn_dim
-        terms["norm rstd (fp32)"] = 2 * t * STAT_BYTES
-        terms["norm x*rstd (composite RMSNorm)"] = 2 * t * h * d
+        f = math.ceil(config.ffn_dim / tp)
+        terms["norm rstd (fp32)"] = 2 * ts * STAT_BYTES
+        terms["norm x*rstd (composite RMSNorm)"] = 2 * ts * h * d
         terms["mlp gate and up outputs (SwiGLU, f)"] = 2 * t * f * d
         terms["mlp silu(gate) (f)"] = t * f * d
         terms["mlp silu(gate)*up (out-proj input, f)"] = t * f * d
     return terms
 
 
+def check_tp(config: ModelConfig, tp: int, seq_len: int | None = None) -> None:
+    """Raise ValueError unless ``config``'s activations can be priced at tensor-parallel
+    degree ``tp`` (see [Note: activations under tensor parallelism])."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
+    if tp == 1:
+        return
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"tp={tp}: tensor parallelism is priced for Llama-style models only; "
+                         "GPT-2's fused qkv projection cannot be split column-wise (a rank's "
+                         "rows would mix q and k). Use a llama-* preset or tp=1")
+    if config.n_heads % tp or config.kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide the attention heads (n_heads="
+                         f"{config.n_heads}, kv_heads={config.kv_heads}): column-wise q/k/v "
+                         "give each rank whole heads; use a tp that divides both")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"tp={tp} does not divide seq_len={seq_len}: torch's sequence "
+                         "parallelism assumes equal sequence shards (an all-gather of unequal "
+                         "ones gives the wrong length); use a multiple of tp")
+
+
 def outside_terms(
-    config: ModelConfig, micro_batch: int, seq_len: int, *, dtype_bytes: int = 4
+    config: ModelConfig, micro_batch: int, seq_len: int, *, dtype_bytes: int = 4, tp: int = 1
 ) -> dict[str, int]:
-    """Bytes saved outside the blocks: embeddings, final norm, LM head, cross-entropy."""
+    """Bytes saved outside the blocks: embeddings, final norm, LM head, cross-entropy
+    (``tp``: one rank's, see [Note: activations under tensor parallelism])."""
+    check_tp(config, tp, seq_len)
     b, s, h, d = micro_batch, seq_len, config.hidden, dtype_bytes
-    t = b * s
+    t, ts = b * s, b * s // tp
     terms = {"token ids (embedding backward)": t * ID_BYTES}
     if isinstance(config, GPT2Config):
         terms["position ids"] = s * ID_BYTES
@@ -136,11 +188,11 @@ def outside_terms(
         terms["RoPE cos/sin tables (whole buffers, fp32)"] = (
             2 * config.seq_len * config.head_dim * 4
         )
-        terms["final norm input"] = t * h * d
-        terms["final norm x*rstd"] = t * h * d
-        terms["final norm rstd (fp32)"] = t * STAT_BYTES
+        terms["final norm input"] = ts * h * d
+        terms["final norm x*rstd"] = ts * h * d
+        terms["final norm rstd (fp32)"] = ts * STAT_BYTES
     terms["LM head input (final norm output)"] = t * h * d
-    terms["cross-entropy log-softmax output (b*s*V)"] = t * config.vocab * d
+    terms["cross-entropy log-softmax output (b*s*V)"] = t * math.ceil(config.vocab / tp) * d
     terms["cross-entropy targets"] = t * ID_BYTES
     terms["cross-entropy total weight (scalar)"] = d
     return terms
@@ -194,6 +246,7 @@ def estimate_activation_bytes(
     fused_attention: bool = True,
     dropout: bool = False,
     mask_bytes: int = 1,
+    tp: int = 1,
 ) -> ActivationEstimate:
     """Itemised saved-activation bytes of our GPT-2 / Llama for one micro-batch.
 
@@ -204,6 +257,9 @@ def estimate_activation_bytes(
             torch picks it only when dropout is 0.
         dropout: the model trains with dropout > 0 (GPT-2 only).
         mask_bytes: bytes per dropout-mask element: 1 on CUDA, 4 on the CPU.
+        tp: tensor-parallel degree: one rank's bytes under torchtitan's plan with
+            sequence and loss parallelism (see [Note: activations under tensor
+            parallelism]; Llama only).
     """
     s = config.seq_len if seq_len is None else seq_len
     for name, v in (
@@ -227,9 +283,10 @@ def estimate_activation_bytes(
             fused_attention=fused_attention,
             dropout=dropout,
             mask_bytes=mask_bytes,
+            tp=tp,
         ),
-        outside=outside_terms(config, micro_batch, s, dtype_bytes=dtype_bytes),
-        input_bytes=micro_batch * s * config.hidden * dtype_bytes,
+        outside=outside_terms(config, micro_batch, s, dtype_bytes=dtype_bytes, tp=tp),
+        input_bytes=micro_batch * s // tp * config.hidden * dtype_bytes,
         full_blocks=full,
         selective_blocks=sel,
         kept_inputs=inputs,

@@ -1,0 +1,97 @@
+"""Saved activations under tensor parallelism, estimated and measured (issue #30).
+
+One rank's saved-for-backward bytes of llama-tiny under torchtitan's plan (tests/_tp.py)
+at tp 2 must equal ``estimate_activation_bytes(..., tp=2)`` to the byte, for each
+checkpointing policy and for a sequence length tp does not divide; the parallel model
+must compute the unparallelised model's loss and gradients. See [Note: activations under
+tensor parallelism] in memory/activations.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tp import parallelize_llama
+
+from zeroshard.checkpointing import apply_checkpointing
+from zeroshard.memory import SavedTensorCounter
+from zeroshard.memory.activations import estimate_activation_bytes
+from zeroshard.models import build_model, get_preset
+from zeroshard.testing import run_ranks, sweep
+
+B = 2
+# vocab 255: a size tp does not divide (rank 0 holds 128 rows of the LM head, rank 1 127)
+GRID = [{"policy": p, "vocab": v} for p in ("none", "full", "selective") for v in (256, 255)]
+SEQ = 64
+
+
+def _config(vocab: int):
+    import dataclasses
+
+    return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab)
+
+
+def _one(rank: int, world: int, policy: str, vocab: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    cfg, seq = _config(vocab), SEQ
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    model = build_model(cfg)
+    model.load_state_dict(ref.state_dict())
+    parallelize_llama(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    apply_checkpointing(model, policy)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab, (B, seq), generator=g)
+    y = torch.randint(0, cfg.vocab, (B, seq), generator=g)
+    with SavedTensorCounter() as counter:
+        out = model(idx)
+        with loss_parallel():
+            loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+    with loss_parallel():
+        loss.backward()
+    ref_loss = F.cross_entropy(ref(idx).flatten(0, 1), y.flatten())
+    ref_loss.backward()
+    grads = dict(ref.named_parameters())
+    dev = max(((p.grad.full_tensor() - grads[n].grad).abs().max()
+               / grads[n].grad.abs().max().clamp_min(1e-12)).item()
+              for n, p in model.named_parameters())
+    return {"saved": counter.bytes, "loss": loss.item(), "ref_loss": ref_loss.item(),
+            "grad_dev": dev}
+
+
+def _all(rank: int, world: int) -> list[dict]:
+    return sweep(lambda **p: _one(rank, world, **p), GRID)
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[list[dict]]:
+    return run_ranks(_all, 2, timeout=300)
+
+
+def test_saved_bytes_equal_the_estimate_at_tp2(measured: list[list[dict]]) -> None:
+    for i, point in enumerate(GRID):
+        cfg = _config(point["vocab"])
+        est = estimate_activation_bytes(cfg, B, SEQ, point["policy"], tp=2)
+        # the estimate is rank 0's, the largest share (vocab 255: 128 rows vs rank 1's 127)
+        uneven = B * SEQ * 4 * (point["vocab"] % 2)
+        assert [measured[r][i]["saved"] for r in (0, 1)] == [est.total, est.total - uneven], point
+        for rank in (0, 1):
+            got = measured[rank][i]
+            assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), point
+            assert got["grad_dev"] < 1e-5, point
+    full = estimate_activation_bytes(get_preset("llama-tiny"), B, SEQ, "none")
+    assert measured[0][0]["saved"] < 0.6 * full.total  # about half, as tp = 2 promises
+
+
+def test_tp_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="Llama-style models only"):
+        estimate_activation_bytes(get_preset("gpt2-tiny"), 1, 64, tp=2)
+    with pytest.raises(ValueError, match="does not divide the attention heads"):
+        estimate_activation_bytes(get_preset("llama-tiny"), 1, 64, tp=3)
+    with pytest.raises(ValueError, match="does not divide seq_len=63"):
+        estimate_activation_bytes(get_preset("llama-tiny"), 1, 63, tp=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        estimate_activation_bytes(get_preset("llama-tiny"), 1, 64, tp=0)
