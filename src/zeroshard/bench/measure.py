@@ -45,7 +45,8 @@ class CommCounter(TorchDispatchMode):
     go through the dispatcher as ``c10d::*`` ops, so a dispatch mode sees them with their
     tensors. Logical bytes follow [Note: logical vs wire bytes] in comm.py: an all-reduce
     of S bytes counts 2S, an all-gather or reduce-scatter counts its full (unsharded)
-    tensor, a broadcast S. Barriers and point-to-point ops are not counted.
+    tensor, a broadcast S. Barriers and point-to-point ops are not counted. DTensor's
+    functional collectives (``_c10d_functional::*``, tensor parallelism) count the same way.
     """
 
     def __init__(self) -> None:
@@ -53,14 +54,29 @@ class CommCounter(TorchDispatchMode):
         self.logical_bytes = 0
         self.calls = 0
         self.by_op: dict[str, int] = {}
+        self.calls_by_op: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         packet = func.overloadpacket
-        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
+        name = getattr(packet, "_qualified_op_name", "")
+        if name.startswith("c10d::"):
             self._count(packet.__name__, args)
+        elif name.startswith("_c10d_functional::"):  # DTensor's (tensor parallelism)
+            self._count_functional(packet.__name__, args)
         return func(*args, **(kwargs or {}))
+
+    def _count_functional(self, op: str, args: tuple) -> None:
+        if op == "all_gather_into_tensor":  # (shard, group_size, group_name)
+            nbytes = _nbytes(args[0]) * int(args[1])
+        elif op == "reduce_scatter_tensor":  # (full, reduce_op, group_size, group_name)
+            nbytes = _nbytes(args[0])
+        elif op == "all_reduce":  # (tensor, reduce_op, group_name)
+            nbytes = 2 * _nbytes(args[0])
+        else:
+            return
+        self._add(op, nbytes)
 
     def _count(self, op: str, args: tuple) -> None:
         if "allreduce" in op:
@@ -73,9 +89,13 @@ class CommCounter(TorchDispatchMode):
             nbytes = _nbytes(args[0])
         else:
             return
+        self._add(op, nbytes)
+
+    def _add(self, op: str, nbytes: int) -> None:
         self.logical_bytes += nbytes
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
+        self.calls_by_op[op] = self.calls_by_op.get(op, 0) + 1
 
 
 def rss() -> int:

@@ -1,10 +1,12 @@
-"""Saved activations under tensor parallelism, estimated and measured (issue #30).
+"""Tensor parallelism accounted: estimates against measurements (issue #30).
 
-One rank's saved-for-backward bytes of llama-tiny under torchtitan's plan (tests/_tp.py)
-at tp 2 must equal ``estimate_activation_bytes(..., tp=2)`` to the byte, for each
-checkpointing policy and for a sequence length tp does not divide; the parallel model
-must compute the unparallelised model's loss and gradients. See [Note: activations under
-tensor parallelism] in memory/activations.py.
+llama-tiny under torchtitan's plan (tests/_tp.py) at tp 2, for each checkpointing policy
+and a vocabulary tp does not divide: one rank's saved-for-backward bytes equal
+``estimate_activation_bytes(..., tp=2)`` to the byte ([Note: activations under tensor
+parallelism]); its parameters' local elements equal ``tp_param_count``; the tp
+collectives a dispatch counter sees in forward and in backward equal
+``tp_collectives_per_step``, op by op, in bytes ([Note: tp collectives, priced]); and the
+parallel model computes the unparallelised model's loss and gradients.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import torch
 import torch.nn.functional as F
 from _tp import parallelize_llama
 
+from zeroshard.bench.measure import CommCounter
 from zeroshard.checkpointing import apply_checkpointing
 from zeroshard.memory import SavedTensorCounter
 from zeroshard.memory.activations import estimate_activation_bytes
+from zeroshard.memory.tensor_parallel import tp_collectives_per_step, tp_param_count
 from zeroshard.models import build_model, get_preset
 from zeroshard.testing import run_ranks, sweep
 
 B = 2
 # vocab 255: a size tp does not divide (rank 0 holds 128 rows of the LM head, rank 1 127)
-GRID = [{"policy": p, "vocab": v} for p in ("none", "full", "selective") for v in (256, 255)]
+GRID = [{"policy": p, "vocab": v} for p in ("none", "full", "selective", "every-2", "sqrt") for v in (256, 255)]
 SEQ = 64
 
 
@@ -46,11 +50,12 @@ def _one(rank: int, world: int, policy: str, vocab: int) -> dict:
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab, (B, seq), generator=g)
     y = torch.randint(0, cfg.vocab, (B, seq), generator=g)
-    with SavedTensorCounter() as counter:
+    forward, backward = CommCounter(), CommCounter()
+    with SavedTensorCounter() as counter, forward:
         out = model(idx)
         with loss_parallel():
             loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
-    with loss_parallel():
+    with loss_parallel(), backward:
         loss.backward()
     ref_loss = F.cross_entropy(ref(idx).flatten(0, 1), y.flatten())
     ref_loss.backward()
@@ -59,7 +64,8 @@ def _one(rank: int, world: int, policy: str, vocab: int) -> dict:
                / grads[n].grad.abs().max().clamp_min(1e-12)).item()
               for n, p in model.named_parameters())
     return {"saved": counter.bytes, "loss": loss.item(), "ref_loss": ref_loss.item(),
-            "grad_dev": dev}
+            "grad_dev": dev, "local_params": sum(p.to_local().numel() for p in model.parameters()),
+            "comm": {"forward": forward.by_op, "backward": backward.by_op}}
 
 
 def _all(rank: int, world: int) -> list[dict]:
@@ -82,6 +88,16 @@ def test_saved_bytes_equal_the_estimate_at_tp2(measured: list[list[dict]]) -> No
             got = measured[rank][i]
             assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), point
             assert got["grad_dev"] < 1e-5, point
+        assert measured[0][i]["local_params"] == tp_param_count(cfg, 2)
+        want: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                 "all_reduce": "all_reduce"}
+        for c in tp_collectives_per_step(cfg, micro_batch=B, seq_len=SEQ, tp=2, act_bytes=4,
+                                         policy=point["policy"]):
+            if c.logical_bytes:
+                op = want[c.phase]
+                op[names[c.op]] = op.get(names[c.op], 0) + c.logical_bytes
+        assert measured[0][i]["comm"] == want, point
     full = estimate_activation_bytes(get_preset("llama-tiny"), B, SEQ, "none")
     assert measured[0][0]["saved"] < 0.6 * full.total  # about half, as tp = 2 promises
 
