@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
 import shutil
 import tempfile
@@ -15,6 +16,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # run used to leave ~200 MB in /tmp (trainer and Lightning checkpoints). Short on
 # purpose: multiprocessing's forkserver puts a unix socket (<= 107 bytes) under it.
 # Under pytest-xdist the workers inherit the controller's folder and nest their own.
+# torch.compile's kernel cache stays where it was (it lives in the temp folder by default):
+# the inductor tests would otherwise compile from scratch on every run.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 _SCRATCH = tempfile.mkdtemp(prefix="zs-tests-")
 os.environ["TMPDIR"] = _SCRATCH
 tempfile.tempdir = None  # tempfile caches its folder: read TMPDIR again

@@ -11,6 +11,8 @@ parallel model computes the unparallelised model's loss and gradients.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ from _tp import parallelize_llama
 from zeroshard.bench.measure import CommCounter
 from zeroshard.checkpointing import apply_checkpointing
 from zeroshard.memory import SavedTensorCounter
-from zeroshard.memory.activations import estimate_activation_bytes
+from zeroshard.memory.activations import block_terms, estimate_activation_bytes
 from zeroshard.memory.tensor_parallel import tp_collectives_per_step, tp_param_count
 from zeroshard.models import build_model, get_preset
 from zeroshard.testing import run_ranks, sweep
@@ -31,8 +33,6 @@ SEQ = 64
 
 
 def _config(vocab: int):
-    import dataclasses
-
     return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab)
 
 
@@ -109,5 +109,13 @@ def test_tp_errors_name_the_fix() -> None:
         estimate_activation_bytes(get_preset("llama-tiny"), 1, 64, tp=3)
     with pytest.raises(ValueError, match="does not divide seq_len=63"):
         estimate_activation_bytes(get_preset("llama-tiny"), 1, 63, tp=2)
+    with pytest.raises(ValueError, match="breaks the tie"):
+        tp_param_count(dataclasses.replace(get_preset("llama-tiny"), tie_embeddings=True), 2)
+    with pytest.raises(ValueError, match="'selective-op' is not priced"):
+        estimate_activation_bytes(get_preset("llama-tiny"), 1, 64, "selective-op")
+    # unfused attention's s x s scores are per head: a rank keeps its heads' share
+    one, two = (block_terms(get_preset("llama-tiny"), 2, 64, fused_attention=False, tp=t)
+                for t in (1, 2))
+    assert two["scores: softmax output"] * 2 == one["scores: softmax output"]
     with pytest.raises(ValueError, match="positive integer"):
         estimate_activation_bytes(get_preset("llama-tiny"), 1, 64, tp=0)

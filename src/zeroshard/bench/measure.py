@@ -9,8 +9,8 @@ the plain timed steps before. Both kinds are real training steps on the shared d
 every configuration takes the same number of optimizer steps on the same batches. The
 measured step must not be one of the first two: DDP rebuilds its gradient buckets in its
 second step, and zeroshard's stage 2 allocates its gradient stash then, so a second step
-measures more (or other) bytes than every later one. With the defaults (one warm-up step,
-three timed) it is the fifth.
+measures more (or other) bytes than every later one. With the defaults (two warm-up steps,
+five timed) it is the eighth.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class CommCounter(TorchDispatchMode):
     go through the dispatcher as ``c10d::*`` ops, so a dispatch mode sees them with their
     tensors. Logical bytes follow [Note: logical vs wire bytes] in comm.py: an all-reduce
     of S bytes counts 2S, an all-gather or reduce-scatter counts its full (unsharded)
-    tensor, a broadcast S. Barriers and point-to-point ops are not counted. DTensor's
-    functional collectives (``_c10d_functional::*``, tensor parallelism) count the same way.
+    tensor, a broadcast S. Barriers and point-to-point ops are not counted. Of DTensor's
+    functional collectives (``_c10d_functional::*``, tensor parallelism) the three a
+    Colwise/Rowwise/SequenceParallel plan issues count the same way:
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; others (in-place,
+    ``_out``, coalesced, all-to-all) are not counted.
     """
 
     def __init__(self) -> None:

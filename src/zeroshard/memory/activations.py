@@ -46,11 +46,12 @@ vocabulary it does not divide, rank 0's share, the largest):
 * vocabulary / tp: cross-entropy's log-softmax output;
 * whole: the attention and MLP inputs (each norm's output, all-gathered over the
   sequence; torch's linear saves the gathered input for its weight gradient, where
-  Megatron-LM gathers it again in backward: so the paper's 34sbh/t becomes 2sbh + 32sbh/t
+  Megatron-LM gathers it again in backward: so the paper's 34sbh/t becomes 4sbh + 30sbh/t
   per layer in 16-bit), the LM head input (gathered the same way), token ids, targets and
   the RoPE tables.
 A block's input kept by a checkpointed region is a sequence shard (s/tp). Measured on
-llama-tiny at tp 2 (tests/test_checkpointing.py): 2,053,380 bytes, equal to the estimate.
+llama-tiny at tp 2 (tests/test_tp_accounting.py): 2,053,380 bytes with no checkpointing
+(b 2, s 64, fp32), equal to the estimate, and so for each policy it prices.
 GPT-2's fused qkv projection cannot be split column-wise (a rank's rows would mix q and
 k), so ``tp`` > 1 is for Llama only.
 """
@@ -64,6 +65,7 @@ from zeroshard.checkpointing import (
     CheckpointPolicy,
     NoCheckpoint,
     Selective,
+    SelectiveOps,
     parse_policy,
 )
 from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig
@@ -129,10 +131,11 @@ def block_terms(
     if fused_attention:
         terms["scores: logsumexp (fp32, fused SDPA)"] = b * (a // tp) * s * STAT_BYTES
     else:
-        terms["scores: softmax output"] = b * a * s * s * d
+        ha = a // tp  # a rank's heads
+        terms["scores: softmax output"] = b * ha * s * s * d
         if dropout:
-            terms["scores: dropout mask"] = b * a * s * s * mask_bytes
-            terms["scores: dropout output"] = b * a * s * s * d
+            terms["scores: dropout mask"] = b * ha * s * s * mask_bytes
+            terms["scores: dropout output"] = b * ha * s * s * d
     if isinstance(config, GPT2Config):
         terms["norm mean + rstd (fp32)"] = 2 * 2 * t * STAT_BYTES
         terms["mlp fc output (GELU input, 4h)"] = 4 * t * h * d
@@ -272,6 +275,11 @@ def estimate_activation_bytes(
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     config.check_seq_len(s)
     pol = parse_policy(policy)
+    if isinstance(pol, SelectiveOps):  # its regions would price it as "full": far too low
+        raise ValueError("policy 'selective-op' is not priced by this estimate (it keeps every "
+                         "matmul's output, which the itemised terms do not split out); "
+                         "measure it with SavedTensorCounter or a traced plan, or estimate "
+                         "'selective' or 'full'")
     full, sel, inputs = _layer_counts(pol, config.n_layers)
     return ActivationEstimate(
         policy=getattr(pol, "name", type(pol).__name__),

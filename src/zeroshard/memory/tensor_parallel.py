@@ -24,7 +24,7 @@ what a ring moves anyway (S (tp-1)/tp per rank). Per step, with L layers:
 The replicated norm weights' gradients are left as ``Partial`` DTensors by backward
 (nothing is reduced in it); who reduces them is the data-parallel engine's business.
 Measured on llama-tiny at tp 2 with a dispatch counter (tests/test_tp_accounting.py):
-every count and byte equal.
+every op's bytes, in forward and in backward, equal.
 """
 
 from __future__ import annotations
@@ -42,11 +42,14 @@ def tp_param_count(config: ModelConfig, tp: int) -> int:
     """Parameters rank 0 holds under the plan (the largest share where tp does not divide
     the MLP width or the vocabulary); the norms are whole on every rank."""
     check_tp(config, tp)
+    if tp > 1 and getattr(config, "tie_embeddings", False):
+        raise ValueError(f"tp={tp} with tie_embeddings=True: parallelize_module gives the token "
+                         "table and the LM head separate parameters, which breaks the tie (they "
+                         "would train apart); untie them (tie_embeddings=False) or use tp=1")
     h, f, v = config.hidden, math.ceil(config.ffn_dim / tp), math.ceil(config.vocab / tp)
     kv = config.kv_heads * config.head_dim // tp
     block = h * (h // tp) * 2 + 2 * h * kv + 3 * h * f + 2 * h
-    tables = 1 if config.tie_embeddings else 2
-    return tables * v * h + config.n_layers * block + h
+    return 2 * v * h + config.n_layers * block + h
 
 
 def tp_collectives_per_step(

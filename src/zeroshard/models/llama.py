@@ -81,11 +81,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # Heads as -1: under tensor parallelism (q/k/v column-wise) a rank holds
-        # n_heads / tp of them, as torchtitan's attention does.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # Heads from the projections' width: under tensor parallelism (q/k/v column-wise)
+        # a rank holds n_heads / tp of them, as in torchtitan's attention.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        hd = self.head_dim  # (not -1 for the heads: a view of 0 elements cannot infer it)
+        q = q.view(b, t, q.shape[-1] // hd, hd).transpose(1, 2)
+        k = k.view(b, t, k.shape[-1] // hd, hd).transpose(1, 2)
+        v = v.view(b, t, v.shape[-1] // hd, hd).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
@@ -93,7 +95,7 @@ class LlamaAttention(nn.Module):
             group = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = self.core(q, k, v)
-        return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, y.shape[1] * hd))
 
 
 class LlamaMLP(nn.Module):
