@@ -18,8 +18,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Under pytest-xdist the workers inherit the controller's folder and nest their own.
 # torch.compile's kernel cache stays where it was (it lives in the temp folder by default):
 # the inductor tests would otherwise compile from scratch on every run.
+try:
+    _USER = getpass.getuser()
+except (KeyError, OSError):  # a uid with no passwd entry (some containers)
+    _USER = str(os.getuid())
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    tempfile.gettempdir(), f"torchinductor_{_USER}"))
 _SCRATCH = tempfile.mkdtemp(prefix="zs-tests-")
 os.environ["TMPDIR"] = _SCRATCH
 tempfile.tempdir = None  # tempfile caches its folder: read TMPDIR again
