@@ -11,11 +11,6 @@ import tempfile
 # 2 cores shared by the test process and up to 4 ranks: one OpenMP thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Every temporary file of the session (module-level caches' folders, torchrun's
-# torchelastic_* log folders, ranks' scratch) goes under one folder removed at exit: a
-# run used to leave ~200 MB in /tmp (trainer and Lightning checkpoints). Short on
-# purpose: multiprocessing's forkserver puts a unix socket (<= 107 bytes) under it.
-# Under pytest-xdist the workers inherit the controller's folder and nest their own.
 # torch.compile's kernel cache stays where it was (it lives in the temp folder by default):
 # the inductor tests would otherwise compile from scratch on every run.
 try:
@@ -24,6 +19,11 @@ except (KeyError, OSError):  # a uid with no passwd entry (some containers)
     _USER = str(os.getuid())
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{_USER}"))
+# Every temporary file of the session (module-level caches' folders, torchrun's
+# torchelastic_* log folders, ranks' scratch) goes under one folder removed at exit: a
+# run used to leave ~200 MB in /tmp (trainer and Lightning checkpoints). Short on
+# purpose: multiprocessing's forkserver puts a unix socket (<= 107 bytes) under it.
+# Under pytest-xdist the workers inherit the controller's folder and nest their own.
 _SCRATCH = tempfile.mkdtemp(prefix="zs-tests-")
 os.environ["TMPDIR"] = _SCRATCH
 tempfile.tempdir = None  # tempfile caches its folder: read TMPDIR again
