@@ -12,6 +12,7 @@ parallel model computes the unparallelised model's loss and gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from zeroshard.memory import SavedTensorCounter
 from zeroshard.memory.activations import block_terms, estimate_activation_bytes
 from zeroshard.memory.tensor_parallel import tp_collectives_per_step, tp_param_count
 from zeroshard.models import build_model, get_preset
+from zeroshard.models.config import LlamaConfig
 from zeroshard.testing import run_ranks, sweep
 
 B = 2
@@ -32,7 +34,7 @@ GRID = [{"policy": p, "vocab": v} for p in ("none", "full", "selective", "every-
 SEQ = 64
 
 
-def _config(vocab: int):
+def _config(vocab: int) -> LlamaConfig:
     return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab)
 
 
@@ -69,7 +71,7 @@ def _one(rank: int, world: int, policy: str, vocab: int) -> dict:
 
 
 def _all(rank: int, world: int) -> list[dict]:
-    return sweep(lambda **p: _one(rank, world, **p), GRID)
+    return sweep(functools.partial(_one, rank, world), GRID)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,6 @@ class CommCounter(TorchDispatchMode):
         self.logical_bytes = 0
         self.calls = 0
         self.by_op: dict[str, int] = {}
-        self.calls_by_op: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -98,7 +97,6 @@ class CommCounter(TorchDispatchMode):
         self.logical_bytes += nbytes
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
-        self.calls_by_op[op] = self.calls_by_op.get(op, 0) + 1
 
 
 def rss() -> int:

@@ -120,7 +120,8 @@ def block_terms(
     b, s, h, a, d = micro_batch, seq_len, config.hidden, config.n_heads, dtype_bytes
     t = b * s
     ts = b * s // tp  # tokens of one sequence shard
-    ah = h // tp  # attention width of a rank's heads (tp divides the heads)
+    ha = a // tp  # a rank's heads (tp divides them)
+    ah = h // tp  # their width
     terms = {
         "norm inputs (2 norms)": 2 * ts * h * d,
         "attention input (norm1 output)": t * h * d,
@@ -129,9 +130,8 @@ def block_terms(
         "mlp input (norm2 output)": t * h * d,
     }
     if fused_attention:
-        terms["scores: logsumexp (fp32, fused SDPA)"] = b * (a // tp) * s * STAT_BYTES
+        terms["scores: logsumexp (fp32, fused SDPA)"] = b * ha * s * STAT_BYTES
     else:
-        ha = a // tp  # a rank's heads
         terms["scores: softmax output"] = b * ha * s * s * d
         if dropout:
             terms["scores: dropout mask"] = b * ha * s * s * mask_bytes

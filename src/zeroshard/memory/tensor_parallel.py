@@ -42,7 +42,7 @@ def tp_param_count(config: ModelConfig, tp: int) -> int:
     """Parameters rank 0 holds under the plan (the largest share where tp does not divide
     the MLP width or the vocabulary); the norms are whole on every rank."""
     check_tp(config, tp)
-    if tp > 1 and getattr(config, "tie_embeddings", False):
+    if tp > 1 and config.tie_embeddings:  # check_tp: a LlamaConfig
         raise ValueError(f"tp={tp} with tie_embeddings=True: parallelize_module gives the token "
                          "table and the LM head separate parameters, which breaks the tie (they "
                          "would train apart); untie them (tie_embeddings=False) or use tp=1")
