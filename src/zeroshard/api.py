@@ -26,6 +26,7 @@ from .engine.optimizer_spec import (
     spec_from_class,
     spec_from_instance,
 )
+from .engine.tensor_parallel import TensorParallel, is_tp_mesh, localize, tp_comms
 from .engine.units import UnitSpec
 from .memory.tracker import MemoryTracker
 
@@ -321,7 +322,23 @@ def shard(
     if meta and param_init is None:
         param_init = _default_param_init(model)
     ledger = CommLedger()
-    if hybrid is not None or mesh is not None:
+    tp = None
+    if is_tp_mesh(mesh):  # see [Note: tensor-parallel parameters]
+        if process_group is not None or hybrid is not None:
+            raise ValueError("a mesh with a tp dimension says the dp layout too; drop "
+                             "process_group= and hybrid=")
+        if meta:
+            raise ValueError(
+                "tensor parallelism needs real weights at shard(): materialise the model "
+                "before parallelize_module (zeroshard.models.materialize), then shard it")
+        comm, replicate, world, tp_comm = tp_comms(ledger, mesh, stage)
+        specs = localize(model, mesh["tp"])
+        if not specs:
+            raise ValueError(
+                "the mesh has a tp dimension but no parameter is a DTensor: apply "
+                "parallelize_module(model, mesh['tp'], plan) before shard()")
+        tp = TensorParallel(mesh, specs, tp_comm)
+    elif hybrid is not None or mesh is not None:
         if process_group is not None:
             raise ValueError("pass either process_group or hybrid=/mesh=, not both")
         if stage == 0:
@@ -336,7 +353,8 @@ def shard(
         label = "world" if process_group is None else "dp"
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
-                    replicate=replicate, world=world, param_groups=spec.group_of, mesh=mesh)
+                    replicate=replicate, world=world, param_groups=spec.group_of, mesh=mesh,
+                    tp=tp)
     if (config.offload and spec.factory in (torch.optim.AdamW, torch.optim.Adam)
             and spec.instance is None
             and "fused" not in spec.kwargs and "foreach" not in spec.kwargs):
@@ -352,7 +370,7 @@ def shard(
     comm.ledger.mark_step()  # the initial broadcast is not part of any step
     comm.ledger.step = 0
     names = [b.name for b in engine.all_buckets] + [u.name for u in engine.units]
-    for c in (comm, replicate, world):
+    for c in (comm, replicate, world, tp.comm if tp else None):
         if c is not None:
             c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
                           "forward", "buffers", "used", "grad_norm", "overflow", "join"])

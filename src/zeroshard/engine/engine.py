@@ -94,6 +94,7 @@ from .sources import full_master, gather_shard, memory_sources
 from .stage3 import Stage3Hooks, in_backward
 from .step_grads import StepGrads
 from .storage import same_memory, shares
+from .tensor_parallel import TensorParallel
 from .tied import TiedGrads
 from .units import UnitSpec
 
@@ -119,7 +120,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         units: UnitSpec = None, param_init: ParamInit | None = None,
         device: torch.device | None = None, replicate: Comm | None = None,
         world: Comm | None = None, param_groups: dict[str, int] | None = None,
-        mesh: Any = None,
+        mesh: Any = None, tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
         # Optimizer parameter groups by parameter name (0: the default group); the
@@ -132,6 +133,10 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self.comm = comm
         self.replicate = replicate
         self.world = world or comm
+        # Tensor parallelism (tensor_parallel.py): ``world`` is then the dp ranks of this
+        # tp coordinate; what every rank must agree on (an fp16 overflow, the gradient
+        # norm) spans ``tp.comm`` too.
+        self.tp = tp
         self.dp_size = comm.size * (replicate.size if replicate else 1)
         for c in self.comms():
             c.timeout = config.timeout
@@ -186,7 +191,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self.grads = StepGrads(
             policy=self.policy, comm=comm, world=self.world, device=self.device,
             buckets=self.buckets, faces=self.faces, reducer=self.reducer,
-            offloader=self.offloader, scaler=self.scaler, tied=self.tied)
+            offloader=self.offloader, scaler=self.scaler, tied=self.tied, tp=self.tp)
         # After materialising: a meta model's parameters are new objects by now.
         self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
             id(s.param) for b in self.all_buckets for s in b.slots}
@@ -215,10 +220,10 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             # an in-place edit between steps is what the next step starts from), not the
             # device weights the next gather overwrites.
             swap=self.compute_dtype is not None or self.policy.shard_params
-            or (self.offload and self.policy.shard_optimizer),
+            or (self.offload and self.policy.shard_optimizer) or self.tp is not None,
             mesh=(user_mesh(self.comm, self.device, mesh)
                   if self.policy.shard_optimizer else None),
-            placements=placements(self.replicate),
+            placements=placements(self.replicate), tp=self.tp,
         )
         self.faces.show(self.all_buckets, compute=False)
         self._shown_compute = False  # stages 0-2: the modules hold the compute params
@@ -258,7 +263,8 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
 
     def comms(self) -> list[Comm]:
         """The engine's distinct communicators (sharding, replicate, world)."""
-        unique = {id(c): c for c in (self.comm, self.replicate, self.world) if c is not None}
+        tp = self.tp.comm if self.tp is not None else None
+        unique = {id(c): c for c in (self.comm, self.replicate, self.world, tp) if c is not None}
         return list(unique.values())
 
     def reduce_dtype_of(self, b: FlatBucket) -> torch.dtype:

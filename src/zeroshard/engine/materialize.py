@@ -103,7 +103,10 @@ def materialize(e: Engine, b: FlatBucket, param_init: ParamInit | None) -> None:
     if e.policy.shard_params:
         _materialize_sharded(e, b, flat)
         return
-    if e.policy.shard_optimizer and not e.offload and e.compute_dtype is None:
+    # Under tensor parallelism the user parameters are DTensors on the whole mesh over
+    # a master of their own (params.py), so the masters are not the weights' chunks.
+    if (e.policy.shard_optimizer and not e.offload and e.compute_dtype is None
+            and e.tp is None):
         b.master_in_full = True  # see [Note: masters inside the weights] in chunks.py
         make_chunks(b, e.group_of)
         return

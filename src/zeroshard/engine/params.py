@@ -58,10 +58,15 @@ identities and ``model.parameters()`` are as before.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from .flat import FlatBucket
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TensorParallel
 
 __all__ = ["Faces", "make_spec", "dtensor"]
 
@@ -104,7 +109,8 @@ class Faces:
     """The user parameters of one engine and where the modules hold them."""
 
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], *, sharded: bool,
-                 swap: bool, mesh, placements: tuple) -> None:
+                 swap: bool, mesh, placements: tuple, tp: TensorParallel | None = None) -> None:
+        self.tp = tp  # see [Note: tensor-parallel parameters] in tensor_parallel.py
         self.sharded = sharded  # user-visible weights/gradients are DTensor shards
         self.swap = swap  # user parameters differ from the compute ones
         # id(compute parameter) -> one alias per home after the first (see
@@ -141,8 +147,12 @@ class Faces:
         weights = self._weights(b) if self.swap else None
         for i, s in enumerate(b.slots):
             if self.sharded:
+                placements, shape = self.placements, s.shape
+                if self.tp is not None:
+                    placements = self.tp.placements(s.param, placements)
+                    shape = self.tp.global_shape(s.param)
                 self.specs[id(s.param)] = make_spec(
-                    self.mesh, self.placements, s.shape,
+                    self.mesh, placements, shape,
                     b.master_dtype if b.requires_grad else b.shard16.dtype)
             if not self.swap:
                 user = s.param
@@ -185,8 +195,14 @@ class Faces:
                     for a in self.aliases.get(id(s.param), ()):
                         a.data = s.param.data
             homes = self._pairs[id(b)] if self.swap else self._alias_homes[id(b)]
+            faces: dict[int, torch.Tensor] = {}
             for module, attr, c, u in homes:
-                module._parameters[attr] = c if compute else u
+                if compute and self.tp is not None and self.tp.spec(c) is not None:
+                    if id(c) not in faces:  # one per parameter, shared by its homes
+                        faces[id(c)] = self.tp.face(c)
+                    module._parameters[attr] = faces[id(c)]  # type: ignore[assignment]
+                else:
+                    module._parameters[attr] = c if compute else u
 
     def edits(self, b: FlatBucket) -> int:
         """The sum of the bucket's user parameters' version counters: it changes when

@@ -21,6 +21,7 @@ from .policy import StagePolicy
 from .precision import LossScaler
 from .reduction import Reducer
 from .storage import same_memory
+from .tensor_parallel import TensorParallel
 from .tied import TiedGrads
 
 __all__ = ["StepGrads"]
@@ -31,8 +32,10 @@ class StepGrads:
 
     def __init__(self, *, policy: StagePolicy, comm: Comm, world: Comm, device: torch.device,
                  buckets: list[FlatBucket], faces: Faces, reducer: Reducer,
-                 offloader: Offload, scaler: LossScaler, tied: TiedGrads) -> None:
+                 offloader: Offload, scaler: LossScaler, tied: TiedGrads,
+                 tp: TensorParallel | None = None) -> None:
         self.policy = policy
+        self.tp = tp  # tensor parallelism: tp ranks hold other pieces (tensor_parallel.py)
         self.comm = comm
         self.world = world
         self.device = device
@@ -93,21 +96,24 @@ class StepGrads:
 
         s = b.slots[i]
         name = s.names[0]
-        if tuple(g.shape) != tuple(s.shape):
+        shape = self.tp.global_shape(s.param) if self.tp is not None else s.shape
+        if tuple(g.shape) != tuple(shape):
             raise ValueError(
                 f"the .grad assigned to parameter {name!r} has shape {tuple(g.shape)}, the "
-                f"parameter {tuple(s.shape)}: assign a gradient shaped like the parameter")
+                f"parameter {tuple(shape)}: assign a gradient shaped like the parameter")
         if isinstance(g, DTensor):
-            if tuple(g.placements) != tuple(self.faces.placements) or g.device_mesh != \
-                    self.faces.mesh:
+            want = self.faces.specs[id(s.param)].placements
+            if tuple(g.placements) != tuple(want) or g.device_mesh != self.faces.mesh:
                 raise ValueError(
                     f"the .grad assigned to parameter {name!r} is a DTensor placed as "
                     f"{g.placements} on another mesh or layout than the parameter's "
-                    f"{self.faces.placements}: build it from the parameter's own .grad "
+                    f"{want}: build it from the parameter's own .grad "
                     "(e.g. p.grad * 0.5), or assign a whole (non-DTensor) tensor")
             return g._local_tensor  # not to_local(): an autograd op, per slot and step
         if not self.faces.sharded:
             return g
+        if self.tp is not None:  # this tp rank's piece first
+            g = self.tp.local_piece(s.param, g)
         lo, hi = s.piece(b.rank)
         return g.detach().reshape(-1)[lo:hi].view(s.local_shape(b.rank))
 
@@ -150,6 +156,8 @@ class StepGrads:
                 bad += (~torch.isfinite(b.master_grad)).any().float()
             bad = bad.to(self.device)  # collectives run on the device (NCCL needs it)
             self.world.all_reduce(bad, phase="control", unit="overflow").wait()
+            if self.tp is not None:  # every tp rank skips the step, or none does
+                self.tp.comm.all_reduce(bad, phase="control", unit="overflow").wait()
             self.overflow = bool(bad.item() > 0)
         self.prepared = True
         return self.overflow
@@ -163,17 +171,33 @@ class StepGrads:
         sharded = self.policy.shard_optimizer
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max().float().to(self.device)
-            if sharded:
-                self.comm.all_reduce(local, phase="control", unit="grad_norm",
-                                     op=dist.ReduceOp.MAX).wait()
+            for c in self._norm_comms(sharded):
+                c.all_reduce(local, phase="control", unit="grad_norm",
+                             op=dist.ReduceOp.MAX).wait()
             return local.to(device)
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
+        for g in self._counted_once(grads):
             local += g.float().pow(norm_type).sum()
-        if sharded:
-            local = local.to(self.device)  # offloaded grads live on the host
-            self.comm.all_reduce(local, phase="control", unit="grad_norm").wait()
+        local = local.to(self.device)  # offloaded grads live on the host
+        for c in self._norm_comms(sharded):
+            c.all_reduce(local, phase="control", unit="grad_norm").wait()
         return local.pow(1.0 / norm_type).to(device)
+
+    def _norm_comms(self, sharded: bool) -> list[Comm]:
+        """Who sums a norm: the sharding group (replicas hold equal slices), then tp."""
+        return ([self.comm] if sharded else []) + ([self.tp.comm] if self.tp else [])
+
+    def _counted_once(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients this rank counts in a global norm: all of them, or under tensor
+        parallelism the pieces of tp-sharded parameters and, on tp rank 0 only, those
+        of parameters every tp rank holds whole."""
+        if self.tp is None:
+            return grads
+        out = []
+        for b, g in zip(self.buckets, grads):
+            out += [g[lo:hi] for s, lo, hi in b.slots_in_shard()
+                    if self.tp.counted_once(s.param)]
+        return out
 
     def scale(self, coef: torch.Tensor) -> None:
         for b in self.buckets:

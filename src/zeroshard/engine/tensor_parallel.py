@@ -1,0 +1,198 @@
+"""Tensor parallelism composed with zeroshard's data parallelism: a model that torch's
+``parallelize_module`` made tensor-parallel on the ``tp`` dimension of a mesh, sharded
+by zeroshard over the other (data-parallel) dimensions.
+
+[Note: tensor-parallel parameters]
+``parallelize_module`` leaves each parameter it parallelised an ``nn.Parameter`` over a
+DTensor on the 1-D tp mesh: this rank's local piece (a ``Shard(0)`` block of rows, a
+``Shard(1)`` block of columns, or a ``Replicate`` whole) and its placement. zeroshard
+shards the *local pieces*:
+
+* at ``shard()`` each such parameter is replaced, in every module holding it, by a plain
+  parameter over its local tensor (:func:`localize`), and the engine cuts buckets of
+  those as of any model. The ranks of one dp group share a tp coordinate, so their
+  local shapes agree: flat buckets, chunks and padding work unchanged, every
+  data-parallel collective runs inside the dp dimensions, and every tensor-parallel one
+  is torch's own, untouched.
+* during forward and backward the modules hold, for each such parameter, a DTensor made
+  by ``DTensor.from_local`` of the compute parameter (:meth:`TensorParallel.face`): the
+  tp plan's ops see the DTensors they were written for, and autograd carries each
+  gradient back through ``from_local``, whose backward first brings it to the
+  parameter's placement — a ``Partial`` gradient (a sequence-parallel norm's weight) is
+  all-reduced over tp there, as FSDP2 does before its reduce-scatter — so what reaches
+  the engine is the local piece's gradient, which it reduces over dp only.
+* the user parameter (see [Note: parameters the user sees] in params.py) is a DTensor
+  on the whole mesh: zeroshard's dp placements, then the tp placement. Where both split
+  dim 0 (a column-wise weight) the dp placement is ``_StridedShard(0, split_factor=tp)``:
+  rank (d, t) holds dp chunk d of tp chunk t, as under FSDP2 + TP, so ``full_tensor()``
+  is the true parameter and DCP can place it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TpSpec", "TensorParallel", "localize", "dp_placements", "tp_comms", "is_tp_mesh"]
+
+
+@dataclass(frozen=True)
+class TpSpec:
+    """A tensor-parallel parameter's place on the tp mesh, and its global shape."""
+
+    mesh: Any  # the 1-D tp DeviceMesh
+    placement: Any  # Shard(d) or Replicate()
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement.is_shard()
+
+
+def localize(model: nn.Module, tp_mesh: Any) -> dict[int, TpSpec]:
+    """Replace every DTensor parameter by a plain parameter over its local piece, in every
+    module that holds it (tied ones stay tied); return their specs by ``id`` of the new
+    parameter. See [Note: tensor-parallel parameters]."""
+    from torch.distributed.tensor import DTensor
+
+    specs: dict[int, TpSpec] = {}
+    new_of: dict[int, nn.Parameter] = {}
+    for mname, module in model.named_modules():
+        for attr, p in list(module._parameters.items()):
+            if not isinstance(p, DTensor):
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            if id(p) not in new_of:
+                _check_tp_param(name, p, tp_mesh)
+                local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                new_of[id(p)] = local
+                specs[id(local)] = TpSpec(p.device_mesh, p.placements[0], p.shape, p.stride())
+            module._parameters[attr] = new_of[id(p)]
+    return specs
+
+
+def _check_tp_param(name: str, p: Any, tp_mesh: Any) -> None:
+    if p.device_mesh != tp_mesh:
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on mesh {p.device_mesh} (dims "
+            f"{p.device_mesh.mesh_dim_names}), not on the tp dimension of the mesh passed to "
+            "shard(): parallelize the model with parallelize_module(model, mesh['tp'], plan) "
+            "on that same mesh")
+    placement = p.placements[0]
+    if not (placement.is_shard() or placement.is_replicate()):
+        raise ValueError(
+            f"parameter {name!r} has tp placement {placement}; zeroshard shards parameters "
+            "placed Shard(d) or Replicate() on the tp mesh (torch's parallel styles give "
+            "those)")
+
+
+def dp_placements(replicate: bool) -> tuple:
+    """zeroshard's placements over the dp dimensions: (Shard(0),) or with hybrid sharding
+    (Replicate(), Shard(0))."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return (Replicate(), Shard(0)) if replicate else (Shard(0),)
+
+
+class TensorParallel:
+    """The tp side of an engine: the parameters' tp specs, the mesh the user parameters
+    live on, and the faces forward computes with."""
+
+    def __init__(self, mesh: Any, specs: dict[int, TpSpec], tp_comm: Any) -> None:
+        self.mesh = mesh  # the whole mesh (dp dims, then "tp")
+        self.tp_mesh = mesh["tp"]
+        self.size = self.tp_mesh.size()
+        self.rank = self.tp_mesh.get_local_rank()
+        self.specs = specs  # id(compute parameter) -> TpSpec
+        self.comm = tp_comm  # a Comm over the tp group (norms, flags)
+
+    def spec(self, param: torch.Tensor) -> TpSpec | None:
+        return self.specs.get(id(param))
+
+    def placements(self, param: torch.Tensor, dp: tuple) -> tuple:
+        """The user parameter's placements on the whole mesh."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        spec = self.spec(param)
+        if spec is None:  # not parallelised: the same on every tp rank
+            return (*dp, Replicate())
+        if spec.placement.is_shard(0):  # dp splits the tp piece's rows again
+            dp = tuple(_StridedShard(0, split_factor=self.size) if q.is_shard() else q
+                       for q in dp)
+        return (*dp, spec.placement)
+
+    def global_shape(self, param: torch.Tensor) -> torch.Size:
+        spec = self.spec(param)
+        return param.shape if spec is None else spec.shape
+
+    def local_piece(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This tp rank's piece of a whole tensor shaped like ``param``'s global shape
+        (``torch.chunk``, as DTensor's ``Shard`` cuts)."""
+        spec = self.spec(param)
+        if spec is None or not spec.sharded:
+            return whole
+        return torch.chunk(whole, self.size, dim=spec.placement.dim)[self.rank]
+
+    def counted_once(self, param: torch.Tensor) -> bool:
+        """Does this rank count ``param``'s elements in a global sum over tp? Sharded
+        pieces on every tp rank; replicated ones on tp rank 0 only."""
+        spec = self.spec(param)
+        return (spec is not None and spec.sharded) or self.rank == 0
+
+    def face(self, param: nn.Parameter) -> torch.Tensor:
+        """What the modules hold in forward: a DTensor of the compute parameter, joined to
+        it in the graph (see [Note: tensor-parallel parameters])."""
+        from torch.distributed.tensor import DTensor
+
+        spec = self.specs[id(param)]
+        with _grad_if(param.requires_grad):
+            return DTensor.from_local(param, spec.mesh, (spec.placement,), run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+
+
+@contextmanager
+def _grad_if(on: bool) -> Iterator[None]:
+    # A face made where gradients are off (stage 3 re-gathers a unit inside backward;
+    # a reentrant checkpoint recomputes from the modules' faces) must still lead back to
+    # the parameter.
+    if on:
+        with torch.enable_grad():
+            yield
+    else:
+        yield
+
+
+def tp_comms(ledger: Any, mesh: Any, stage: int) -> tuple[Any, Any, Any, Any]:
+    """(shard, replicate, dp world, tp) communicators for a mesh with a "tp" dimension:
+    ("dp", "tp"), or ("replicate", "shard", "tp") for hybrid sharding."""
+    from ..comm import Comm
+
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if names not in (("dp", "tp"), ("replicate", "shard", "tp")):
+        raise ValueError(
+            f"a mesh with a tp dimension must have dims ('dp', 'tp') or ('replicate', "
+            f"'shard', 'tp'), got {names}; build it with init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp'))")
+    if stage == 0:
+        raise ValueError(
+            "tensor parallelism composes with stages 1, 2 and 3 (stage 0 shards nothing "
+            "and keeps a whole replica per rank); pick stage=1, 2 or 3")
+    tp = Comm(mesh.get_group("tp"), ledger, label="tp")
+    if names == ("dp", "tp"):
+        dp = Comm(mesh.get_group("dp"), ledger, label="dp")
+        return dp, None, dp, tp
+    shard = Comm(mesh.get_group("shard"), ledger, label="shard")
+    replicate = Comm(mesh.get_group("replicate"), ledger, label="replicate")
+    dp_world = mesh["replicate", "shard"]._flatten("dp_world").get_group()
+    return shard, replicate, Comm(dp_world, ledger, label="dp"), tp
+
+
+def is_tp_mesh(mesh: Any) -> bool:
+    return mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ())
