@@ -9,6 +9,8 @@ that (``publish``; [Note: parameters the user sees] in params.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -175,9 +177,12 @@ class StepGrads:
                 c.all_reduce(local, phase="control", unit="grad_norm",
                              op=dist.ReduceOp.MAX).wait()
             return local.to(device)
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        # fp32 at least, as torch sums a norm in the gradients' dtype (a float64 model's
+        # norm in float32 was 2e-8 off DDP's)
+        acc = functools.reduce(torch.promote_types, [g.dtype for g in grads], torch.float32)
+        local = torch.zeros((), dtype=acc, device=device)
         for g in self._counted_once(grads):
-            local += g.float().pow(norm_type).sum()
+            local += g.to(acc).pow(norm_type).sum()
         local = local.to(self.device)  # offloaded grads live on the host
         for c in self._norm_comms(sharded):
             c.all_reduce(local, phase="control", unit="grad_norm").wait()
