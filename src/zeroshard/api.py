@@ -332,7 +332,7 @@ def shard(
                 "tensor parallelism needs real weights at shard(): materialise the model "
                 "before parallelize_module (zeroshard.models.materialize), then shard it")
         comm, replicate, world, tp_comm = tp_comms(ledger, mesh, stage)
-        specs = localize(model, mesh["tp"])
+        specs = localize(model, mesh["tp"], frozen=stage == 3)
         if not specs:
             raise ValueError(
                 "the mesh has a tp dimension but no parameter is a DTensor: apply "
@@ -473,11 +473,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for b in engine.all_buckets:
         full = engine.full_master(b)
         for s in b.slots:
+            v = full[s.offset : s.offset + s.numel].view(s.shape)
+            if engine.tp is not None:  # the tp pieces joined (in slot order on every rank)
+                v = engine.tp.whole(s.param, v)
             for n in s.names:
-                values[n] = full[s.offset : s.offset + s.numel].view(s.shape)
+                values[n] = v
     out: dict[str, torch.Tensor] = {}
     for key, tensor in nn.Module.state_dict(model, keep_vars=True).items():
         src = values.get(key, tensor).detach()
+        if hasattr(src, "full_tensor"):  # a frozen tp parameter kept whole (stages 1-2)
+            src = src.full_tensor()
         out[key] = (src.float() if src.is_floating_point() else src).cpu().clone()
     return out
 

@@ -24,7 +24,9 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
         if buf is not t:
             t.copy_(buf)
     for p in frozen:
-        world.broadcast(p.data, 0, phase="init", unit="frozen")
+        # a frozen tp parameter (a DTensor: tensor_parallel.py) by its local piece
+        world.broadcast(getattr(p.data, "_local_tensor", p.data), 0, phase="init",
+                        unit="frozen")
         if compute_dtype is not None and p.is_floating_point():
             p.data = p.data.to(compute_dtype)
 

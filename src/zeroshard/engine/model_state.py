@@ -85,6 +85,8 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
         engine.comm.all_gather_into(gathered, shard.to(b.device), phase="state", unit=b.name)
         for i, s in enumerate(b.slots):
             v = _extract(b, gathered, i, engine.orig_dtype.get(s.names[0], shard.dtype))
+            if engine.tp is not None:  # the tp pieces joined: the same slots, in order,
+                v = engine.tp.whole(s.param, v)  # on every tp rank
             out.update(dict.fromkeys(s.names, v))
         del gathered
     return out
@@ -106,6 +108,8 @@ def model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = Non
             destination[key] = values[name]
         elif name in engine.orig_dtype and not keep_vars:  # a frozen parameter, stages 0-2
             v = destination[key].detach()
+            if hasattr(v, "full_tensor"):  # a frozen tp parameter: its whole value
+                v = v.full_tensor()
             destination[key] = v.to(engine.orig_dtype[name])
         elif not keep_vars and isinstance(destination[key], torch.Tensor):
             destination[key] = destination[key].detach()
@@ -139,11 +143,12 @@ def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
     slots = [(b, i, s) for b in engine.all_buckets for i, s in enumerate(b.slots)]
     named = [(n, b, i, s) for b, i, s in slots for n in s.names]
     for n, _b, _i, s in named:
+        shape = engine.tp.global_shape(s.param) if engine.tp is not None else s.shape
         if n in state_dict and isinstance(state_dict[n], torch.Tensor) and (
-                tuple(state_dict[n].shape) != tuple(s.shape)):
+                tuple(state_dict[n].shape) != tuple(shape)):
             errors.append(f"size mismatch for {n}: copying a param with shape "
                           f"{tuple(state_dict[n].shape)} from checkpoint, the shape in current "
-                          f"model is {tuple(s.shape)}.")
+                          f"model is {tuple(shape)}.")
     if strict:
         if missing:
             errors.insert(0, "Missing key(s) in state_dict: "
@@ -157,9 +162,14 @@ def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
     for b, i, s in slots:
         key = next((n for n in s.names if n in state_dict), None)
         if key is not None:
-            _load_slot(engine, b, i, _full(state_dict[key], key))
+            t = _full(state_dict[key], key)
+            if engine.tp is not None:  # this tp rank's piece, then its dp piece
+                t = engine.tp.local_piece(s.param, t)
+            _load_slot(engine, b, i, t)
     bucketed = {n for n, *_ in named}
     rest = {k: v for k, v in state_dict.items() if k not in bucketed}
+    if engine.tp is not None:  # frozen tp parameters (stages 1-2) stay DTensors
+        rest = _tp_frozen(model, rest)
     nn.Module.load_state_dict(model, rest, strict=False)
     return _IncompatibleKeys(missing, unexpected)
 
@@ -189,3 +199,21 @@ def _load_slot(engine: Engine, b: FlatBucket, i: int, t: torch.Tensor) -> None:
         else:  # the whole compute view at stages 1-2
             dst.copy_(t)
         done.append(dst)
+
+
+def _tp_frozen(model: nn.Module, rest: dict[str, Any]) -> dict[str, Any]:
+    """Whole values of frozen tp parameters copied into their DTensors' local pieces
+    (nn.Module's load would copy a whole tensor into a DTensor); the rest as given."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = dict(nn.Module.named_parameters(model, remove_duplicate=False))
+    out = {}
+    for k, v in rest.items():
+        p = params.get(k)
+        if p is not None and hasattr(p, "full_tensor") and not hasattr(v, "full_tensor"):
+            local = distribute_tensor(_full(v, k).to(p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+            p.detach().to_local().copy_(local.to_local())
+            continue
+        out[k] = v
+    return out

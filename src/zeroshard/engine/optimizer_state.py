@@ -71,7 +71,10 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
             for k, v in scalars.items():  # torch's key order: scalars (step) first
                 entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
             for k in keys:
-                entry[k] = b.slot_view(whole[k], i).to("cpu", copy=True)
+                v = b.slot_view(whole[k], i)
+                if engine.tp is not None:  # tp pieces joined, slot by slot on every rank
+                    v = engine.tp.whole(s.param, v)
+                entry[k] = v.to("cpu", copy=True)
             state[index[id(user)]] = entry
         del whole
     return {"state": dict(sorted(state.items())), "param_groups": packed}
@@ -131,8 +134,9 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
             scalars.append(None)
             continue
         own: dict[str, Any] = {}
+        shape = engine.tp.global_shape(s.param) if engine.tp is not None else s.shape
         for k, v in st.items():
-            if not _is_per_element(k, v, s.shape):
+            if not _is_per_element(k, v, shape):
                 if torch.is_tensor(v):  # a scalar: each chunk its own copy
                     dev = b.master_device if on_device else torch.device("cpu")
                     v = v.detach().clone().to(dev)
@@ -141,6 +145,8 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
             if k not in values:
                 values[k] = torch.zeros(b.shard_numel, dtype=b.master_dtype,
                                         device=b.master_device)
+            if engine.tp is not None:  # this tp rank's piece first
+                v = engine.tp.local_piece(s.param, v)
             lo, hi = s.piece(b.rank)
             dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
             dst.copy_(v.detach().reshape(-1)[lo:hi])

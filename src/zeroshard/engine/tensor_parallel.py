@@ -55,17 +55,18 @@ class TpSpec:
         return self.placement.is_shard()
 
 
-def localize(model: nn.Module, tp_mesh: Any) -> dict[int, TpSpec]:
+def localize(model: nn.Module, tp_mesh: Any, *, frozen: bool) -> dict[int, TpSpec]:
     """Replace every DTensor parameter by a plain parameter over its local piece, in every
     module that holds it (tied ones stay tied); return their specs by ``id`` of the new
-    parameter. See [Note: tensor-parallel parameters]."""
+    parameter. See [Note: tensor-parallel parameters]. Frozen ones too if ``frozen``
+    (stage 3 buckets them); stages 1-2 leave them out of buckets, DTensors as they are."""
     from torch.distributed.tensor import DTensor
 
     specs: dict[int, TpSpec] = {}
     new_of: dict[int, nn.Parameter] = {}
     for mname, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
-            if not isinstance(p, DTensor):
+            if not isinstance(p, DTensor) or not (frozen or p.requires_grad):
                 continue
             name = f"{mname}.{attr}" if mname else attr
             if id(p) not in new_of:
@@ -139,6 +140,18 @@ class TensorParallel:
         if spec is None or not spec.sharded:
             return whole
         return torch.chunk(whole, self.size, dim=spec.placement.dim)[self.rank]
+
+    def whole(self, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of which ``piece`` is this tp rank's (collective over tp for
+        a sharded parameter; every tp rank must call it, in the same order)."""
+        from torch.distributed.tensor import DTensor
+
+        spec = self.spec(param)
+        if spec is None or not spec.sharded:
+            return piece
+        dt = DTensor.from_local(piece, spec.mesh, (spec.placement,), run_check=False,
+                                shape=spec.shape, stride=spec.stride)
+        return dt.full_tensor()
 
     def counted_once(self, param: torch.Tensor) -> bool:
         """Does this rank count ``param``'s elements in a global sum over tp? Sharded

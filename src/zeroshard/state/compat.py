@@ -99,3 +99,16 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
                  "only the weights"]
         raise CheckpointError("\n".join(lines))
     return info
+
+
+def refuse_tp(engine: Any) -> None:
+    """Sharded checkpoints store 1-D pieces of each parameter per dp rank; tensor-parallel
+    pieces (column blocks of a row-wise weight) are not yet laid out in that format, and
+    writing them as dp pieces would corrupt the checkpoint: refuse."""
+    if getattr(engine, "tp", None) is not None:
+        raise NotImplementedError(
+            "save_checkpoint/load_checkpoint do not support tensor-parallel models yet. "
+            "Save whole state instead (collective): torch.save({'model': model.state_dict(), "
+            "'optim': optimizer.state_dict()}, path) on rank 0, and load it with "
+            "model.load_state_dict / optimizer.load_state_dict at any layout (docs/"
+            "tensor-parallel.md)")

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..api import engine_of
+from .compat import refuse_tp
 from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
@@ -138,6 +139,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     different model raises :class:`CheckpointError` listing the mismatched names/shapes.
     """
     engine = engine_of(model)
+    refuse_tp(engine)
     path = Path(path)
     manifest = read_manifest(path)
     entries = param_entries(engine)

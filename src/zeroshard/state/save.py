@@ -29,6 +29,7 @@ from torch import nn
 
 from .._version import __version__
 from ..api import engine_of
+from .compat import refuse_tp
 from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.engine import Engine
 from . import rng
@@ -227,6 +228,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
     """
     engine = engine_of(model)
+    refuse_tp(engine)
     path = Path(path)
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
