@@ -20,12 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..api import engine_of
-from .compat import refuse_tp
 from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
 from . import rng
-from .compat import check_model, check_optimizer
+from .compat import check_model, check_optimizer, refuse_tp
 from .layout import (
     ParamEntry,
     bucket_tensor_views,

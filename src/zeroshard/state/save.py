@@ -29,10 +29,10 @@ from torch import nn
 
 from .._version import __version__
 from ..api import engine_of
-from .compat import refuse_tp
 from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.engine import Engine
 from . import rng
+from .compat import refuse_tp
 from .layout import (
     ParamEntry,
     bucket_tensor_views,
