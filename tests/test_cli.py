@@ -235,3 +235,14 @@ def test_plan_traced_hybrid_and_offload_rows(capsys: pytest.CaptureFixture[str])
             assert abs(r["traced_host_bytes"] / r["host_bytes"] - 1) < 1e-3, r
         else:
             assert r["traced_host_bytes"] is None
+
+
+def test_plan_tp_columns_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*BASE, "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tp GB" in out and "tp = 2: each device holds" in out
+    assert out.count("\n   8 ") == 9  # stages 1-3 x 3 policies: no stage 0 under tp
+    assert main([*BASE, "--tp", "2", "--traced"]) == 2
+    assert "--traced with --tp" in capsys.readouterr().err
+    assert main([*BASE, "--tp", "3"]) == 2
+    assert "does not divide" in capsys.readouterr().err

@@ -548,3 +548,71 @@ def test_offload_host_memory_check_and_single_device() -> None:
     assert all(r.total_bytes <= r.usable_bytes for r in small.rows if r.offload)
     assert small.recommendation.action == "more-devices"
     assert "host memory" in small.recommendation.reason
+
+
+# -- tensor parallelism planned (issue #30) ----------------------------------------------
+def test_plan_tp_rows_price_one_tp_rank() -> None:
+    """Each tp row prices one rank: the state of its tp piece sharded over N / tp, its
+    sequence-parallel activations, its tp collectives (all exposed) and 1/tp of the
+    compute; tokens/s counts N / tp replicas. No stage-0 rows (zeroshard refuses it)."""
+    from zeroshard.memory.planner import _activation_bytes
+    from zeroshard.memory.tensor_parallel import tp_collectives_per_step, tp_param_count
+
+    cfg, n, tp, seq = LLAMA3_8B, 16, 4, 4096
+    p = plan(cfg, gpus=n, gpu_mem_bytes=80 * GB, seq_len=seq, micro_batch=2,
+             interconnect_GBps=400, tp=tp)
+    plain = plan(cfg, gpus=n // tp, gpu_mem_bytes=80 * GB, seq_len=seq, micro_batch=2,
+                 interconnect_GBps=400)
+    assert {x.stage for x in p.rows} == {1, 2, 3} and {x.tp for x in p.rows} == {tp}
+    assert p.params == cfg.param_count() and p.tp_params == tp_param_count(cfg, tp)
+    for x in p.rows:
+        state = analytic.model_state_bytes(tp_param_count(cfg, tp), stage=x.stage, n=n // tp)
+        assert x.model_state_bytes == state.total
+        act = _activation_bytes(cfg, micro_batch=2, seq_len=seq, policy=x.activation_checkpointing,
+                                dtype_bytes=2, tp=tp)[0]
+        assert x.activation_bytes == act
+        colls = tp_collectives_per_step(cfg, micro_batch=2, seq_len=seq, tp=tp, act_bytes=2,
+                                        policy=x.activation_checkpointing, norm_grad_bytes=2)
+        assert x.tp_comm_bytes_per_step == sum(c.logical_bytes for c in colls) > 0
+        assert x.tp_comm_time_s > 0
+        assert x.tokens_per_s == pytest.approx((n // tp) * 2 * seq / x.step_time_s)
+        same = next(y for y in plain.rows if (y.stage, y.activation_checkpointing) ==
+                    (x.stage, x.activation_checkpointing))
+        assert x.compute_time_s == pytest.approx(same.compute_time_s / tp)  # 1/tp of the work
+        if x.stage < 3:  # the dp volume: the rank's tp piece over N / tp ranks
+            assert x.comm_bytes_per_step == sum(c.logical_bytes for c in analytic.collectives_per_step(
+                tp_param_count(cfg, tp), stage=x.stage, n=n // tp))
+
+
+def test_plan_tp_one_is_the_plain_plan() -> None:
+    kw = {"gpus": [8, 16], "gpu_mem_bytes": 80 * GB, "seq_len": 4096, "micro_batch": 1,
+          "interconnect_GBps": 400}
+    assert plan(LLAMA3_8B, **kw) == plan(LLAMA3_8B, **kw, tp=1)
+
+
+def test_plan_tp_more_devices_counts_whole_tp_groups() -> None:
+    """Where nothing fits, the fewest devices named is a multiple of tp (N / tp replicas)."""
+    cfg = config_from_params(56e9)  # 66 heads: tp 2 divides them
+    p = plan(cfg, gpus=8, gpu_mem_bytes=80 * GB, seq_len=4096, micro_batch=1,
+             interconnect_GBps=400, tp=2)
+    rec = p.recommendation
+    assert rec.action == "more-devices"
+    need = int(re.search(r"fits on (\d+)\+ devices", rec.reason).group(1))
+    assert need % 2 == 0
+    at = plan(cfg, gpus=[need - 2, need], gpu_mem_bytes=80 * GB, seq_len=4096, micro_batch=1,
+              interconnect_GBps=400, tp=2)
+    fits = {n: any(x.fits for x in at.rows if x.gpus == n) for n in (need - 2, need)}
+    assert fits == {need - 2: False, need: True}
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"gpus": 6, "tp": 4}, "not multiples of tp=4"),
+    ({"gpus": 8, "tp": 2, "offload": True}, "offload with tp > 1"),
+    ({"gpus": 16, "tp": 8, "gpus_per_node": 4}, "must stay inside a node"),
+    ({"gpus": 8, "tp": 0}, "must be a positive integer"),
+    ({"gpus": 8, "tp": 3}, "does not divide the attention heads"),
+])
+def test_plan_tp_refusals(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan(LLAMA3_8B, gpu_mem_bytes=80 * GB, seq_len=4096, micro_batch=1,
+             interconnect_GBps=400, **kw)

@@ -181,11 +181,64 @@ def _errors(rank: int, world: int) -> dict:
     return out
 
 
+def _ledger(rank: int, world: int, stage: int, policy: str) -> dict:
+    """One float32 step on (dp 2, tp 2): the tp collectives a dispatch counter sees, in
+    forward and backward, and the dp ones zeroshard's ledger records."""
+    from zeroshard.bench.measure import CommCounter
+    from zeroshard.checkpointing import apply_checkpointing
+    from zeroshard.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(llama_config(256))
+    mesh = tp_mesh("dp2xtp2")
+    parallelize_llama(model, mesh["tp"])
+    apply_checkpointing(model, policy)
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, mesh=mesh, lr=1e-3)
+    engine = zeroshard.engine_of(model)
+    d, dp = dp_coordinate(mesh)
+    per = len(batch(0, 256)[0]) // dp
+    idx, y = batch(0, 256)
+    forward, backward_ = CommCounter(), CommCounter()
+    with forward:
+        loss = tp_loss(model, idx[d * per:(d + 1) * per], y[d * per:(d + 1) * per])
+    with backward_:
+        backward(loss)
+    optim.step()
+    recs = [r for r in engine.comm.ledger.last_step() if r.phase in ("forward", "backward",
+                                                                     "step")]
+    functional = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}  # not
+    return {"tp": {phase: {k: v for k, v in c.by_op.items() if k in functional}  # the dp ones
+                   for phase, c in (("forward", forward), ("backward", backward_))},
+            "dp": {f"{r.op}/{r.phase}": 0 for r in recs} | {
+                k: v["logical_bytes"] for k, v in engine.comm.ledger.by(
+                    "key", [_keyed(r) for r in recs]).items()},
+            "groups": sorted({r.group for r in recs}),
+            "padded": sum(b.padded_numel for b in engine.buckets),
+            "root": sum(b.padded_numel for u in engine.units if u.is_root for b in u.buckets)}
+
+
+def _keyed(r):
+    import dataclasses
+
+    return _Keyed(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)},
+                  key=f"{r.op}/{r.phase}")
+
+
+class _Keyed:
+    def __init__(self, key: str, **fields) -> None:
+        self.key = key
+        self.__dict__.update(fields)
+
+
+LEDGER = [{"stage": s, "policy": p} for s in (1, 2, 3) for p in ("none", "full")]
+
+
 def _all(rank: int, world: int) -> list:
     return [sweep(functools.partial(_train, rank, world), EXACT),
             sweep(functools.partial(_train, rank, world), MIXED),
             sweep(functools.partial(_resume, rank, world), RESUME),
-            _errors(rank, world)]
+            _errors(rank, world),
+            sweep(functools.partial(_ledger, rank, world), LEDGER)]
 
 
 @functools.cache
@@ -253,3 +306,30 @@ def test_tp_refusals_name_the_fix() -> None:
     assert "stages 1, 2 and 3" in got["stage0"]
     assert "parallelize_module(model, mesh['tp'], plan) before shard()" in got["no_dtensor"]
     assert "model.state_dict()" in got["checkpoint"]  # nothing written, the way named
+
+
+@pytest.mark.parametrize("k", range(len(LEDGER)), ids=[f"s{p['stage']}-{p['policy']}" for p in LEDGER])
+def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
+    """tp collectives (torch's, counted at dispatch) equal ``tp_collectives_per_step`` op by
+    op, the norms' gradient all-reduces included; dp ones (zeroshard's ledger) run in the
+    dp group only and equal ``collectives_per_step`` over the padded local pieces."""
+    from zeroshard.memory import analytic
+    from zeroshard.memory.tensor_parallel import tp_collectives_per_step
+
+    point = LEDGER[k]
+    names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+             "all_reduce": "all_reduce"}
+    want: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for c in tp_collectives_per_step(llama_config(256), micro_batch=2, seq_len=32, tp=2,
+                                     act_bytes=4, policy=point["policy"], norm_grad_bytes=4):
+        if c.logical_bytes:
+            want[c.phase][names[c.op]] = want[c.phase].get(names[c.op], 0) + c.logical_bytes
+    for rank, r in enumerate(_results()):
+        got = r[4][k]
+        assert got["tp"] == want, (rank, got["tp"], want)
+        assert got["groups"] == ["dp"], got["groups"]
+        dp = {f"{c.op}/{c.phase}": c.logical_bytes for c in analytic.collectives_per_step(
+            got["padded"], stage=point["stage"], n=2, recipe="fp32-adamw")}
+        if point["stage"] == 3:  # the root stays gathered from forward into backward
+            dp["all_gather/backward"] -= 4 * got["root"]
+        assert {k: v for k, v in got["dp"].items() if v} == {k: v for k, v in dp.items() if v}

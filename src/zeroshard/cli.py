@@ -200,6 +200,10 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--policies", type=_policies, default=["none", "selective", "full"],
                    help="checkpointing policies, comma separated")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (Llama shapes, torchtitan's plan): each of N "
+                   "devices holds 1/tp of the blocks, ZeRO shards over N/tp (default 1; "
+                   "docs/tensor-parallel.md)")
     p.add_argument("--traced", action="store_true",
                    help="also trace one real step per row on fake tensors (slow: seconds to "
                    "minutes per row; see docs/planning.md)")
@@ -253,9 +257,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, policies=args.policies,
             recipe=args.recipe, gpus_per_node=g, inter_GBps=inter, offload=args.offload,
             host_mem_bytes=args.host_mem, pcie_GBps=args.pcie or _PCIE_GBPS,
-            host_GBps=args.host_bw or _HOST_GBPS)
+            host_GBps=args.host_bw or _HOST_GBPS, tp=args.tp)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.traced and args.tp > 1:
+        raise UsageError("--traced with --tp is not supported yet (the trace runs the data-"
+                         "parallel engine alone); drop one of them")
     if args.traced:
         result = _trace(result)
     name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
@@ -324,6 +331,13 @@ def format_plan(p: Plan, name: str) -> str:
         "  peak (the root whole; stage 1 reduces in its gradients);",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
+    if p.tp > 1:
+        lines += [f"tp = {p.tp}: each device holds {p.tp_params / 1e9:.2f}B of the "
+                  f"{psi / 1e9:.2f}B parameters (torchtitan's plan: blocks and vocabulary split, "
+                  "norms whole) and computes", f"  1/{p.tp} of every matmul; ZeRO shards over "
+                  f"N/{p.tp}; act = one tp rank's (sequence parallelism); tp GB / tp s = the tp "
+                  "collectives per", "  device and step, on the critical path (in step s); "
+                  "comm = the data-parallel ones; tokens/s counts N/tp replicas."]
     multi = p.gpus_per_node is not None
     if multi:
         lines += ["hybrid R x G = shard over the G devices of a node, replicate over R nodes;",
@@ -343,6 +357,7 @@ def format_plan(p: Plan, name: str) -> str:
             + f"{'state GB':>8} {'act GB':>7} {'buf GB':>6} {'total GB':>8} {'total GiB':>9} "
             + (f"{'host GB':>7} " if p.offload else "")
             + f"{'fits':<4} {'comm GB':>7} {'comm s':>6} "
+            + (f"{'tp GB':>6} {'tp s':>6} " if p.tp > 1 else "")
             + (f"{'xnode GB':>8} {'xnode s':>7} " if multi else "")
             + (f"{'offl s':>6} " if p.offload else "")
             + f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
@@ -359,7 +374,10 @@ def format_plan(p: Plan, name: str) -> str:
                 f"{x.buffer_bytes / 1e9:>6.1f} {x.total_bytes / 1e9:>8.1f} "
                 f"{x.total_bytes / 2**30:>9.1f} "
                 + (f"{x.host_bytes / 1e9:>7.1f} " if p.offload else "")
-                + f"{fits:<4} {x.comm_bytes_per_step / 1e9:>7.1f} {x.comm_time_s:>6.3f} "
+                + f"{fits:<4} {x.comm_bytes_per_step / 1e9:>7.1f} "
+                f"{x.comm_time_s - x.tp_comm_time_s:>6.3f} "
+                + (f"{x.tp_comm_bytes_per_step / 1e9:>6.1f} {x.tp_comm_time_s:>6.3f} "
+                   if p.tp > 1 else "")
                 + (f"{x.cross_node_bytes_per_step / 1e9:>8.1f} {x.cross_node_time_s:>7.3f} "
                    if multi else "")
                 + (f"{x.offload_time_s:>6.3f} " if p.offload else "")

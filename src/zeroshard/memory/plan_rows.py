@@ -62,6 +62,15 @@ class PlanRow:
     """Peak total of a traced step on the device, transients included; None unless traced."""
     traced_host_bytes: int | None = None
     """Offloaded rows: peak host memory of a traced step; None otherwise."""
+    tp: int = 1
+    """Tensor-parallel degree: ``gpus`` = dp × tp, ZeRO shards over dp = gpus / tp, and
+    every byte above is one rank's (see [Note: tensor parallelism, planned] in
+    planner.py)."""
+    tp_comm_bytes_per_step: int = 0
+    """Logical bytes of the tp collectives per rank and step ([Note: tp collectives,
+    priced] in tensor_parallel.py); ``comm_bytes_per_step`` holds the dp ones."""
+    tp_comm_time_s: float = 0.0
+    """Their time, all exposed (each feeds the next op), in ``step_time_s``."""
 
 
 
@@ -96,6 +105,22 @@ class Setup:
     """One block's 16-bit weights + gradients + activations at micro-batch 1."""
     stage3: analytic.Stage3Buffers
     """Stage 3's gathered units and unit gradients (see [Note: stage-3 buffers])."""
+    tp: int = 1
+    """Tensor-parallel degree. ``psi``, ``act``, ``layer_bytes``, ``stage3`` and
+    ``parts`` are then one tp rank's, and the ``n`` the methods below take is a device
+    count, of which n / tp ranks shard the state."""
+    parts: tuple[int, int, int] | None = None
+    """(block, root, head) parameters of one rank; None: the model's own."""
+
+    def dp(self, n: int) -> int:
+        """Ranks the ZeRO state is sharded over on ``n`` devices."""
+        return max(1, n // self.tp)
+
+    def _parts(self) -> tuple[int, int, int]:
+        if self.parts is not None:
+            return self.parts
+        cfg = self.cfg
+        return analytic.block_params(cfg), analytic.root_params(cfg), analytic.head_params(cfg)
 
     def device_state(self, *, n: int, stage: int, offload: bool = False,
                      offload_params: bool = False) -> analytic.ModelState:
@@ -103,7 +128,8 @@ class Setup:
         ``n``: with ``offload`` the optimizer state moves to the host, and so do the
         gradient slices at stages 2-3; with ``offload_params`` (stage 3) the weight
         slices too."""
-        state = analytic.model_state_bytes(self.psi, stage=stage, n=n, recipe=self.recipe)
+        state = analytic.model_state_bytes(self.psi, stage=stage, n=self.dp(n),
+                                           recipe=self.recipe)
         if offload:
             state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
         if offload_params:
@@ -118,9 +144,9 @@ class Setup:
         buffers."""
         cfg, r = self.cfg, self.recipe
         state = self.device_state(n=n, stage=3, offload=offload, offload_params=offload_params)
+        block, root, head = self._parts()
         peak = max(analytic.stage3_moments(
-            block=analytic.block_params(cfg), blocks=cfg.n_layers,
-            root=analytic.root_params(cfg), head=analytic.head_params(cfg), n=n,
+            block=block, blocks=cfg.n_layers, root=root, head=head, n=self.dp(n),
             activations=self.act[policy], late_activations=self.act_late[policy],
             prefetch=self.prefetch, recipe=r, offload=offload), key=lambda m: m.total)
         return state.params + state.optim + peak.total, peak
@@ -129,7 +155,7 @@ class Setup:
     def unit(self) -> int:
         """Largest stage-3 unit, a block or the root (everything outside the blocks): the
         gather priced as exposed at the start of forward and of backward."""
-        block = analytic.block_params(self.cfg)
+        block = self._parts()[0]
         return max(block, self.psi - self.cfg.n_layers * block)
 
     def nodes(self, n: int) -> int:

@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass, replace
 
 from zeroshard.config import auto_bucket_bytes
 from zeroshard.memory import analytic
+from zeroshard.memory.activations import check_tp
 from zeroshard.memory.plan_rows import PlanRow, Setup
 from zeroshard.memory.recommend import Recommendation, describe, gb, ranks_per_node, recommend
+from zeroshard.memory.tensor_parallel import tp_collectives_per_step, tp_param_count, tp_parts
 from zeroshard.models.config import GPT2Config, LlamaConfig, ModelConfig, get_preset
 
 __all__ = ["Plan", "PlanRow", "Recommendation", "config_from_params", "plan", "reserve_bytes"]
@@ -67,7 +69,7 @@ def config_from_params(
 
 
 def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, policy: str,
-                      dtype_bytes: int, prefetch: int = 1) -> tuple[int, int, int]:
+                      dtype_bytes: int, prefetch: int = 1, tp: int = 1) -> tuple[int, int, int]:
     """(peak activation bytes, those still alive at the end of stage 3's blocks' backward,
     one block's un-checkpointed bytes) from
     :func:`zeroshard.memory.activations.estimate_activation_bytes`.
@@ -82,7 +84,8 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
     from zeroshard.checkpointing import Selective, parse_policy
     from zeroshard.memory.activations import estimate_activation_bytes
 
-    est = estimate_activation_bytes(config, micro_batch, seq_len, policy, dtype_bytes=dtype_bytes)
+    est = estimate_activation_bytes(config, micro_batch, seq_len, policy, dtype_bytes=dtype_bytes,
+                                    tp=tp)
     pol = parse_policy(policy)
     layers = range(config.n_layers)
     saved = dict.fromkeys(layers, est.block_bytes)  # what each block leaves saved
@@ -123,6 +126,10 @@ class Plan:
     host_mem_bytes: int | None = None
     pcie_GBps: float = analytic.PCIE_GBPS
     host_GBps: float = analytic.HOST_MEM_GBPS
+    tp: int = 1
+    """Tensor-parallel degree (rows: N = dp × tp devices)."""
+    tp_params: int | None = None
+    """Parameters one tp rank holds (``params`` at tp 1)."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready: ``{"rows": [...], "recommendation": {...}}``."""
@@ -138,6 +145,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     off = su.offload and stage >= 1
     offp = su.offload_params and stage == 3
     state = su.device_state(n=shard, stage=stage, offload=off, offload_params=offp)
+    dp = su.dp(shard)  # ranks the state is sharded over (shard / tp)
     host = 0
     if off:
         host = (analytic.host_optimizer_bytes(psi, n=shard, recipe=r)
@@ -155,15 +163,22 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
     else:
-        colls = analytic.collectives_per_step(psi, stage=stage, n=n, recipe=r)
+        colls = analytic.collectives_per_step(psi, stage=stage, n=su.dp(n), recipe=r)
     bus = su.intra_GBps if hybrid or nodes == 1 else min(su.intra_GBps, su.inter_GBps)
     tokens = su.micro_batch * su.seq_len
-    t = analytic.step_time(
-        colls, n=shard, bus_GBps=bus, bus_by_group={"replicate": su.inter_GBps}, tokens=tokens,
-        mfu=su.mfu, peak_flops=su.peak_flops, flops_per_token=su.cfg.flops_per_token(su.seq_len),
-        recompute_flops_per_token=analytic.recompute_flops_per_token(su.cfg, su.seq_len, policy),
+    t = analytic.step_time(  # a tp rank computes 1/tp of every matmul
+        colls, n=dp, bus_GBps=bus, bus_by_group={"replicate": su.inter_GBps}, tokens=tokens,
+        mfu=su.mfu, peak_flops=su.peak_flops,
+        flops_per_token=su.cfg.flops_per_token(su.seq_len) / su.tp,
+        recompute_flops_per_token=analytic.recompute_flops_per_token(
+            su.cfg, su.seq_len, policy) / su.tp,
         first_unit_bytes=su.unit * r.param_bytes if stage == 3 else 0,
     )
+    tp_colls = tp_collectives_per_step(su.cfg, micro_batch=su.micro_batch, seq_len=su.seq_len,
+                                       tp=su.tp, act_bytes=r.act_bytes, policy=policy,
+                                       norm_grad_bytes=r.grad_bytes)
+    tp_s = sum(analytic.collective_time_s(c.logical_bytes, n=su.tp, bus_GBps=su.intra_GBps)
+               for c in tp_colls)
     cross = [c for c in colls if nodes > 1 and (not hybrid or c.group == "replicate")]
     cross_bytes = sum(c.logical_bytes for c in cross)
     cross_s = sum(analytic.collective_time_s(c.logical_bytes, n=c.ranks or n,
@@ -172,26 +187,30 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     off_s = analytic.offload_time_s(psi, n=shard, recipe=r, pcie_GBps=su.pcie_GBps,
                                     host_GBps=su.host_GBps, params=offp).total_s if off else 0.0
     host_ok = su.host_mem is None or host * ranks_per_node(su, n) <= su.host_mem
-    step = t.step_s + off_s
+    step = t.step_s + off_s + tp_s
     return PlanRow(
         gpus=n, stage=stage, activation_checkpointing=policy,
         params_bytes=state.params, grads_bytes=state.grads, optim_bytes=state.optim,
         model_state_bytes=state.total, activation_bytes=su.act[policy], buffer_bytes=buffers,
         total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable and host_ok,
         peak_moment=moment,
-        comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s,
-        exposed_comm_time_s=t.exposed_comm_s, compute_time_s=t.compute_s,
-        step_time_s=step, tokens_per_s=n * tokens / step, break_even_tokens=t.break_even_tokens,
+        comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s + tp_s,
+        exposed_comm_time_s=t.exposed_comm_s + tp_s, compute_time_s=t.compute_s,
+        step_time_s=step, tokens_per_s=su.dp(n) * tokens / step,
+        break_even_tokens=t.break_even_tokens,
         hybrid=f"{nodes} x {shard}" if hybrid else None, cross_node_bytes_per_step=cross_bytes,
         cross_node_time_s=cross_s, offload=off, offload_params=offp, host_bytes=host,
-        offload_time_s=off_s,
+        offload_time_s=off_s, tp=su.tp,
+        tp_comm_bytes_per_step=sum(c.logical_bytes for c in tp_colls), tp_comm_time_s=tp_s,
     )
 
 
 def _rows(su: Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
     """Stages 0-3 × policies at N, then hybrid stages 1-3 when N spans several nodes."""
-    out = [_row(su, n=n, stage=s, policy=p) for s in analytic.STAGES for p in policies]
-    if su.nodes(n) > 1 and (su.gpus_per_node or 0) > 1:
+    # With tensor parallelism zeroshard shards at stages 1-3 (stage 0 is refused).
+    stages = analytic.STAGES if su.tp == 1 else analytic.STAGES[1:]
+    out = [_row(su, n=n, stage=s, policy=p) for s in stages for p in policies]
+    if su.nodes(n) > 1 and (su.gpus_per_node or 0) > 1 and su.tp == 1:
         out += [_row(su, n=n, stage=s, policy=p, hybrid=True)
                 for s in analytic.STAGES[1:] for p in policies]
     return out
@@ -243,6 +262,7 @@ def plan(
     host_mem_bytes: int | None = None,
     pcie_GBps: float = analytic.PCIE_GBPS,
     host_GBps: float = analytic.HOST_MEM_GBPS,
+    tp: int = 1,
 ) -> Plan:
     """Estimate every (N in ``gpus``) × stage 0-3 × policy and recommend one.
 
@@ -255,6 +275,9 @@ def plan(
     the optimizer state and step on the host (``host_mem_bytes`` per node, if given, must
     hold it); copies run at ``pcie_GBps`` per device and the host step at ``host_GBps``
     per rank. "optimizer+params" also moves stage 3's weight slices to the host.
+    ``tp``: tensor-parallel degree (Llama under torchtitan's plan): each of the N devices
+    holds 1/tp of the blocks, ZeRO shards over N / tp; see [Note: tensor parallelism,
+    planned].
     """
     mode = _offload_mode(offload)
     offload = mode is not None
@@ -287,27 +310,30 @@ def plan(
         raise ValueError(f"host_mem_bytes={host_mem_bytes!r} must be a positive integer")
     analytic.offload_time_s(1, n=1, pcie_GBps=pcie_GBps, host_GBps=host_GBps)  # validates
     r = analytic.get_recipe(recipe)
+    _check_tp(tp, cfg, counts, gpus_per_node, offload, seq_len)
+    psi = tp_param_count(cfg, tp) if tp > 1 else cfg.param_count()
+    block, root, head = (tp_parts(cfg, tp) if tp > 1 else (
+        analytic.block_params(cfg), analytic.root_params(cfg), analytic.head_params(cfg)))
 
     def act(p: str, b: int = micro_batch) -> tuple[int, int, int]:
         return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
-                                 dtype_bytes=r.act_bytes, prefetch=prefetch)
+                                 dtype_bytes=r.act_bytes, prefetch=prefetch, tp=tp)
 
     multi = gpus_per_node is not None and counts[-1] > gpus_per_node
     su = Setup(
-        cfg=cfg, recipe=r, psi=cfg.param_count(), seq_len=seq_len, micro_batch=micro_batch,
+        cfg=cfg, recipe=r, psi=psi, seq_len=seq_len, micro_batch=micro_batch,
         usable=gpu_mem_bytes - reserve_bytes(gpu_mem_bytes), mfu=mfu, peak_flops=peak_flops,
         intra_GBps=interconnect_GBps, inter_GBps=inter_GBps or interconnect_GBps,
         gpus_per_node=gpus_per_node, offload=offload,
         offload_params=mode == "optimizer+params", pcie_GBps=pcie_GBps, host_GBps=host_GBps,
         host_mem=host_mem_bytes, prefetch=prefetch,
-        bucket_bytes=bucket_bytes or auto_bucket_bytes(cfg.param_count() * r.grad_bytes),
+        bucket_bytes=bucket_bytes or auto_bucket_bytes(psi * r.grad_bytes),
         act={p: act(p)[0] for p in policies},
         act_late={p: act(p)[1] for p in policies},
-        layer_bytes=analytic.block_params(cfg) * (r.param_bytes + r.grad_bytes)
-        + act("none", 1)[2],
-        stage3=analytic.stage3_buffer_bytes(
-            block=analytic.block_params(cfg), root=analytic.root_params(cfg),
-            head=analytic.head_params(cfg), prefetch=prefetch, recipe=r),
+        layer_bytes=block * (r.param_bytes + r.grad_bytes) + act("none", 1)[2],
+        stage3=analytic.stage3_buffer_bytes(block=block, root=root, head=head,
+                                            prefetch=prefetch, recipe=r),
+        tp=tp, parts=(block, root, head) if tp > 1 else None,
     )
     rows: list[PlanRow] = []
     recs: list[Recommendation] = []
@@ -321,7 +347,7 @@ def plan(
                 policies)
     notes = []
     if len(counts) > 1:
-        for s in analytic.STAGES:  # the fewest devices on which each policy fits
+        for s in analytic.STAGES[(tp > 1):]:  # the fewest devices on which each policy fits
             first = {p: min((x.gpus for x in rows if (x.stage, x.activation_checkpointing,
                                                      x.fits, x.hybrid) == (s, p, True, None)),
                             default=None)
@@ -333,12 +359,30 @@ def plan(
     notes += _hybrid_notes(su, rows, counts)
     if offload:
         notes += _host_notes(su, rows, recs)
-    return Plan(model=name, params=su.psi, config=cfg, recipe=r, seq_len=seq_len,
+    return Plan(model=name, params=cfg.param_count(), config=cfg, tp=tp, tp_params=su.psi, recipe=r, seq_len=seq_len,
                 micro_batch=micro_batch, gpu_mem_bytes=gpu_mem_bytes,
                 interconnect_GBps=interconnect_GBps, rows=tuple(rows), by_gpus=tuple(recs),
                 recommendation=best, notes=tuple(notes), gpus_per_node=gpus_per_node,
                 inter_GBps=su.inter_GBps if multi else None, offload=offload,
                 offload_mode=mode, host_mem_bytes=host_mem_bytes, pcie_GBps=pcie_GBps, host_GBps=host_GBps)
+
+
+def _check_tp(tp: int, cfg: ModelConfig, counts: list[int], gpus_per_node: int | None,
+              offload: bool, seq_len: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer, e.g. 2")
+    if tp == 1:
+        return
+    check_tp(cfg, tp, seq_len)  # Llama only, tp dividing the heads and the sequence
+    if offload:
+        raise ValueError("offload with tp > 1 is not priced; plan tp without --offload")
+    bad = [n for n in counts if n % tp]
+    if bad:
+        raise ValueError(f"gpus {bad} are not multiples of tp={tp}: N devices make N / tp "
+                         f"data-parallel groups of tp; use multiples of {tp}")
+    if gpus_per_node is not None and gpus_per_node % tp:
+        raise ValueError(f"tp={tp} does not divide gpus_per_node={gpus_per_node}: a tp group "
+                         "must stay inside a node (its collectives are on the critical path)")
 
 
 def _offload_mode(offload: bool | str | None) -> str | None:

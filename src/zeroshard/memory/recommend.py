@@ -79,8 +79,9 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     if su.layer_bytes > su.usable:
         why = (f"One transformer block needs {gb(su.layer_bytes)} (16-bit weights and "
                f"gradients plus its activations at micro-batch 1) but a device has "
-               f"{gb(su.usable)} usable, so no amount of sharding fits it: tensor "
-               "parallelism is needed.")
+               f"{gb(su.usable)} usable, so no amount of sharding fits it: "
+               + ("tensor parallelism is needed (plan --tp)." if su.tp == 1 else
+                  f"a tensor-parallel degree above {su.tp} is needed."))
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                               action="tensor-parallel", reason=why)
     on_device = [x for x in rows if x.total_bytes <= x.usable_bytes]
@@ -222,9 +223,13 @@ def _never_fits(su: Setup, x: PlanRow, n: int) -> str:
         held = f"{act} + {buf} = {gb(floor)} when backward begins, before any model state"
     why = (f"Nothing fits on {devices(n)}, and no device count will: even {describe(x)} "
            f"holds {held}, more than the {gb(su.usable)} usable, and more devices shrink "
-           "only the model state. Use tensor parallelism (with sequence parallelism for the "
-           "activations): it splits each block's weights, gradients and activations over "
-           "devices, which zeroshard does not do.")
+           "only the model state. " + (
+               "Use tensor parallelism (with sequence parallelism for the activations): it "
+               "splits each block's weights, gradients and activations over devices; "
+               "zeroshard composes with torch's (docs/tensor-parallel.md, plan --tp)."
+               if su.tp == 1 else
+               f"Use a tensor-parallel degree above {su.tp}: it splits each block's weights, "
+               "gradients and activations over more devices."))
     if at_root:
         return why + (" The root (embeddings, LM head) is split by a vocabulary-parallel "
                       "embedding and head.")
@@ -313,7 +318,8 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         best = alt
     how = (f"{describe(best)}: {gb(best.total_bytes)} of {gb(su.usable)} usable, "
            f"~{best.tokens_per_s:,.0f} tokens/s")
-    s0 = gb(min(x.total_bytes for x in rows if x.stage == 0))
+    zero = [x.total_bytes for x in rows if x.stage == 0]  # none under tp (stages 1-3)
+    s0 = gb(min(zero)) if zero else None
     if n == 1:
         action, why = "single-device", f"It fits on one device ({how}): use one device."
     elif best.stage == 0:
@@ -326,6 +332,9 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         if replica:  # as fast as a full replica here: the sharded state is free headroom
             why = (f"A full replica fits too, but sharding {what} is estimated as fast and "
                    f"needs less memory ({how}; stage 0 needs at least {s0}).")
+        elif s0 is None:
+            why = (f"With tensor parallelism zeroshard shards stages 1-3; sharding {what} "
+                   f"gives the best estimated throughput that fits ({how}).")
         else:
             why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding "
                    f"{what} gives the best estimated throughput that fits ({how}).")

@@ -21,8 +21,10 @@ what a ring moves anyway (S (tp-1)/tp per rank). Per step, with L layers:
             checkpoint stops early, before the last MLP's, whose output nothing saved);
             full checkpointing: + 2L S all-gather, + L S reduce-scatter. Selective
             recomputes the attention core only: none.
-The replicated norm weights' gradients are left as ``Partial`` DTensors by backward
-(nothing is reduced in it); who reduces them is the data-parallel engine's business.
+The replicated norm weights' gradients are left as ``Partial`` DTensors by torch's
+backward; zeroshard's engine all-reduces each over tp as it reaches the parameter
+(``from_local``'s backward, engine/tensor_parallel.py): (2L + 1) h elements in the
+gradients' dtype, in backward (an all-reduce of S bytes counts 2S, as the loss's do).
 Measured on llama-tiny at tp 2 with a dispatch counter (tests/test_tp_accounting.py):
 every op's bytes, in forward and in backward, equal.
 """
@@ -35,7 +37,17 @@ from zeroshard.memory.activations import check_tp
 from zeroshard.memory.analytic import Collective
 from zeroshard.models.config import ModelConfig
 
-__all__ = ["tp_collectives_per_step", "tp_param_count"]
+__all__ = ["tp_collectives_per_step", "tp_param_count", "tp_parts"]
+
+
+def tp_parts(config: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(one block's, the root's, the LM head's and final norm's) parameters on tp rank 0,
+    stage 3's units as :func:`~zeroshard.memory.stage3_buffers.block_params` and its
+    neighbours count them for the whole model."""
+    total = tp_param_count(config, tp)
+    v, h = math.ceil(config.vocab / tp), config.hidden
+    root = 2 * v * h + h
+    return (total - root) // config.n_layers, root, v * h + h
 
 
 def tp_param_count(config: ModelConfig, tp: int) -> int:
@@ -54,11 +66,13 @@ def tp_param_count(config: ModelConfig, tp: int) -> int:
 
 def tp_collectives_per_step(
     config: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, act_bytes: int,
-    policy: str = "none",
+    policy: str = "none", norm_grad_bytes: int = 0,
 ) -> list[Collective]:
     """The tensor-parallel collectives of one step, per rank; see [Note: tp collectives,
     priced]. Group "tp", ``tp`` ranks. They sit on the critical path (each feeds the next
-    op), so none of them hides behind compute."""
+    op), so none of them hides behind compute. ``norm_grad_bytes``: bytes per element of
+    the sequence-parallel norms' weight gradients, which zeroshard all-reduces over tp
+    in backward (engine/tensor_parallel.py); 0 where nothing reduces them (plain TP)."""
     from zeroshard.checkpointing import Selective, parse_policy
 
     check_tp(config, tp, seq_len)
@@ -83,4 +97,5 @@ def tp_collectives_per_step(
         c("reduce_scatter", "backward", (2 * layers + 1) * s),
         c("all_gather", "backward", (2 * layers + 1 + regathered) * s),
         c("reduce_scatter", "backward", rescattered * s),
+        c("all_reduce", "backward", 2 * (2 * layers + 1) * config.hidden * norm_grad_bytes),
     ]
