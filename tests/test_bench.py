@@ -218,3 +218,33 @@ def test_config_names_and_sizes() -> None:
     assert parse_config("zs-s2-every-2").activation_checkpointing == "every-2"
     assert parse_config("ds-z3").stage == 3
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2GB") == 2 * 10**9
+    tp = parse_config("zs-s3-noreshard-tp2-full")
+    assert (tp.tp, tp.reshard_after_forward, tp.activation_checkpointing) == (2, False, "full")
+    assert parse_config("fsdp2-tp4").tp == 4 and parse_config("zs-s1").tp == 1
+    for bad in ("ddp-tp2", "zs-s0-tp2", "zs-s3-tp1"):
+        with pytest.raises(ValueError, match="-tp<k>"):
+            parse_config(bad)
+
+
+def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
+    """FSDP2 + TP and zeroshard stages 1 and 3 + TP on (dp 2, tp 2) train the same sequences
+    (the same loss); the state prediction is the tp piece's over dp."""
+    code = run(_args("--model", "llama-tiny", "--seq", "32", "--micro-batch", "1",
+                     "--world-size", "4", "--warmup", "0", "--steps", "1", "--configs",
+                     "fsdp2-tp2,zs-s3-tp2,zs-s1-tp2,ddp", "--baseline", "ddp", "--quiet",
+                     "--json", str(tmp_path / "r.json")))
+    assert code == 0
+    rows = _rows(json.loads((tmp_path / "r.json").read_text()))
+    from zeroshard.memory.analytic import model_state_bytes
+    from zeroshard.memory.tensor_parallel import tp_param_count
+    from zeroshard.models import get_preset
+
+    local = tp_param_count(get_preset("llama-tiny"), 2)
+    for name in ("fsdp2-tp2", "zs-s3-tp2", "zs-s1-tp2"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["tp"] == 2, r["error"]
+        assert r["loss_rel_dev"] < 1e-5  # the same sequences as ddp's step
+        want = model_state_bytes(local, stage=r["stage"], n=2, recipe="fp32-adamw").total
+        assert r["predicted_model_state_bytes"]["total"] == want
+        assert r["comm_source"].startswith("c10d dispatch counter")  # dp and tp alike
+    assert rows["ddp"]["tp"] == 1

@@ -67,6 +67,12 @@ class ConfigSpec:
     reshard_after_forward: bool | None
     """Stage 3 only: free gathered weights after forward (None where not applicable)."""
     activation_checkpointing: str
+    tp: int = 1
+    """Tensor-parallel degree (``-tp<k>``): the model is parallelised with torchtitan's
+    plan on a (dp, tp) mesh first (Llama presets only); see docs/tensor-parallel.md."""
+
+
+_TP_SYSTEMS = ("fsdp2", "zs-s1", "zs-s2", "zs-s3")
 
 
 def parse_config(name: str) -> ConfigSpec:
@@ -86,13 +92,19 @@ def parse_config(name: str) -> ConfigSpec:
                              "only (stage 3); drop it")
         reshard, rest = False, rest[len("noreshard") + 1:]
         stage = 2 if prefix == "fsdp2" else stage
+    tp = 1
+    if m := re.match(r"tp(\d+)(?:-|$)", rest):
+        tp, rest = int(m.group(1)), rest[m.end():]
+        if prefix not in _TP_SYSTEMS or tp < 2:
+            raise ValueError(f"{name!r}: -tp<k> (k >= 2) applies to {', '.join(_TP_SYSTEMS)}; "
+                             "e.g. zs-s3-tp2 or fsdp2-tp2")
     policy = rest or "none"
     if policy not in POLICIES and not re.fullmatch(r"every-[1-9]\d*", policy):
         raise ValueError(
             f"{name!r}: unknown activation checkpointing {policy!r}; append one of "
             f"{', '.join(POLICIES)} or every-<k>, e.g. {prefix}-full")
     return ConfigSpec(name=name, prefix=prefix, system=system, stage=stage,
-                      reshard_after_forward=reshard, activation_checkpointing=policy)
+                      reshard_after_forward=reshard, activation_checkpointing=policy, tp=tp)
 
 
 def parse_configs(text: str) -> list[ConfigSpec]:
@@ -107,13 +119,17 @@ def parse_configs(text: str) -> list[ConfigSpec]:
 
 def describe_configs() -> str:
     """The text of ``--list-configs``."""
-    lines = ["Configuration names: <system>[-noreshard][-<policy>]", "", "systems:"]
+    lines = ["Configuration names: <system>[-noreshard][-tp<k>][-<policy>]", "", "systems:"]
     lines += [f"  {p:<16} stage {s}  {what}" for p, (_, s, what) in SYSTEMS.items()]
     lines += [
         "", "suffixes:",
         "  -noreshard       fsdp2 / zs-s3: keep gathered weights from forward to backward",
         "                   (2 Psi traffic instead of 3 Psi; fsdp2-noreshard is reported as",
         "                   stage 2, '2-like')",
+        "  -tp<k>           fsdp2 / zs-s1..3: tensor parallelism of degree k first",
+        "                   (torchtitan's plan on a (world/k, k) mesh; Llama presets only;",
+        "                   the same sequences per step: each tp group trains its ranks'",
+        "                   batches together; docs/tensor-parallel.md)",
         "  -full, -selective, -selective-op, -sqrt, -every-<k>   activation checkpointing",
         "                   (default none; docs/activation-checkpointing.md)",
         "", "default: " + ",".join(DEFAULT_CONFIGS),

@@ -24,7 +24,7 @@ ROW_KEYS = (
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
     "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
-    "memory_timeline", "time_s",
+    "memory_timeline", "time_s", "tp",
 )
 PHASES = ("build", "warmup", "measured", "timed")
 """Where a configuration's wall time goes (row ``time_s``)."""
@@ -51,6 +51,17 @@ def predicted_state(psi: int, stage: int, n: int, mixed_precision: str | None,
     return {"params": st.params, "grads": st.grads, "optim": st.optim, "total": st.total}
 
 
+def _state_of(s: BenchSettings, spec: ConfigSpec, psi: int, world: int) -> tuple[int, int]:
+    """(parameters one rank's state covers, ranks it is sharded over): under ``-tp<k>``
+    the rank's tp piece over world / k (memory/tensor_parallel.py)."""
+    if spec.tp == 1 or s.model_factory is not None or s.model is None:
+        return psi, world
+    from zeroshard.memory.tensor_parallel import tp_param_count
+    from zeroshard.models import get_preset
+
+    return tp_param_count(get_preset(s.model), spec.tp), world // spec.tp
+
+
 def _flops_per_token(s: BenchSettings, psi: int) -> float:
     if s.model_factory is None and s.model is not None:
         from zeroshard.models import get_preset
@@ -66,14 +77,16 @@ def _peak_flops(device: str) -> float | None:
 def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[str, Any]:
     spec: ConfigSpec = raw["spec"]
     world, psi = meta["world_size"], meta["psi"]
+    local, ranks = _state_of(s, spec, psi, world)
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     row.update(name=spec.name, system=spec.system, stage=spec.stage,
                reshard_after_forward=spec.reshard_after_forward,
                activation_checkpointing=spec.activation_checkpointing, world_size=world,
                status=raw["status"], error=raw["error"] or None, note=raw["note"] or None,
                time_s={k: round(raw.get("time_s", {}).get(k, 0.0), 3) for k in PHASES},
-               predicted_model_state_bytes=predicted_state(psi, spec.stage, world,
-                                                           s.mixed_precision, spec.system))
+               predicted_model_state_bytes=predicted_state(local, spec.stage, ranks,
+                                                           s.mixed_precision, spec.system),
+               tp=spec.tp)
     if raw["status"] != "ok":
         return row
     tokens = s.global_batch * s.seq

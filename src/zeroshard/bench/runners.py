@@ -331,9 +331,96 @@ def deepspeed_buckets(model: nn.Module, stage: int) -> dict[str, int]:
     return out
 
 
+def _tp_mesh(spec: ConfigSpec, model: nn.Module, device: torch.device):
+    """``-tp<k>``: a (world / k, k) mesh and the model parallelised on its tp dimension
+    with torchtitan's plan (zeroshard.models.parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroshard.models import Llama, parallelize_llama
+
+    world = dist.get_world_size()
+    if not isinstance(model, Llama):
+        raise SkipConfig(f"-tp{spec.tp} needs a zeroshard Llama preset (--model llama-small), "
+                         f"not {type(model).__name__}")
+    if world % spec.tp:
+        raise SkipConfig(f"-tp{spec.tp} needs a world size divisible by {spec.tp}, not {world}")
+    mesh = init_device_mesh(device.type, (world // spec.tp, spec.tp), mesh_dim_names=("dp", "tp"))
+    parallelize_llama(model, mesh["tp"])
+    return mesh
+
+
+def _tp_step(model: nn.Module, opt: torch.optim.Optimizer, mesh) -> Callable:
+    """A step under tensor parallelism: the ranks of a tp group train their batches
+    together (gathered over tp, so every configuration trains the same sequences per
+    step), the loss over vocabulary shards under ``loss_parallel``."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    tp_group, tp = mesh.get_group("tp"), mesh["tp"].size()
+
+    def together(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous(), group=tp_group)
+        return out
+
+    def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None] = _no_mark
+             ) -> torch.Tensor:
+        mark("forward")
+        x, y = together(x), together(y)
+        logits = model(x)
+        with loss_parallel():
+            loss = loss_fn(logits, y)
+            mark("backward")
+            loss.backward()
+        mark("step")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().to_local()  # replicated: every rank holds the mean
+    return step
+
+
+def _tensor_parallel(spec: ConfigSpec, model: nn.Module, s: BenchSettings,
+                     device: torch.device) -> Runner:
+    """zeroshard or FSDP2 over the dp dimension of a model parallelised over tp."""
+    mesh = _tp_mesh(spec, model, device)
+    if spec.system == "zeroshard":
+        import zeroshard
+
+        extra = {} if spec.stage != 3 else {
+            "reshard_after_forward": bool(spec.reshard_after_forward)}
+        model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage, mesh=mesh,
+                                     mixed_precision=s.mixed_precision, lr=s.lr, **extra)
+        inner: torch.optim.Optimizer = opt.optim
+
+        def tracker() -> MemoryTracker:
+            t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
+            return t.track_optimizer(inner).add_source(
+                zeroshard.engine_of(model).memory_sources())
+    else:  # FSDP2 + TP as torchtitan composes them: fully_shard on the dp dimension
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from zeroshard.checkpointing import find_blocks
+
+        dt = _DTYPES.get(s.mixed_precision or "")
+        kw = {"mesh": mesh["dp"], "reshard_after_forward": bool(spec.reshard_after_forward),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)}
+        for block in find_blocks(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=s.lr)
+
+        def tracker() -> MemoryTracker:
+            return MemoryTracker(device=_tracker_device(device)).add_source(
+                _local_source(model, lambda: _state_tensors(opt)))
+    # No ledger: the measured step counts every collective (dp and tp) at dispatch, for
+    # both systems alike.
+    return Runner(_tp_step(_compiled(model, _blocks(model), s), opt, mesh), tracker)
+
+
 def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,
                  settings: BenchSettings, device: torch.device) -> Runner:
     """Wrap ``model`` (already on ``device``, checkpointing applied) for ``spec``."""
+    if spec.tp > 1:
+        return _tensor_parallel(spec, model, settings, device)
     if spec.prefix == "fail":
         return _ddp(spec, model, group, settings, device, fail_rank=1)
     if spec.system == "zeroshard":

@@ -13,6 +13,7 @@ from .config import PRESETS, GPT2Config, LlamaConfig, ModelConfig, get_preset
 from .gpt2 import GPT2, GPT2Block
 from .init import init_weights, materialize
 from .llama import Llama, LlamaBlock
+from .parallel import parallelize_llama
 
 __all__ = [
     "GPT2",
@@ -28,5 +29,6 @@ __all__ = [
     "get_preset",
     "init_weights",
     "materialize",
+    "parallelize_llama",
     "param_count",
 ]
