@@ -17,6 +17,7 @@ __all__ = ["parallelize_llama"]
 # -- training under tp, against one process on the whole batch ---------------------------
 LAYOUTS = {"dp2xtp2": ((2, 2), ("dp", "tp")),
            "rep2xshard1xtp2": ((2, 1, 2), ("replicate", "shard", "tp")),
+           "rep2xshard2": ((2, 2), ("replicate", "shard")),  # hybrid, no tp
            "dp4": ((4,), ("dp",))}
 BATCH, SEQ = 4, 32
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["TpSpec", "TensorParallel", "localize", "dp_placements", "tp_comms", "is_tp_mesh"]
@@ -112,6 +113,17 @@ class TensorParallel:
         self.rank = self.tp_mesh.get_local_rank()
         self.specs = specs  # id(compute parameter) -> TpSpec
         self.comm = tp_comm  # a Comm over the tp group (norms, flags)
+        # Checkpoints (state/tp_views.py) are written and read by the (shard, tp) ranks of
+        # one replica together: group rank q * tp + t is shard rank q, tp rank t.
+        # (Not DeviceMesh._flatten: flattening meshes of the same dimension names twice in a
+        # process broke later DTensor collectives.) Every rank creates every replica's group.
+        hybrid = len(mesh.mesh_dim_names) == 3
+        self.replica = mesh["replicate"].get_local_rank() if hybrid else 0
+        for r, sub in enumerate(mesh.mesh if hybrid else [mesh.mesh]):
+            ranks = sub.flatten().tolist()
+            group = dist.new_group(ranks)
+            if r == self.replica:
+                self.ckpt_group, self.ckpt_peers = group, ranks
 
     def spec(self, param: torch.Tensor) -> TpSpec | None:
         return self.specs.get(id(param))

@@ -35,7 +35,7 @@ def check_model(manifest: dict[str, Any], entries: list[ParamEntry], model: nn.M
     saved.update({b["name"]: tuple(b["shape"]) for b in manifest["buffers"]})
     ours = {e.name: e.shape for e in entries}
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    ours.update({k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()
+    ours.update({k: tuple(t.shape) for k, t in nn.Module.state_dict(model, keep_vars=True).items()
                  if k not in pnames})
     missing = sorted(set(ours) - set(saved))
     unexpected = sorted(set(saved) - set(ours))
@@ -100,15 +100,3 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
         raise CheckpointError("\n".join(lines))
     return info
 
-
-def refuse_tp(engine: Any) -> None:
-    """Sharded checkpoints store 1-D pieces of each parameter per dp rank; tensor-parallel
-    pieces (column blocks of a row-wise weight) are not yet laid out in that format, and
-    writing them as dp pieces would corrupt the checkpoint: refuse."""
-    if getattr(engine, "tp", None) is not None:
-        raise NotImplementedError(
-            "save_checkpoint/load_checkpoint do not support tensor-parallel models yet. "
-            "Save whole state instead (collective): torch.save({'model': model.state_dict(), "
-            "'optim': optimizer.state_dict()}, path) on rank 0, and load it with "
-            "model.load_state_dict / optimizer.load_state_dict at any layout (docs/"
-            "tensor-parallel.md)")

@@ -148,6 +148,8 @@ def param_entries(engine: Engine) -> list[ParamEntry]:
     for p in params:
         b, s = slots.get(id(p), (None, None))
         shape = tuple(s.shape) if s is not None else tuple(p.shape)
+        if s is not None and engine.tp is not None:  # the whole parameter's (tp_views.py)
+            shape = tuple(engine.tp.global_shape(s.param))
         out.append(ParamEntry(
             name=names[id(p)][0], aliases=tuple(names[id(p)][1:]), shape=shape,
             param=s.param if s is not None else p, bucket=b, slot=s,

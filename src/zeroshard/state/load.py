@@ -24,7 +24,7 @@ from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
 from . import rng
-from .compat import check_model, check_optimizer, refuse_tp
+from .compat import check_model, check_optimizer
 from .layout import (
     ParamEntry,
     bucket_tensor_views,
@@ -37,6 +37,7 @@ from .layout import (
 )
 from .manifest import CheckpointError, read_manifest
 from .reader import SafeReader, dcp_errors
+from .tp_views import TpViews, checkpoint_group
 
 __all__ = ["load_checkpoint"]
 
@@ -48,15 +49,21 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _weights_target(engine: Engine, e: ParamEntry) -> Any:
+def _weights_target(engine: Engine, e: ParamEntry, views: TpViews | None) -> Any:
     comm = engine.comm
     if e.bucket is None:  # frozen, stages 0-2: the parameter itself
+        if views is not None and hasattr(e.param, "full_tensor"):  # a frozen tp DTensor
+            return views.frozen_load(e.param)
         return e.param.data.view(-1)
+    if views is not None:
+        b = e.bucket
+        return views.load(e, b.master if b.master is not None else b.shard16)
     return weights_views(e, for_load=True, group=comm.group, peers=global_ranks(comm.group))
 
 
 def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim.Optimizer,
-                   info: dict[str, Any], path: Path) -> tuple[dict[str, Any], list]:
+                   info: dict[str, Any], path: Path, views: TpViews | None,
+                   ) -> tuple[dict[str, Any], list]:
     """Create/keep each bucket's state tensors; return DCP targets and scalar fix-ups."""
     comm = engine.comm
     states = info["params"]
@@ -85,8 +92,9 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
         scalars.append((state, per_slot, b, group))
         for e in mine:
             for k in states[e.name]["per_element"]:
-                targets[optim_key(e.name, k)] = bucket_tensor_views(
-                    e, state[k], for_load=True, group=comm.group, peers=global_ranks(comm.group))
+                targets[optim_key(e.name, k)] = views.load(e, state[k]) if views else \
+                    bucket_tensor_views(e, state[k], for_load=True, group=comm.group,
+                                        peers=global_ranks(comm.group))
     return targets, scalars
 
 
@@ -138,7 +146,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     different model raises :class:`CheckpointError` listing the mismatched names/shapes.
     """
     engine = engine_of(model)
-    refuse_tp(engine)
     path = Path(path)
     manifest = read_manifest(path)
     entries = param_entries(engine)
@@ -151,16 +158,18 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
             if inner is not None else None)
     reader = SafeReader(path, manifest, verify=verify)
     metadata = reader.read_metadata()
+    views = TpViews(engine) if engine.tp is not None else None
     with quiet():
-        sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e) for e in entries}
+        sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e, views)
+                              for e in entries}
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for k, t in model.state_dict(keep_vars=True).items():
+    for k, t in nn.Module.state_dict(model, keep_vars=True).items():
         if k not in pnames:
             sd[model_key(k)] = t.detach()
     fixups: list = []
     if info is not None:
         with quiet():
-            targets, fixups = _prepare_optim(engine, entries, inner, info, path)
+            targets, fixups = _prepare_optim(engine, entries, inner, info, path, views)
         sd.update(targets)
     extra_keys = [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
     rng_keys = [k for k in manifest["rng"]["rows"] if k in metadata.state_dict_metadata]
@@ -173,8 +182,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata lacks {missing[:8]} "
                               "which the manifest promises; the checkpoint is damaged")
+    group, rank = checkpoint_group(engine)[:2]
     with quiet(), dcp_errors(f"loading {str(path)!r} failed"):
-        dcp.load(sd, storage_reader=reader, process_group=engine.comm.group)
+        dcp.load(sd, storage_reader=reader, process_group=group)
+    if views is not None:  # pieces read elsewhere: broadcasts, column gathers
+        views.finish()
     engine.refresh_weights(phase="state")
     if info is not None:
         _set_scalars(inner, fixups)
@@ -184,5 +196,5 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     scaler = manifest.get("loss_scaler") or {}
     if engine.scaler.enabled and scaler.get("enabled"):
         engine.scaler.load_state_dict(scaler)
-    rng.restore({k: loose[k] for k in rng_keys}, engine.comm.rank)
+    rng.restore({k: loose[k] for k in rng_keys}, rank)
     return _rebuild_extra(manifest.get("extra") or {}, loose)

@@ -32,7 +32,6 @@ from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.engine import Engine
 from . import rng
-from .compat import refuse_tp
 from .layout import (
     ParamEntry,
     bucket_tensor_views,
@@ -54,6 +53,7 @@ from .manifest import (
     write_manifest,
 )
 from .reader import dcp_errors
+from .tp_views import TpViews, checkpoint_group
 
 __all__ = ["save_checkpoint"]
 
@@ -130,6 +130,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
     """(DCP state dict of what this rank writes, the layout part of the manifest)."""
     comm = engine.comm
     group, peers = comm.group, global_ranks(comm.group)
+    views = TpViews(engine) if engine.tp is not None else None
     sd: dict[str, Any] = {}
     params, optim_params, unstepped = [], {}, []
     inner = _inner(optim) if optim is not None else None
@@ -137,7 +138,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         info: dict[str, Any] = {"name": e.name, "aliases": list(e.aliases), "shape": list(e.shape),
                                 "trainable": e.trainable, "offset": e.offset,
                                 "bucket": e.bucket.name if e.bucket is not None else None}
-        sd[model_key(e.name)], info["dtype"] = _weights(engine, e, group, peers)
+        sd[model_key(e.name)], info["dtype"] = _weights(engine, e, group, peers, views)
         params.append(info)
         if inner is None or not e.trainable:
             continue
@@ -151,17 +152,18 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         optim_params[e.name] = {"state_keys": [*own, *keys], "per_element": keys,
                                 "scalars": _scalars(own, numel, e.name)}
         for k in keys:
-            sd[optim_key(e.name, k)] = bucket_tensor_views(e, state[k], for_load=False,
-                                                           group=group, peers=peers)
+            sd[optim_key(e.name, k)] = (views.save(e, state[k]) if views is not None else
+                                        bucket_tensor_views(e, state[k], for_load=False,
+                                                            group=group, peers=peers))
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = []
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in nn.Module.state_dict(model, keep_vars=True).items():
         if key not in pnames:
             sd[model_key(key)] = t.detach()
             buffers.append({"name": key, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)})
     layout = {
         "params": params, "buffers": buffers,
-        "state_dict_keys": list(model.state_dict(keep_vars=True).keys()),
+        "state_dict_keys": list(nn.Module.state_dict(model, keep_vars=True).keys()),
         "buckets": [{"name": b.name, "numel": b.numel, "padded_numel": b.padded_numel,
                      "shard_numel": b.shard_numel, "trainable": b.requires_grad}
                     for b in engine.all_buckets],
@@ -180,38 +182,43 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
     return sd, layout
 
 
-def _weights(engine: Engine, e: ParamEntry, group, peers) -> tuple[Any, str]:
+def _weights(engine: Engine, e: ParamEntry, group, peers,
+             views: TpViews | None = None) -> tuple[Any, str]:
     """What DCP writes for a parameter's weights, and its dtype name."""
     if e.bucket is None:  # frozen, stages 0-2: whole on every rank, written once
-        t = e.param.detach().reshape(-1)
+        t = (views.frozen_save(e.param) if views is not None and hasattr(e.param, "full_tensor")
+             else e.param.detach().reshape(-1))
         return t, _dtype_name(t.dtype)
     b = e.bucket
     dtype = b.master_dtype if b.requires_grad else b.shard16.dtype
+    if views is not None:
+        return views.save(e, b.master if b.master is not None else b.shard16), _dtype_name(dtype)
     return weights_views(e, for_load=False, group=group, peers=peers), _dtype_name(dtype)
 
 
 def _rng_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, list]]:
-    """Each generator state as a ``[world, L]`` table whose row r is rank r's (rng.py)."""
-    comm = engine.comm
+    """Each generator state as a ``[world, L]`` table whose row r is rank r's (rng.py);
+    r is the rank in the checkpoint group (tp_views.checkpoint_group)."""
+    group, rank, size, peers, _ = checkpoint_group(engine)
     states = rng.capture()
     out = {}
     for k, v in states.items():
-        rows = [(q, [q, 0], [1, v.numel()]) for q in range(comm.size)]
-        out[k] = sharded_tensor([comm.size, v.numel()], rows, v.reshape(1, -1), comm.rank,
-                                global_ranks(comm.group), comm.group, v.dtype, v.device)
+        rows = [(q, [q, 0], [1, v.numel()]) for q in range(size)]
+        out[k] = sharded_tensor([size, v.numel()], rows, v.reshape(1, -1), rank, peers, group,
+                                v.dtype, v.device)
     return out, rng.row_lengths(states)
 
 
 def _agree_tmp(path: Path, engine: Engine) -> Path:
-    comm = engine.comm
+    group, rank, size, peers, _ = checkpoint_group(engine)
     name = [None]
-    if comm.rank == 0:
+    if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(path)
         name[0] = f"{path.name}.tmp-{uuid.uuid4().hex[:12]}"
         (path.parent / name[0]).mkdir()
-    if comm.size > 1:
-        dist.broadcast_object_list(name, src=global_ranks(comm.group)[0], group=comm.group)
+    if size > 1:
+        dist.broadcast_object_list(name, src=peers[0], group=group)
     return path.parent / str(name[0])
 
 
@@ -228,30 +235,40 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
     """
     engine = engine_of(model)
-    refuse_tp(engine)
     path = Path(path)
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
+    if checkpoint_group(engine)[4]:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
+        _write(path, engine, model, optimizer, extra_json, extra_tensors, t0)
+    if dist.get_world_size() > 1:  # every replica returns once the checkpoint is there
+        dist.barrier()
+    return path
+
+
+def _write(path: Path, engine: Engine, model: nn.Module,
+           optimizer: torch.optim.Optimizer | None, extra_json: Any,
+           extra_tensors: dict[str, torch.Tensor], t0: float) -> None:
+    """One replica's ranks write the checkpoint together and rank 0 of them commits it."""
+    group, rank, size, _, _ = checkpoint_group(engine)
     with quiet():
         sd, layout = _collect(engine, model, optimizer)
         rng_sd, rng_rows = _rng_tables(engine)
     sd.update(rng_sd)
     sd.update(extra_tensors)
     tmp = _agree_tmp(path, engine)
-    comm = engine.comm
     what = (f"saving {str(path)!r} failed, nothing was committed (the previous "
             "checkpoints are intact)")
     with quiet(), dcp_errors(what):
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                 process_group=comm.group)
+                 process_group=group)
     mine = {p.name: file_record(p) for p in tmp.iterdir()
-            if p.name.startswith(f"__{comm.rank}_")}
+            if p.name.startswith(f"__{rank}_")}
     gathered: list[Any] = [mine]
-    if comm.size > 1:
-        gathered = [None] * comm.size
-        dist.all_gather_object(gathered, mine, group=comm.group)
-    if comm.rank == 0:
+    if size > 1:
+        gathered = [None] * size
+        dist.all_gather_object(gathered, mine, group=group)
+    if rank == 0:
         files: dict[str, dict[str, int]] = {}
         for part in gathered:
             files.update(part)
@@ -260,16 +277,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                 files[p.name] = file_record(p)
         manifest = {
             "format": FORMAT, "version": VERSION, "zeroshard": __version__,
-            "torch": torch.__version__, "world_size": comm.size,
+            "torch": torch.__version__, "world_size": size,
             "stage": engine.policy.stage, "mixed_precision": engine.config.mixed_precision,
+            **({"tp": engine.tp.size} if engine.tp is not None else {}),
             **layout, "loss_scaler": {"enabled": engine.scaler.enabled,
                                       **engine.scaler.state_dict()},
-            "rng": {"world_size": comm.size, "rows": rng_rows},
+            "rng": {"world_size": size, "rows": rng_rows},
             "extra": extra_json, "write_seconds": round(time.perf_counter() - t0, 3),
             "files": files,
         }
         write_manifest(tmp, manifest)
         commit(tmp, path)
-    if comm.size > 1:
-        dist.barrier(group=comm.group)
-    return path
