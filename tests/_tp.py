@@ -45,12 +45,14 @@ def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, vocab, (BATCH, SEQ), generator=g))
 
 
-def llama_config(vocab: int):
+def llama_config(vocab: int, intermediate: int | None = None):
+    """llama-tiny with another vocabulary (and MLP width: an odd one splits unevenly into
+    column-wise rows and row-wise columns)."""
     import dataclasses
 
     from zeroshard.models import get_preset
 
-    return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab)
+    return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab, intermediate=intermediate)
 
 
 def tp_loss(model, idx, y) -> torch.Tensor:

@@ -102,3 +102,30 @@ def test_ddp_script_and_its_zeroshard_twin_agree(tmp_path: Path) -> None:
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(ckpt["optimizer"]["state"][i][k], st[k], rtol=1e-3,
                                   atol=1e-8), (i, k)
+
+
+def _tp_runs(rank: int, world: int, root: str) -> dict:
+    tp = _load("train_tp")
+    base = ["--steps", "6", "--global-batch", "8", "--seq", "32"]
+    d = os.path.join(root, "tp")
+    out = {"tp2-s3": tp.main([*base, "--tp", "2", "--stage", "3", "--save-at", "3", "--out", d]),
+           "tp1-s2": tp.main([*base, "--tp", "1", "--stage", "2"]),
+           "tp2-s2-full": tp.main([*base, "--tp", "2", "--stage", "2", "--checkpointing", "full"])}
+    ckpt = os.path.join(d, "ckpt")
+    out["resume-tp2-s1"] = tp.main([*base, "--tp", "2", "--stage", "1", "--resume", ckpt])
+    out["resume-tp1-s3"] = tp.main([*base, "--tp", "1", "--stage", "3", "--resume", ckpt])
+    return out
+
+
+def test_tp_example_trains_as_data_parallel_and_resumes_anywhere(tmp_path: Path) -> None:
+    """examples/train_tp.py on 4 ranks: (dp 2, tp 2) at stage 3 trains as dp 4 without tp
+    (the same sequences per step), with full checkpointing too; its checkpoint at step 3
+    resumes on (dp 2, tp 2) at stage 1 and on dp 4 at stage 3, as the run continued."""
+    runs = run_ranks(_tp_runs, 4, str(tmp_path), timeout=600)[0]
+    ref = runs["tp2-s3"]
+    assert len(ref) == 6
+    for name in ("tp1-s2", "tp2-s2-full"):
+        assert all(_close(a, b) for a, b in zip(runs[name], ref)), (name, runs[name], ref)
+    for name in ("resume-tp2-s1", "resume-tp1-s3"):
+        assert len(runs[name]) == 3
+        assert all(_close(a, b) for a, b in zip(runs[name], ref[3:])), (name, runs[name], ref)

@@ -359,7 +359,7 @@ def _tp_step(model: nn.Module, opt: torch.optim.Optimizer, mesh) -> Callable:
 
     def together(t: torch.Tensor) -> torch.Tensor:
         out = torch.empty((tp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=tp_group)
+        dist.all_gather_single(out, t.contiguous(), group=tp_group)
         return out
 
     def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None] = _no_mark

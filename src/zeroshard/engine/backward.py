@@ -153,7 +153,7 @@ class BackwardHooks:
                 self.reducer.stash(b)
             if b.grad is None:
                 self.reducer.new_grad(b)
-            b.put_grad(b.grad, i, p.grad, add=b.valid[i])
+            b.put_grad(b.grad, i, self._grad_of(p), add=b.valid[i])
             b.valid[i] = True
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
@@ -165,6 +165,11 @@ class BackwardHooks:
         # [Note: collective order in backward]); stages 0-2 in bucket order.
         if b.ready == len(b.slots) and self.config.overlap and not self.units:
             self.reducer.launch_in_order()
+
+    def _grad_of(self: Engine, leaf: torch.Tensor) -> torch.Tensor | None:
+        """A leaf's gradient as the engine reduces it (a tensor-parallel face's: its local
+        piece's, see TensorParallel.local_grad)."""
+        return leaf.grad if self.tp is None else self.tp.local_grad(leaf)
 
     def _stage0_put(self: Engine, b: FlatBucket, i: int, view: torch.Tensor,
                     grad: torch.Tensor) -> None:
@@ -211,7 +216,7 @@ class BackwardHooks:
         for i, s in enumerate(b.slots):
             for leaf in self.faces.leaves(s.param):
                 # Stage 0's .grad may be the buffer's own view: already in.
-                g = leaf.grad
+                g = self._grad_of(leaf)
                 if g is None or (b.valid[i] and same_memory(g, b.slot_view(b.grad, i))):
                     continue
                 if not self.policy.shard_optimizer:

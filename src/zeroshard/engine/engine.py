@@ -213,6 +213,8 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self._sync_buffers = True
         for b in self.all_buckets:
             materialize(self, b, param_init if meta else None)
+        if self.tp is not None:  # the faces view the compute parameters' memory
+            self.tp.make_faces([s.param for b in self.all_buckets for s in b.slots])
         # See [Note: parameters the user sees] in params.py.
         self.faces = Faces(
             self.model, self.all_buckets, sharded=self.policy.shard_optimizer,

@@ -181,7 +181,10 @@ class Faces:
         return self.swap or bool(self.aliases)
 
     def leaves(self, param: nn.Parameter) -> list[nn.Parameter]:
-        """The autograd leaves a compute parameter's gradient arrives on."""
+        """The autograd leaves a compute parameter's gradient arrives on (a tensor-parallel
+        one's: its face, tensor_parallel.py)."""
+        if self.tp is not None and self.tp.spec(param) is not None:
+            return [self.tp.face(param)]
         return [param, *self.aliases.get(id(param), ())]
 
     # -- the swap -----------------------------------------------------------------------
@@ -195,14 +198,10 @@ class Faces:
                     for a in self.aliases.get(id(s.param), ()):
                         a.data = s.param.data
             homes = self._pairs[id(b)] if self.swap else self._alias_homes[id(b)]
-            faces: dict[int, torch.Tensor] = {}
             for module, attr, c, u in homes:
                 if compute and self.tp is not None and self.tp.spec(c) is not None:
-                    if id(c) not in faces:  # one per parameter, shared by its homes
-                        faces[id(c)] = self.tp.face(c)
-                    module._parameters[attr] = faces[id(c)]  # type: ignore[assignment]
-                else:
-                    module._parameters[attr] = c if compute else u
+                    c = self.tp.face(c)  # see [Note: tensor-parallel parameters]
+                module._parameters[attr] = c if compute else u
 
     def edits(self, b: FlatBucket) -> int:
         """The sum of the bucket's user parameters' version counters: it changes when
@@ -211,7 +210,8 @@ class Faces:
         return sum(self.user[id(s.param)]._version for s in b.slots)
 
     def known(self) -> set[int]:
-        return {id(u) for u in self.user.values()} | {
+        faces = set() if self.tp is None else {id(f) for f in self.tp.faces.values()}
+        return {id(u) for u in self.user.values()} | faces | {
             id(a) for aliases in self.aliases.values() for a in aliases}
 
     # -- gradients ----------------------------------------------------------------------

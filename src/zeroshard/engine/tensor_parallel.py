@@ -14,13 +14,16 @@ shards the *local pieces*:
   local shapes agree: flat buckets, chunks and padding work unchanged, every
   data-parallel collective runs inside the dp dimensions, and every tensor-parallel one
   is torch's own, untouched.
-* during forward and backward the modules hold, for each such parameter, a DTensor made
-  by ``DTensor.from_local`` of the compute parameter (:meth:`TensorParallel.face`): the
-  tp plan's ops see the DTensors they were written for, and autograd carries each
-  gradient back through ``from_local``, whose backward first brings it to the
-  parameter's placement — a ``Partial`` gradient (a sequence-parallel norm's weight) is
-  all-reduced over tp there, as FSDP2 does before its reduce-scatter — so what reaches
-  the engine is the local piece's gradient, which it reduces over dp only.
+* during forward and backward the modules hold, for each such parameter, its *face*: a
+  DTensor leaf over the compute parameter's memory with the tp placement (FSDP2's
+  unsharded parameter is the same), so the tp plan's ops see the DTensors they were
+  written for. Its gradient arrives on the face, where the engine's hooks take it
+  (:meth:`TensorParallel.local_grad`): brought to the face's placement first — a
+  ``Partial`` gradient (a sequence-parallel norm's weight) is all-reduced over tp, as
+  FSDP2 does before its reduce-scatter — then its local tensor, which the engine
+  reduces over dp only. A leaf, not ``DTensor.from_local`` of the compute parameter in
+  each forward: autograd runs a node made before a block's ops only after the whole
+  backward, so every gradient arrived late (all held to the end, then reduced twice).
 * the user parameter (see [Note: parameters the user sees] in params.py) is a DTensor
   on the whole mesh: zeroshard's dp placements, then the tp placement. Where both split
   dim 0 (a column-wise weight) the dp placement is ``_StridedShard(0, split_factor=tp)``:
@@ -30,8 +33,6 @@ shards the *local pieces*:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,27 +172,39 @@ class TensorParallel:
         spec = self.spec(param)
         return (spec is not None and spec.sharded) or self.rank == 0
 
-    def face(self, param: nn.Parameter) -> torch.Tensor:
-        """What the modules hold in forward: a DTensor of the compute parameter, joined to
-        it in the graph (see [Note: tensor-parallel parameters])."""
-        from torch.distributed.tensor import DTensor
+    def make_faces(self, params: list[nn.Parameter]) -> None:
+        """One DTensor leaf per tensor-parallel compute parameter, over the same memory
+        (see [Note: tensor-parallel parameters]); built once, after the buckets are."""
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-        spec = self.specs[id(param)]
-        with _grad_if(param.requires_grad):
-            return DTensor.from_local(param, spec.mesh, (spec.placement,), run_check=False,
-                                      shape=spec.shape, stride=spec.stride)
+        from .params import dtensor
 
+        self.faces: dict[int, nn.Parameter] = {}
+        for p in params:
+            spec = self.specs.get(id(p))
+            if spec is None:
+                continue
+            dspec = DTensorSpec(spec.mesh, (spec.placement,),
+                                tensor_meta=TensorMeta(spec.shape, spec.stride, p.dtype))
+            self.faces[id(p)] = nn.Parameter(dtensor(p.detach(), dspec),
+                                             requires_grad=p.requires_grad)
 
-@contextmanager
-def _grad_if(on: bool) -> Iterator[None]:
-    # A face made where gradients are off (stage 3 re-gathers a unit inside backward;
-    # a reentrant checkpoint recomputes from the modules' faces) must still lead back to
-    # the parameter.
-    if on:
-        with torch.enable_grad():
-            yield
-    else:
-        yield
+    def face(self, param: nn.Parameter) -> nn.Parameter:
+        """What the modules hold in forward and backward for a tensor-parallel parameter."""
+        return self.faces[id(param)]
+
+    def local_grad(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """A face's gradient as the local piece's: brought to the face's placement first
+        (a sequence-parallel norm's ``Partial`` gradient is all-reduced over tp here,
+        as FSDP2 does before its reduce-scatter); other leaves' as they are."""
+        g = leaf.grad
+        if g is None or not hasattr(g, "_local_tensor"):
+            return g
+        if tuple(g.placements) != tuple(leaf.placements):
+            g = g.redistribute(placements=leaf.placements)
+        local = g.to_local()
+        wait = getattr(local, "wait", None)  # an async collective's result
+        return wait() if callable(wait) else local
 
 
 def tp_comms(ledger: Any, mesh: Any, stage: int) -> tuple[Any, Any, Any, Any]:
