@@ -423,7 +423,7 @@ def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
 
 
 def test_tp_checkpoint_of_uneven_pieces() -> None:
-    for rank, r in enumerate(_results()):
+    for r in _results():
         for got in r[5]:
             assert got["there"] == 0.0 and got["back"] == 0.0, got
     # rank 3 is (dp 1, tp 1): tp rows 4 + 3 -> its dp chunk of 3 rows is 1; columns 3
