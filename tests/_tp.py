@@ -17,6 +17,7 @@ __all__ = ["parallelize_llama"]
 # -- training under tp, against one process on the whole batch ---------------------------
 LAYOUTS = {"dp2xtp2": ((2, 2), ("dp", "tp")),
            "rep2xshard1xtp2": ((2, 1, 2), ("replicate", "shard", "tp")),
+           "dp1xtp4": ((1, 4), ("dp", "tp")),
            "rep2xshard2": ((2, 2), ("replicate", "shard")),  # hybrid, no tp
            "dp4": ((4,), ("dp",))}
 BATCH, SEQ = 4, 32
@@ -46,13 +47,14 @@ def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def llama_config(vocab: int, intermediate: int | None = None):
-    """llama-tiny with another vocabulary (and MLP width: an odd one splits unevenly into
-    column-wise rows and row-wise columns)."""
+    """llama-tiny with another vocabulary and MLP width, and a key/value head per query
+    head (4: tp 4 divides them)."""
     import dataclasses
 
     from zeroshard.models import get_preset
 
-    return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab, intermediate=intermediate)
+    return dataclasses.replace(get_preset("llama-tiny"), vocab=vocab, intermediate=intermediate,
+                               n_kv_heads=4)
 
 
 def tp_loss(model, idx, y) -> torch.Tensor:

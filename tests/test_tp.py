@@ -149,7 +149,9 @@ RESUME = [{"via": "state_dict", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
           {"via": "checkpoint", "src": ("rep2xshard1xtp2", 1), "dst": ("dp2xtp2", 3)},
           {"via": "checkpoint", "src": ("dp4", 2), "dst": ("rep2xshard1xtp2", 2)},
           # hybrid sharding without tp: replica 0 writes, and a tp layout reads it
-          {"via": "checkpoint", "src": ("rep2xshard2", 3), "dst": ("dp2xtp2", 2)}]
+          {"via": "checkpoint", "src": ("rep2xshard2", 3), "dst": ("dp2xtp2", 2)},
+          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)},  # tp 2 -> 4
+          {"via": "checkpoint", "src": ("dp1xtp4", 1), "dst": ("dp2xtp2", 1)}]
 
 
 def _resume(rank: int, world: int, via: str, src: tuple, dst: tuple) -> dict:

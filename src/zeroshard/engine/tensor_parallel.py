@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TpSpec", "TensorParallel", "localize", "dp_placements", "tp_comms", "is_tp_mesh"]
+__all__ = ["TpSpec", "TensorParallel", "localize", "tp_comms", "is_tp_mesh"]
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,6 @@ def _check_tp_param(name: str, p: Any, tp_mesh: Any) -> None:
             f"parameter {name!r} has tp placement {placement}; zeroshard shards parameters "
             "placed Shard(d) or Replicate() on the tp mesh (torch's parallel styles give "
             "those)")
-
-
-def dp_placements(replicate: bool) -> tuple:
-    """zeroshard's placements over the dp dimensions: (Shard(0),) or with hybrid sharding
-    (Replicate(), Shard(0))."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    return (Replicate(), Shard(0)) if replicate else (Shard(0),)
 
 
 class TensorParallel:
