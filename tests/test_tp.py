@@ -257,6 +257,9 @@ def _errors(rank: int, world: int) -> dict:
     catch("stage0", lambda: zeroshard.shard(tp_model, torch.optim.AdamW, stage=0, mesh=mesh))
     catch("no_dtensor", lambda: zeroshard.shard(build_model(llama_config(256)),
                                                 torch.optim.AdamW, stage=1, mesh=mesh))
+    catch("dp_mesh_only", lambda: zeroshard.shard(tp_model, torch.optim.AdamW, stage=1,
+                                                  mesh=mesh["dp"]))  # what fully_shard takes
+    catch("no_mesh", lambda: zeroshard.shard(tp_model, torch.optim.AdamW, stage=1))
     return out
 
 
@@ -394,6 +397,8 @@ def test_tp_refusals_name_the_fix() -> None:
     got = _results()[0][3]
     assert "stages 1, 2 and 3" in got["stage0"]
     assert "parallelize_module(model, mesh['tp'], plan) before shard()" in got["no_dtensor"]
+    for key in ("dp_mesh_only", "no_mesh"):  # not an error deep inside the engine
+        assert "pass the whole mesh it came from, with a 'tp' dimension" in got[key], got[key]
 
 
 @pytest.mark.parametrize("k", range(len(LEDGER)), ids=[f"s{p['stage']}-{p['policy']}" for p in LEDGER])

@@ -237,6 +237,27 @@ def _check_model(model: nn.Module, stage: int) -> None:
         )
 
 
+def _check_dtensor_params(model: nn.Module, mesh: Any) -> None:
+    """A model parallelised with parallelize_module needs the whole mesh, tp dimension
+    included (FSDP2 takes mesh["dp"]; zeroshard takes the mesh itself)."""
+    if is_tp_mesh(mesh):
+        return
+    from torch.distributed.tensor import DTensor
+
+    name = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if name is None:
+        return
+    dims = getattr(next(model.parameters()), "device_mesh", None)
+    raise ValueError(
+        f"parameter {name!r} is a DTensor (the model was parallelised, e.g. with "
+        "parallelize_module); pass the whole mesh it came from, with a 'tp' dimension: "
+        "shard(model, ..., mesh=mesh) where mesh = init_device_mesh(device, (dp, tp), "
+        "mesh_dim_names=('dp', 'tp')) and the plan was applied on mesh['tp']"
+        + (f" (got mesh={mesh})" if mesh is not None else " (no mesh= was given)")
+        + (f"; its tp mesh is {dims}" if dims is not None else "")
+        + ". See docs/tensor-parallel.md")
+
+
 def shard(
     model: nn.Module,
     optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
@@ -323,6 +344,7 @@ def shard(
         param_init = _default_param_init(model)
     ledger = CommLedger()
     tp = None
+    _check_dtensor_params(model, mesh)
     if is_tp_mesh(mesh):  # see [Note: tensor-parallel parameters]
         if process_group is not None or hybrid is not None:
             raise ValueError("a mesh with a tp dimension says the dp layout too; drop "

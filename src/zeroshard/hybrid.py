@@ -73,7 +73,9 @@ def hybrid_comms(
         raise ValueError(
             f"mesh must be 2-D with dims ('replicate', 'shard'), got dims {names}; build it "
             "with init_device_mesh(device, (replicas, shard_size), "
-            "mesh_dim_names=('replicate', 'shard'))"
+            "mesh_dim_names=('replicate', 'shard')). For tensor parallelism pass the whole "
+            "mesh with a 'tp' dimension, dims ('dp', 'tp') or ('replicate', 'shard', 'tp') "
+            "(docs/tensor-parallel.md); for plain sharding over a group, process_group="
         )
     shard = Comm(mesh.get_group("shard"), ledger, label="shard")
     replicate = Comm(mesh.get_group("replicate"), ledger, label="replicate")

@@ -314,10 +314,17 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     best = max(fitting, key=key)
     low = [x for x in fitting if x.stage <= 2]
     alt = max(low, key=key) if low else None
+    margin = ""
     if best.stage == 3 and alt and best.tokens_per_s <= (1 + STAGE3_MARGIN) * alt.tokens_per_s:
+        margin = "" if best.tokens_per_s <= alt.tokens_per_s else (f" Stage 3 is estimated {best.tokens_per_s / alt.tokens_per_s - 1:.1%} faster "
+                  f"({describe(best)}, ~{best.tokens_per_s:,.0f} tokens/s), under the "
+                  f"{STAGE3_MARGIN:.0%} it must win by: its per-unit gathers cost what this "
+                  "estimate does not price.")
         best = alt
     how = (f"{describe(best)}: {gb(best.total_bytes)} of {gb(su.usable)} usable, "
            f"~{best.tokens_per_s:,.0f} tokens/s")
+    top = ("the best estimated throughput of stages 0-2" if margin else
+           "the best estimated throughput that fits")
     zero = [x.total_bytes for x in rows if x.stage == 0]  # none under tp (stages 1-3)
     s0 = gb(min(zero)) if zero else None
     if n == 1:
@@ -334,10 +341,10 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
                    f"needs less memory ({how}; stage 0 needs at least {s0}).")
         elif s0 is None:
             why = (f"With tensor parallelism zeroshard shards stages 1-3; sharding {what} "
-                   f"gives the best estimated throughput that fits ({how}).")
+                   f"gives {top} ({how}).")
         else:
             why = (f"A full replica does not fit (stage 0 needs at least {s0}); sharding "
-                   f"{what} gives the best estimated throughput that fits ({how}).")
+                   f"{what} gives {top} ({how}).")
     elif alt is None:
         action = "zero-3"
         s2 = gb(min(x.total_bytes for x in rows if x.stage == 2))
@@ -355,7 +362,10 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         why = (f"Stage 3 is estimated {best.tokens_per_s / alt.tokens_per_s - 1:.1%} faster than "
                f"the best stage 0-2 option ({describe(alt)}, ~{alt.tokens_per_s:,.0f} tokens/s): "
                f"{gain} ({how}); confirm by measuring.")
-    why += _hybrid_note(su, rows, best) + _offload_note(su, best, n)
+    if su.tp > 1 and su.dp(n) == 1:
+        why += (f" With tp={su.tp} on {devices(n)} there is one data-parallel replica: the "
+                "ZeRO stage shards nothing (each rank keeps its whole piece's state).")
+    why += margin + _hybrid_note(su, rows, best) + _offload_note(su, best, n)
     return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
                           activation_checkpointing=best.activation_checkpointing,
                           tokens_per_s=best.tokens_per_s, hybrid=best.hybrid,
