@@ -192,9 +192,9 @@ class TensorParallel:
         g = leaf.grad
         if g is None or not hasattr(g, "_local_tensor"):
             return g
-        if tuple(g.placements) != tuple(leaf.placements):
-            g = g.redistribute(placements=leaf.placements)
-        local = g.to_local()
+        if tuple(g.placements) == tuple(leaf.placements):
+            return g._local_tensor  # not to_local(): an autograd op, per parameter and step
+        local = g.redistribute(placements=leaf.placements)._local_tensor
         wait = getattr(local, "wait", None)  # an async collective's result
         return wait() if callable(wait) else local
 
