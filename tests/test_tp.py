@@ -215,12 +215,13 @@ def _uneven(rank: int, world: int, stage: int) -> dict:
     from zeroshard.state import load_checkpoint, save_checkpoint
 
     def build(seed: int) -> torch.nn.Module:
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5)).double()
+        torch.manual_seed(seed)  # a row-wise Linear(5, 1): one row, so dp rank 1 holds none
+        return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5),
+                                   torch.nn.Linear(5, 1)).double()
 
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": RowwiseParallel()}
     mesh = tp_mesh("dp2xtp2")
-    tp_model = parallelize_module(build(0), mesh["tp"], {"0": ColwiseParallel(),
-                                                         "1": RowwiseParallel()})
+    tp_model = parallelize_module(build(0), mesh["tp"], plan)
     units = {"units": lambda m: False} if stage == 3 else {}
     tp_model, _ = zeroshard.shard(tp_model, torch.optim.AdamW, stage=stage, mesh=mesh, **units)
     plain, _ = zeroshard.shard(build(1), torch.optim.AdamW, stage=3, units=lambda m: False)
@@ -229,15 +230,45 @@ def _uneven(rank: int, world: int, stage: int) -> dict:
     save_checkpoint(path, tp_model)
     load_checkpoint(path, plain)
     there = zeroshard.full_state_dict(plain)
-    back, _ = zeroshard.shard(parallelize_module(build(2), tp_mesh("dp2xtp2")["tp"], {
-        "0": ColwiseParallel(), "1": RowwiseParallel()}), torch.optim.AdamW, stage=stage,
-        mesh=tp_mesh("dp2xtp2"), **units)
+    mesh2 = tp_mesh("dp2xtp2")
+    back, _ = zeroshard.shard(parallelize_module(build(2), mesh2["tp"], plan),
+                              torch.optim.AdamW, stage=stage, mesh=mesh2, **units)
     save_checkpoint(path + "-plain", plain)
     load_checkpoint(path + "-plain", back)
     again = zeroshard.full_state_dict(back)
     return {"there": max((there[k] - want[k]).abs().max().item() for k in want),
             "back": max((again[k] - want[k]).abs().max().item() for k in want),
             "local": {n: tuple(p.to_local().shape) for n, p in back.named_parameters()}}
+
+
+def _consistent(rank: int, world: int) -> dict:
+    """Each rank builds its model from its own seed, with a parameter outside the plan and a
+    buffer: after shard() every rank holds rank 0's (dp and tp alike), as under DDP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    model.register_buffer("scale", torch.rand(3))
+    mesh = tp_mesh("dp2xtp2")
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(use_local_output=False)})
+    model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2, mesh=mesh)
+    return {k: v.tolist() for k, v in zeroshard.full_state_dict(model).items()}
+
+
+def _subset_save(rank: int, world: int) -> str:
+    """Without tp: ranks {0, 1} and {2, 3} shard and save over their own groups; a save is
+    collective over its model's ranks only."""
+    import os
+    import tempfile
+
+    from zeroshard.models import build_model, get_preset
+    from zeroshard.state import save_checkpoint
+
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    model, optim = zeroshard.shard(build_model(get_preset("gpt2-tiny")), torch.optim.AdamW,
+                                   stage=2, process_group=groups[rank // 2])
+    save_checkpoint(os.path.join(tempfile.gettempdir(), f"subset-{rank // 2}"), model, optim)
+    return "ok"
 
 
 def _errors(rank: int, world: int) -> dict:
@@ -260,6 +291,11 @@ def _errors(rank: int, world: int) -> dict:
     catch("dp_mesh_only", lambda: zeroshard.shard(tp_model, torch.optim.AdamW, stage=1,
                                                   mesh=mesh["dp"]))  # what fully_shard takes
     catch("no_mesh", lambda: zeroshard.shard(tp_model, torch.optim.AdamW, stage=1))
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp4 = tp_mesh("dp1xtp4")  # 9 rows over tp 4: torch.chunk gives 3, 3, 3 and nothing
+    nine = parallelize_module(torch.nn.Linear(6, 9), tp4["tp"], ColwiseParallel())
+    catch("empty_piece", lambda: zeroshard.shard(nine, torch.optim.AdamW, stage=1, mesh=tp4))
     return out
 
 
@@ -324,7 +360,8 @@ def _all(rank: int, world: int) -> list:
             sweep(functools.partial(_resume, rank, world), RESUME),
             _errors(rank, world),
             sweep(functools.partial(_ledger, rank, world), LEDGER),
-            [_uneven(rank, world, stage) for stage in (1, 3)]]
+            [_uneven(rank, world, stage) for stage in (1, 3)],
+            _consistent(rank, world), _subset_save(rank, world)]
 
 
 @functools.cache
@@ -397,6 +434,7 @@ def test_tp_refusals_name_the_fix() -> None:
     got = _results()[0][3]
     assert "stages 1, 2 and 3" in got["stage0"]
     assert "parallelize_module(model, mesh['tp'], plan) before shard()" in got["no_dtensor"]
+    assert "leaves tp rank 3 no piece" in got["empty_piece"], got["empty_piece"]
     for key in ("dp_mesh_only", "no_mesh"):  # not an error deep inside the engine
         assert "pass the whole mesh it came from, with a 'tp' dimension" in got[key], got[key]
 
@@ -436,3 +474,12 @@ def test_tp_checkpoint_of_uneven_pieces() -> None:
     # rank 3 is (dp 1, tp 1): tp rows 4 + 3 -> its dp chunk of 3 rows is 1; columns 3
     assert _results()[3][5][0]["local"]["0.weight"] == (1, 6)
     assert _results()[3][5][0]["local"]["1.weight"] == (2, 3)
+
+
+def test_every_rank_starts_from_rank_0s_state() -> None:
+    states = [r[6] for r in _results()]
+    assert all(st == states[0] for st in states[1:])  # parameters outside the plan, buffers
+
+
+def test_a_save_is_collective_over_its_models_ranks_only() -> None:
+    assert [r[7] for r in _results()] == ["ok"] * 4

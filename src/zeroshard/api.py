@@ -26,7 +26,13 @@ from .engine.optimizer_spec import (
     spec_from_class,
     spec_from_instance,
 )
-from .engine.tensor_parallel import TensorParallel, is_tp_mesh, localize, tp_comms
+from .engine.tensor_parallel import (
+    TensorParallel,
+    is_tp_mesh,
+    localize,
+    sync_over_tp,
+    tp_comms,
+)
 from .engine.units import UnitSpec
 from .memory.tracker import MemoryTracker
 
@@ -244,17 +250,17 @@ def _check_dtensor_params(model: nn.Module, mesh: Any) -> None:
         return
     from torch.distributed.tensor import DTensor
 
-    name = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
-    if name is None:
+    found = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if found is None:
         return
-    dims = getattr(next(model.parameters()), "device_mesh", None)
+    name, dims = found[0], found[1].device_mesh
     raise ValueError(
         f"parameter {name!r} is a DTensor (the model was parallelised, e.g. with "
         "parallelize_module); pass the whole mesh it came from, with a 'tp' dimension: "
         "shard(model, ..., mesh=mesh) where mesh = init_device_mesh(device, (dp, tp), "
         "mesh_dim_names=('dp', 'tp')) and the plan was applied on mesh['tp']"
         + (f" (got mesh={mesh})" if mesh is not None else " (no mesh= was given)")
-        + (f"; its tp mesh is {dims}" if dims is not None else "")
+        + f"; its tp mesh is {dims}"
         + ". See docs/tensor-parallel.md")
 
 
@@ -354,6 +360,7 @@ def shard(
                 "tensor parallelism needs real weights at shard(): materialise the model "
                 "before parallelize_module (zeroshard.models.materialize), then shard it")
         comm, replicate, world, tp_comm = tp_comms(ledger, mesh, stage)
+        sync_over_tp(model, tp_comm)  # before localize: tp parameters stay DTensors there
         specs = localize(model, mesh["tp"], frozen=stage == 3)
         if not specs:
             raise ValueError(

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TpSpec", "TensorParallel", "localize", "tp_comms", "is_tp_mesh"]
+__all__ = ["TpSpec", "TensorParallel", "localize", "sync_over_tp", "tp_comms", "is_tp_mesh"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,15 @@ def _check_tp_param(name: str, p: Any, tp_mesh: Any) -> None:
             f"parameter {name!r} has tp placement {placement}; zeroshard shards parameters "
             "placed Shard(d) or Replicate() on the tp mesh (torch's parallel styles give "
             "those)")
+    if placement.is_shard():
+        n, t = p.shape[placement.dim], tp_mesh.size()
+        c = -(-n // t)
+        if (t - 1) * c >= n:  # torch.chunk leaves the last tp rank(s) nothing
+            raise ValueError(
+                f"parameter {name!r}: its dim {placement.dim} of size {n} split over tp={t} "
+                f"(chunks of {c}) leaves tp rank {t - 1} no piece; zeroshard needs every tp "
+                "rank to hold part of each tp-sharded parameter. Use a tp or a size for which "
+                f"ceil({n}/tp) * (tp - 1) < {n} (e.g. a tp dividing {n})")
 
 
 class TensorParallel:
@@ -117,6 +126,8 @@ class TensorParallel:
             group = dist.new_group(ranks)
             if r == self.replica:
                 self.ckpt_group, self.ckpt_peers = group, ranks
+        # Every rank of the mesh: replicas wait on it for replica 0's save.
+        self.span_group = dist.new_group(mesh.mesh.flatten().tolist()) if hybrid else None
 
     def spec(self, param: torch.Tensor) -> TpSpec | None:
         return self.specs.get(id(param))
@@ -144,7 +155,11 @@ class TensorParallel:
         spec = self.spec(param)
         if spec is None or not spec.sharded:
             return whole
-        return torch.chunk(whole, self.size, dim=spec.placement.dim)[self.rank]
+        dim = spec.placement.dim
+        n = whole.shape[dim]
+        c = -(-n // self.size)
+        lo = min(self.rank * c, n)
+        return whole.narrow(dim, lo, max(0, min(c, n - lo)))
 
     def whole(self, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """The whole tensor of which ``piece`` is this tp rank's (collective over tp for
@@ -197,6 +212,23 @@ class TensorParallel:
         local = g.redistribute(placements=leaf.placements)._local_tensor
         wait = getattr(local, "wait", None)  # an async collective's result
         return wait() if callable(wait) else local
+
+
+@torch.no_grad()
+def sync_over_tp(model: nn.Module, tp_comm: Any) -> None:
+    """Every tp rank starts from tp rank 0's parameters that are not tensor-parallel
+    (outside the plan) and buffers, as the dp ranks start from dp rank 0's (buffers.py):
+    zeroshard's start-up broadcast runs over the dp dimensions only. Tensor-parallel
+    parameters were placed by ``distribute_tensor`` from one rank already."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(t, DTensor):
+            continue
+        data = t.data if t.is_contiguous() else t.data.contiguous()
+        tp_comm.broadcast(data, 0, phase="init", unit=f"tp {name}")
+        if data is not t.data:
+            t.data.copy_(data)
 
 
 def tp_comms(ledger: Any, mesh: Any, stage: int) -> tuple[Any, Any, Any, Any]:

@@ -80,7 +80,7 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         why = (f"One transformer block needs {gb(su.layer_bytes)} (16-bit weights and "
                f"gradients plus its activations at micro-batch 1) but a device has "
                f"{gb(su.usable)} usable, so no amount of sharding fits it: "
-               + ("tensor parallelism is needed (plan --tp)." if su.tp == 1 else
+               + (f"tensor parallelism is needed{_tp_hint(su)}." if su.tp == 1 else
                   f"a tensor-parallel degree above {su.tp} is needed."))
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                               action="tensor-parallel", reason=why)
@@ -106,6 +106,15 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     lean = min(plain, key=lambda x: (_floor(su, x), x.total_bytes))
     return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                           action="tensor-parallel", reason=_never_fits(su, lean, n))
+
+
+def _tp_hint(su: Setup, lead: str = " (") -> str:
+    """Where ``plan --tp`` can price it (Llama shapes, torchtitan's plan): say so."""
+    from zeroshard.models.config import LlamaConfig
+
+    if not isinstance(su.cfg, LlamaConfig):
+        return ""
+    return f"{lead}plan --tp prices it)"
 
 
 def _floor(su: Setup, x: PlanRow) -> int:
@@ -225,8 +234,8 @@ def _never_fits(su: Setup, x: PlanRow, n: int) -> str:
            f"holds {held}, more than the {gb(su.usable)} usable, and more devices shrink "
            "only the model state. " + (
                "Use tensor parallelism (with sequence parallelism for the activations): it "
-               "splits each block's weights, gradients and activations over devices; "
-               "zeroshard composes with torch's (docs/tensor-parallel.md, plan --tp)."
+               "splits each block's weights, gradients and activations over devices"
+               f"{_tp_hint(su, ', which zeroshard composes with (docs/tensor-parallel.md, ')}."
                if su.tp == 1 else
                f"Use a tensor-parallel degree above {su.tp}: it splits each block's weights, "
                "gradients and activations over more devices."))
@@ -323,7 +332,8 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         best = alt
     how = (f"{describe(best)}: {gb(best.total_bytes)} of {gb(su.usable)} usable, "
            f"~{best.tokens_per_s:,.0f} tokens/s")
-    top = ("the best estimated throughput of stages 0-2" if margin else
+    low_stages = "1-2" if su.tp > 1 else "0-2"  # no stage 0 under tp
+    top = (f"the best estimated throughput of stages {low_stages}" if margin else
            "the best estimated throughput that fits")
     zero = [x.total_bytes for x in rows if x.stage == 0]  # none under tp (stages 1-3)
     s0 = gb(min(zero)) if zero else None

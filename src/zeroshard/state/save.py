@@ -239,11 +239,34 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
-    if checkpoint_group(engine)[4]:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
-        _write(path, engine, model, optimizer, extra_json, extra_tensors, t0)
-    if dist.get_world_size() > 1:  # every replica returns once the checkpoint is there
-        dist.barrier()
+    writes = checkpoint_group(engine)[4]
+    failed: BaseException | None = None
+    if writes:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
+        try:
+            _write(path, engine, model, optimizer, extra_json, extra_tensors, t0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
+            failed = exc
+    span = _replica_span(engine)
+    if span is not None:  # the other replicas learn how replica 0's save went
+        flag = torch.tensor([float(failed is not None)], device=engine.device)
+        dist.all_reduce(flag, group=span)
+        if failed is None and flag.item() > 0:
+            raise CheckpointError(f"saving {str(path)!r} failed on replica 0 (its ranks raised "
+                                  "the cause); nothing was committed")
+    if failed is not None:
+        raise failed
     return path
+
+
+def _replica_span(engine: Engine):
+    """The group of every replica (hybrid sharding), or None: without replicas the writing
+    ranks are all the ranks of the model."""
+    if engine.replicate is None:
+        return None
+    if engine.tp is not None:
+        return engine.tp.span_group
+    return engine.world.group
+
 
 
 def _write(path: Path, engine: Engine, model: nn.Module,
@@ -288,3 +311,5 @@ def _write(path: Path, engine: Engine, model: nn.Module,
         }
         write_manifest(tmp, manifest)
         commit(tmp, path)
+    if size > 1:  # every writer returns once the checkpoint is committed
+        dist.barrier(group=group)

@@ -128,9 +128,15 @@ class TpViews:
 
         shape = self._kind(e)[1]
         n = e.slot.rows_of(e.bucket.rank)
-        dt = DTensor.from_local(local.view(n, -1), self.tp.tp_mesh, (Shard(1),), run_check=False,
+        piece = self._on_device(local.view(n, e.slot.shape[1]))
+        dt = DTensor.from_local(piece, self.tp.tp_mesh, (Shard(1),), run_check=False,
                                 shape=(n, shape[1]), stride=(shape[1], 1))
-        return dt.full_tensor()
+        return dt.full_tensor().to(local.device)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Collectives run on the engine's device (NCCL needs it); offloaded masters and
+        state live on the host."""
+        return t if t.device == self.engine.device else t.to(self.engine.device)
 
     def _mine(self, pieces: list[tuple[int, int, int]]) -> tuple[int, int] | None:
         return next(((lo, hi) for r, lo, hi in pieces if r == self.rank), None)
@@ -171,18 +177,23 @@ class TpViews:
     def _broadcast(self, local: torch.Tensor) -> None:
         if local.numel():  # the same on every tp rank (the same dp chunk)
             src = dist.get_global_rank(self.tp.comm.group, 0)
-            dist.broadcast(local, src=src, group=self.tp.comm.group)
+            buf = self._on_device(local)
+            dist.broadcast(buf, src=src, group=self.tp.comm.group)
+            if buf is not local:
+                local.copy_(buf)
 
     def _columns(self, e: ParamEntry, shape: tuple[int, ...], read: torch.Tensor,
                  local: torch.Tensor) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         n, cols = e.slot.rows_of(e.bucket.rank), shape[1]
-        dt = DTensor.from_local(read.view(-1, cols), self.tp.tp_mesh, (Shard(0),),
-                                run_check=False, shape=(n, cols), stride=(cols, 1))
+        dt = DTensor.from_local(self._on_device(read.view(read.numel() // cols, cols)),
+                                self.tp.tp_mesh, (Shard(0),), run_check=False,
+                                shape=(n, cols), stride=(cols, 1))
         whole = dt.full_tensor()
-        mine = torch.chunk(whole, self.tp.size, dim=1)[self.tp.rank] if n else whole[:, :0]
-        local.view(n, -1).copy_(mine)
+        width = e.slot.shape[1]  # this tp rank's columns: DTensor's Shard(1) chunk
+        lo = min(self.tp.rank * -(-cols // self.tp.size), cols)
+        local.view(n, width).copy_(whole[:, lo : lo + width])
 
     def frozen_save(self, p: torch.Tensor) -> torch.Tensor:
         """A frozen tensor-parallel parameter kept out of buckets (a DTensor): whole."""
