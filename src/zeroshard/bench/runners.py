@@ -178,19 +178,23 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, cast,
     return step
 
 
-def _zeroshard(spec, model, group, s: BenchSettings, device) -> Runner:
+def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner:
     import zeroshard
 
     extra = {} if spec.stage != 3 else {"reshard_after_forward": bool(spec.reshard_after_forward)}
-    model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage, process_group=group,
-                                 mixed_precision=s.mixed_precision, lr=s.lr, **extra)
+    where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
+    model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage,
+                                 mixed_precision=s.mixed_precision, lr=s.lr, **where, **extra)
 
     def tracker() -> MemoryTracker:  # what zeroshard.memory_tracker does, with a device filter
         t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
         return t.track_optimizer(opt.optim).add_source(zeroshard.engine_of(model).memory_sources())
 
-    return Runner(_plain_step(_compiled(model, _blocks(model), s), opt, contextlib.nullcontext),
-                  tracker, zeroshard.engine_of(model).comm.ledger)
+    compiled = _compiled(model, _blocks(model), s)
+    if tp_mesh is not None:  # no ledger: the measured step counts every collective (dp and
+        return Runner(_tp_step(compiled, opt, tp_mesh), tracker)  # tp) at dispatch, as FSDP2's
+    return Runner(_plain_step(compiled, opt, contextlib.nullcontext), tracker,
+                  zeroshard.engine_of(model).comm.ledger)
 
 
 def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
@@ -240,13 +244,14 @@ def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
     return Runner(step, tracker)
 
 
-def _fsdp2(spec, model, group, s: BenchSettings, device) -> Runner:
+def _fsdp2(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner:
+    """FSDP2; with ``tp_mesh``, as torchtitan composes it with tp: on its dp dimension."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from zeroshard.checkpointing import find_blocks
 
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = DeviceMesh.from_group(group, device.type) if tp_mesh is None else tp_mesh["dp"]
     dt = _DTYPES.get(s.mixed_precision or "")
     mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)
     kw = {"mesh": mesh, "reshard_after_forward": bool(spec.reshard_after_forward), "mp_policy": mp}
@@ -259,8 +264,10 @@ def _fsdp2(spec, model, group, s: BenchSettings, device) -> Runner:
         return MemoryTracker(device=_tracker_device(device)).add_source(
             _local_source(model, lambda: _state_tensors(opt)))
 
-    return Runner(_plain_step(_compiled(model, find_blocks(model), s), opt,
-                              contextlib.nullcontext), tracker)
+    compiled = _compiled(model, find_blocks(model), s)
+    if tp_mesh is not None:
+        return Runner(_tp_step(compiled, opt, tp_mesh), tracker)
+    return Runner(_plain_step(compiled, opt, contextlib.nullcontext), tracker)
 
 
 def _deepspeed(spec, model, group, s: BenchSettings, device) -> Runner:
@@ -378,49 +385,13 @@ def _tp_step(model: nn.Module, opt: torch.optim.Optimizer, mesh) -> Callable:
     return step
 
 
-def _tensor_parallel(spec: ConfigSpec, model: nn.Module, s: BenchSettings,
-                     device: torch.device) -> Runner:
-    """zeroshard or FSDP2 over the dp dimension of a model parallelised over tp."""
-    mesh = _tp_mesh(spec, model, device)
-    if spec.system == "zeroshard":
-        import zeroshard
-
-        extra = {} if spec.stage != 3 else {
-            "reshard_after_forward": bool(spec.reshard_after_forward)}
-        model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage, mesh=mesh,
-                                     mixed_precision=s.mixed_precision, lr=s.lr, **extra)
-        inner: torch.optim.Optimizer = opt.optim
-
-        def tracker() -> MemoryTracker:
-            t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
-            return t.track_optimizer(inner).add_source(
-                zeroshard.engine_of(model).memory_sources())
-    else:  # FSDP2 + TP as torchtitan composes them: fully_shard on the dp dimension
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from zeroshard.checkpointing import find_blocks
-
-        dt = _DTYPES.get(s.mixed_precision or "")
-        kw = {"mesh": mesh["dp"], "reshard_after_forward": bool(spec.reshard_after_forward),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)}
-        for block in find_blocks(model):
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=s.lr)
-
-        def tracker() -> MemoryTracker:
-            return MemoryTracker(device=_tracker_device(device)).add_source(
-                _local_source(model, lambda: _state_tensors(opt)))
-    # No ledger: the measured step counts every collective (dp and tp) at dispatch, for
-    # both systems alike.
-    return Runner(_tp_step(_compiled(model, _blocks(model), s), opt, mesh), tracker)
-
-
 def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,
                  settings: BenchSettings, device: torch.device) -> Runner:
     """Wrap ``model`` (already on ``device``, checkpointing applied) for ``spec``."""
-    if spec.tp > 1:
-        return _tensor_parallel(spec, model, settings, device)
+    if spec.tp > 1:  # zeroshard or FSDP2 over the dp dimension of a tp-parallelised model
+        tp_mesh = _tp_mesh(spec, model, device)
+        wrap = _zeroshard if spec.system == "zeroshard" else _fsdp2
+        return wrap(spec, model, group, settings, device, tp_mesh=tp_mesh)
     if spec.prefix == "fail":
         return _ddp(spec, model, group, settings, device, fail_rank=1)
     if spec.system == "zeroshard":

@@ -168,7 +168,8 @@ class Faces:
             leaves = self.leaves(s.param)
             self.alias_of.update((id(a), user) for a in leaves[1:])
             for k, (module, attr) in enumerate(_homes(model, s.names)):
-                pair = (module, attr, leaves[k] if len(leaves) > 1 else s.param, user)
+                # (a tensor-parallel parameter's one leaf is its face, not s.param)
+                pair = (module, attr, leaves[k] if len(leaves) > 1 else leaves[0], user)
                 pairs.append(pair)
                 if k and len(leaves) > 1:
                     alias_homes.append(pair)
@@ -199,8 +200,6 @@ class Faces:
                         a.data = s.param.data
             homes = self._pairs[id(b)] if self.swap else self._alias_homes[id(b)]
             for module, attr, c, u in homes:
-                if compute and self.tp is not None and self.tp.spec(c) is not None:
-                    c = self.tp.face(c)  # see [Note: tensor-parallel parameters]
                 module._parameters[attr] = c if compute else u
 
     def edits(self, b: FlatBucket) -> int:

@@ -40,7 +40,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TpSpec", "TensorParallel", "localize", "sync_over_tp", "tp_comms", "is_tp_mesh"]
+__all__ = ["TpSpec", "TensorParallel", "chunk_range", "localize", "sync_over_tp", "tp_comms",
+           "is_tp_mesh"]
+
+
+def chunk_range(n: int, k: int, parts: int) -> tuple[int, int]:
+    """(start, length) of chunk ``k`` of ``n`` items cut in ``parts`` as ``torch.chunk``
+    and DTensor's ``Shard`` cut them: chunks of ceil(n / parts), the last ones shorter or
+    empty (ParamSlot cuts a parameter's rows over dp the same way)."""
+    c = -(-n // parts) if n else 0
+    start = min(k * c, n)
+    return start, max(0, min(c, n - start))
 
 
 @dataclass(frozen=True)
@@ -95,11 +105,10 @@ def _check_tp_param(name: str, p: Any, tp_mesh: Any) -> None:
             "those)")
     if placement.is_shard():
         n, t = p.shape[placement.dim], tp_mesh.size()
-        c = -(-n // t)
-        if (t - 1) * c >= n:  # torch.chunk leaves the last tp rank(s) nothing
+        if not chunk_range(n, t - 1, t)[1]:  # torch.chunk leaves the last tp rank nothing
             raise ValueError(
                 f"parameter {name!r}: its dim {placement.dim} of size {n} split over tp={t} "
-                f"(chunks of {c}) leaves tp rank {t - 1} no piece; zeroshard needs every tp "
+                f"(chunks of {-(-n // t)}) leaves tp rank {t - 1} no piece; zeroshard needs every tp "
                 "rank to hold part of each tp-sharded parameter. Use a tp or a size for which "
                 f"ceil({n}/tp) * (tp - 1) < {n} (e.g. a tp dividing {n})")
 
@@ -156,10 +165,7 @@ class TensorParallel:
         if spec is None or not spec.sharded:
             return whole
         dim = spec.placement.dim
-        n = whole.shape[dim]
-        c = -(-n // self.size)
-        lo = min(self.rank * c, n)
-        return whole.narrow(dim, lo, max(0, min(c, n - lo)))
+        return whole.narrow(dim, *chunk_range(whole.shape[dim], self.rank, self.size))
 
     def whole(self, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """The whole tensor of which ``piece`` is this tp rank's (collective over tp for

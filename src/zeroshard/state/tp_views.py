@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..engine.tensor_parallel import chunk_range
 from .layout import ParamEntry, sharded_1d
 from .manifest import CheckpointError
 
@@ -57,12 +58,6 @@ def checkpoint_group(engine: Engine) -> tuple[Any, int, int, list[int], bool]:
         return c.group, c.rank, c.size, global_ranks(c.group), writes
     rank = engine.comm.rank * tp.size + tp.rank
     return tp.ckpt_group, rank, len(tp.ckpt_peers), tp.ckpt_peers, writes
-
-
-def _dp_rows(rows: int, q: int, world: int) -> tuple[int, int]:
-    """(first row, rows) of dp rank q's chunk of ``rows`` rows (torch.chunk, ParamSlot)."""
-    c = -(-rows // world) if rows else 0
-    return min(q * c, rows), max(0, min(c, rows - q * c))
 
 
 class TpViews:
@@ -102,15 +97,14 @@ class TpViews:
                 if kind == "replicate":
                     if t:
                         continue
-                    start, n = _dp_rows(rows, q, self.dp)
+                    start, n = chunk_range(rows, q, self.dp)
                 elif kind == "rows":
-                    c = -(-rows // T)
-                    t0, rt = min(t * c, rows), max(0, min(c, rows - t * c))
-                    start, n = _dp_rows(rt, q, self.dp)
+                    t0, rt = chunk_range(rows, t, T)
+                    start, n = chunk_range(rt, q, self.dp)
                     start += t0
                 else:  # cols: tp rank t's share of the dp chunk's whole rows
-                    s0, m = _dp_rows(rows, q, self.dp)
-                    start, n = _dp_rows(m, t, T)
+                    s0, m = chunk_range(rows, q, self.dp)
+                    start, n = chunk_range(m, t, T)
                     start += s0
                 if n:
                     out.append((q * T + t, start * row, (start + n) * row))
@@ -154,7 +148,7 @@ class TpViews:
         pieces, local = self._pieces(e), self._local(e, t.detach())
         if kind == "cols":
             whole = self._whole_rows(e, local)
-            start, n = _dp_rows(whole.shape[0], self.tp.rank, self.tp.size)
+            start, n = chunk_range(whole.shape[0], self.tp.rank, self.tp.size)
             local = whole[start : start + n].reshape(-1)
         mine = self._mine(pieces)
         return self._sharded(e, pieces, local if mine else None, t)
@@ -192,7 +186,7 @@ class TpViews:
                                 shape=(n, cols), stride=(cols, 1))
         whole = dt.full_tensor()
         width = e.slot.shape[1]  # this tp rank's columns: DTensor's Shard(1) chunk
-        lo = min(self.tp.rank * -(-cols // self.tp.size), cols)
+        lo = chunk_range(cols, self.tp.rank, self.tp.size)[0]
         local.view(n, width).copy_(whole[:, lo : lo + width])
 
     def frozen_save(self, p: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ behind for the next one, and how it is prevented:
 * process state a test may change: the environment (each call gets the test process's
   environment of that moment, as a fresh spawn would), the working directory, signal
   handlers, ``sys.path``/``sys.argv``, warning filters and their once-registries, torch's
-  default dtype, grad mode, anomaly mode, deterministic mode, thread count and compile
-  caches are restored after every call (torch's global RNG is not: a fresh process seeds
+  default dtype, grad mode, anomaly mode, deterministic mode, thread count, compile
+  caches and DTensor's sharding caches (see _clear_dtensor_caches) are restored after
+  every call (torch's global RNG is not: a fresh process seeds
   it at random, so no test can rely on its state);
 * a call that fails, crashes or times out ends its whole pool: a peer may be blocked in a
   collective with the failed rank, so nothing of that pool is trusted again.
@@ -140,6 +141,23 @@ def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir:
         return pickle.dumps(failure("error", f"{type(e).__name__}: {e}", tb, time.time())), 1
 
 
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions and redistribution plans by mesh, and a
+    DeviceMesh compares equal to another of the same ranks and names whatever its process
+    groups: an earlier call's mesh (its groups destroyed with the call's default group)
+    came back out of the cache in a later call, whose collectives then failed with "Could
+    not resolve the process group". A fresh process has none of them."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    prop._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+
+
 def _store_path(calldir: str) -> str:
     """Beside the call's directory, not in it: the directory goes when the call ends, the
     store stays while the process may still poll it. zeroshard's peer watch polls the
@@ -202,6 +220,8 @@ def _restore(base: dict[str, Any]) -> int:
         torch.set_num_threads(1)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+        if "torch.distributed.tensor" in sys.modules:
+            _clear_dtensor_caches()
         if "zeroshard.peer_watch" in sys.modules:  # a verdict that came after fn returned
             import ctypes
 
