@@ -142,7 +142,15 @@ def test_peaks_at_or_below_the_anchors_measured_the_same_way() -> None:
     # descriptors in flight (7 + 7·N int64 each, on the CPU check group: host memory on a
     # GPU run) and the per-parameter "got a gradient" flags. On this model the two tie
     # apart from those (on the default bench's gpt2-small, stage 3 is 2.4% below FSDP2).
-    assert got["zs-s3"] <= got["fsdp2"] + 512, got
+    # Under load the moment of stage 3's peak can move by up to one unit (a reduction not
+    # yet found complete when the next unit's buffer is allocated; the stage-3 bound of
+    # test_peak_bytes_per_stage_follow_the_layout allows the same): seen once in a fresh-clone run with
+    # a busy process beside it, +531,336 B for this 793,088-byte unit.
+    from zeroshard.memory import analytic
+    from zeroshard.models import get_preset
+
+    unit = analytic.block_params(get_preset("gpt2-tiny")) * 4
+    assert got["zs-s3"] <= got["fsdp2"] + 512 + unit, got
     # No order between stages 1-2 and 3 on this activation-dominated toy: at fp32, stages
     # 1-2 keep no master apart from the weights, and all three peak in backward under the
     # logits' gradients (here 1 = 2 = 7.13 MB, 3 = 7.21 MB with its gathered units;
