@@ -342,6 +342,35 @@ class Comm:
                 work = [_all_gather_single(full, full[lo : lo + shard], self.group, True)]
         return self._finish(work, full, desc, async_op, check)
 
+    def all_gather_from(
+        self, own: torch.Tensor, others: torch.Tensor, *, phase: str = "forward",
+        unit: str = "", async_op: bool = False,
+    ) -> Pending:
+        """All-gather of N slices of ``own.numel()`` elements where this rank's slice is
+        ``own``, sent from where it lives, and the other ranks' land in ``others``
+        ((N-1)·S elements, rank order, this rank's left out: rank q < rank at
+        ``[q·S, (q+1)·S)``, rank q > rank one slice lower). Only where ``decompose``
+        (gloo), where it is N broadcasts anyway: nothing is copied into a gathered buffer
+        first and the buffer is (N-1)/N of one (see [Note: unit lifecycle] in
+        engine/units.py). Logically one all-gather of N·S, checked and counted as one."""
+        n, s = self.size, own.numel()
+        if not self.decompose:
+            raise ValueError("all_gather_from runs as broadcasts: only on a decomposing "
+                             "(gloo) group; use all_gather with a gathered buffer")
+        if others.numel() != (n - 1) * s:
+            raise ValueError(f"all_gather_from: others has {others.numel()} elements, "
+                             f"expected ({n} - 1) x {s}")
+        desc, check = self._begin("all_gather", "broadcast", own, n * _nbytes(own), phase,
+                                  unit)
+        if n == 1:
+            return Pending(None, own, "")
+        with _waiting_in(desc):
+            work = [dist.broadcast(own if q == self.rank else
+                                   others[(q - (q > self.rank)) * s:][:s],
+                                   src=self._peers[q], group=self.group, async_op=True)
+                    for q in range(n)]
+        return self._finish(work, others, desc, async_op, check)
+
     def all_gather_pieces(
         self, full: torch.Tensor, pieces: list[list[torch.Tensor]], *, phase: str = "step",
         unit: str = "", async_op: bool = False,

@@ -245,6 +245,21 @@ class FlatBucket:
             return
         torch._foreach_copy_(self._param_major(full), self._rank_major(gathered))
 
+    def slices_to_full(self, own: torch.Tensor, others: torch.Tensor,
+                       full: torch.Tensor) -> None:
+        """Copy-out after :meth:`Comm.all_gather_from`: this rank's chunks from ``own``
+        (its shard), the other ranks' from ``others`` (theirs end to end, this rank's
+        left out)."""
+        sizes = [s.chunk for s in self.slots]
+        rows = list(others.view(self.world - 1, self.shard_numel).unbind(0))
+        rows.insert(self.rank, own)
+        src, dst = [], []
+        for q, row in enumerate(rows):
+            src += row.split(sizes)
+            dst += [full[s.offset + q * s.chunk : s.offset + (q + 1) * s.chunk]
+                    for s in self.slots]
+        torch._foreach_copy_(dst, src)
+
     def full_to_gathered(self, full: torch.Tensor, gathered: torch.Tensor) -> None:
         if gathered is full:
             return

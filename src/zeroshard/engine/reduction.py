@@ -176,8 +176,16 @@ class Reducer:
             return
         if self.replicate is not None:  # hybrid: sum the slice over the replicas too
             self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
-        if not self.predivide(buf.dtype):
-            out.div_(self.divisor())  # 1/N of the work of dividing the whole bucket
+        divisor = None if self.predivide(buf.dtype) else self.divisor()
+        if (b.grad_shard is None and not self.in_place(b) and not self.offloader.enabled
+                and shares(out, buf)):
+            # The first reduction since zero_grad, a view of the whole buffer freed below:
+            # keep a copy, divided on the way (one pass over the slice, not two).
+            b.grad_shard = out.clone() if divisor is None else out.div(divisor)
+            self._release(b)
+            return
+        if divisor is not None:
+            out.div_(divisor)  # 1/N of the work of dividing the whole bucket
         if self.in_place(b):
             own = b.shard_of(b.grad)
             if not same_memory(out, own):
@@ -188,10 +196,13 @@ class Reducer:
         elif self.offloader.enabled:
             self._add_to_host(b, out)
         elif b.grad_shard is None:  # the first reduction since zero_grad: keep its result
-            # (a copy where it is a view of the whole buffer, which is freed below)
-            b.grad_shard = out.clone() if shares(out, buf) else out
+            b.grad_shard = out
         else:
             b.grad_shard.add_(out)
+        self._release(b)
+
+    def _release(self, b: FlatBucket) -> None:
+        """After a reduction: the whole buffer's slots are stale (stage 1 keeps it)."""
         b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes] in engine.py
         if self.policy.keep_full_grads:
             for s in b.slots:

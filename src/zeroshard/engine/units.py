@@ -20,7 +20,13 @@ compute dtype). Around the unit's compute:
 
 An all-gather fills a transient buffer in the gathered (rank-major) layout, which
 ``wait`` copies out into ``full`` (parameter-major, see [Note: flat buckets]) and
-frees. ``full`` is allocated once and its *storage* is resized to zero to free it
+frees. On gloo, where an all-gather runs as N broadcasts, this rank's slice is
+broadcast from ``shard16`` where it lives and the buffer holds only the other ranks'
+slices ((N-1)/N of one); the copy-out reads this rank's chunks from ``shard16``
+(:meth:`Comm.all_gather_from`): a slice-sized copy less per gather, measured on
+benchmarks/tp_overhead.py. Nothing may write ``shard16`` while its broadcast is in
+flight: the optimizer step first finishes any gather a raised forward left behind
+(``Engine.settle_gathers``). ``full`` is allocated once and its *storage* is resized to zero to free it
 (``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors autograd
 saved in forward (views of the weights, such as a transposed weight) keep pointing at the
 same storage, which holds the right values again by the time backward reads them. While
@@ -100,6 +106,14 @@ class Unit:
         if self.state is not UnitState.SHARDED:
             return
         for b in self.buckets:
+            if comm.decompose and b.shard16.device == b.device and b.world > 1:
+                # gloo: this rank's slice is broadcast from shard16 itself; only the
+                # others' are received (see [Note: unit lifecycle]).
+                b.gathering = torch.empty((b.world - 1) * b.shard_numel, dtype=b.full.dtype,
+                                          device=b.device)
+                self.pending.append(comm.all_gather_from(
+                    b.shard16, b.gathering, phase=phase, unit=self.name, async_op=async_op))
+                continue
             gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
             # From the host with offload="optimizer+params": non-blocking, on the stream
             # the all-gather waits for (see [Note: offload] in offload.py).
@@ -120,7 +134,10 @@ class Unit:
         for b in self.buckets:
             full = b.full
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            b.gathered_to_full(b.gathering, full)
+            if b.gathering.numel() == b.padded_numel:
+                b.gathered_to_full(b.gathering, full)
+            else:  # all_gather_from: this rank's slice is shard16
+                b.slices_to_full(b.shard16, b.gathering, full)
             b.gathering = None
         self.state = UnitState.UNSHARDED
 
