@@ -331,7 +331,9 @@ def _ledger(rank: int, world: int, stage: int, policy: str) -> dict:
     functional = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}  # not
     return {"tp": {phase: {k: v for k, v in c.by_op.items() if k in functional}  # the dp ones
                    for phase, c in (("forward", forward), ("backward", backward_))},
-            "dp": _by_op_and_phase(recs),
+            "dp": _by_op_and_phase([r for r in recs if r.group == "dp"]),
+            # the norms' Partial gradients, summed over tp by zeroshard (local_grads)
+            "tp_ledger": _by_op_and_phase([r for r in recs if r.group == "tp"]),
             "groups": sorted({r.group for r in recs}),
             # a gradient reaching its parameter after the unit's reduction is reduced again
             # at the end ("late"): none may, or every step pays twice
@@ -448,14 +450,25 @@ def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
     names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
              "all_reduce": "all_reduce"}
     want: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    every = {}
     for c in tp_collectives_per_step(llama_config(256), micro_batch=2, seq_len=32, tp=2,
                                      act_bytes=4, policy=point["policy"], norm_grad_bytes=4):
+        every[f"{c.op}/{c.phase}"] = every.get(f"{c.op}/{c.phase}", 0) + c.logical_bytes
+    torch_s = tp_collectives_per_step(llama_config(256), micro_batch=2, seq_len=32, tp=2,
+                                      act_bytes=4, policy=point["policy"])  # plain TP's
+    for c in torch_s:
         if c.logical_bytes:
             want[c.phase][names[c.op]] = want[c.phase].get(names[c.op], 0) + c.logical_bytes
+    # What the norm gradients add, zeroshard's own all-reduces over tp (its ledger).
+    norms = {key: v - sum(c.logical_bytes for c in torch_s if f"{c.op}/{c.phase}" == key)
+             for key, v in every.items()}
+    norms = {key: v for key, v in norms.items() if v}
+    assert list(norms) == ["all_reduce/backward"], norms
     for rank, r in enumerate(_results()):
         got = r[4][k]
         assert got["tp"] == want, (rank, got["tp"], want)
-        assert got["groups"] == ["dp"], got["groups"]
+        assert got["tp_ledger"] == norms, (rank, got["tp_ledger"], norms)
+        assert got["groups"] == ["dp", "tp"], got["groups"]
         assert "late" not in got["phases"], got["phases"]
         dp = {f"{c.op}/{c.phase}": c.logical_bytes for c in analytic.collectives_per_step(
             got["padded"], stage=point["stage"], n=2, recipe="fp32-adamw")}

@@ -153,7 +153,8 @@ class BackwardHooks:
                 self.reducer.stash(b)
             if b.grad is None:
                 self.reducer.new_grad(b)
-            b.put_grad(b.grad, i, self._grad_of(p), add=b.valid[i])
+            b.put_grad(b.grad, i, self._grads_of([p], b.slots[i].names[0])[0],
+                       add=b.valid[i])
             b.valid[i] = True
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
@@ -166,10 +167,13 @@ class BackwardHooks:
         if b.ready == len(b.slots) and self.config.overlap and not self.units:
             self.reducer.launch_in_order()
 
-    def _grad_of(self: Engine, leaf: torch.Tensor) -> torch.Tensor | None:
-        """A leaf's gradient as the engine reduces it (a tensor-parallel face's: its local
-        piece's, see TensorParallel.local_grad)."""
-        return leaf.grad if self.tp is None else self.tp.local_grad(leaf)
+    def _grads_of(self: Engine, leaves: list[torch.Tensor], unit: str
+                  ) -> list[torch.Tensor | None]:
+        """Leaves' gradients as the engine reduces them (a tensor-parallel face's: its
+        local piece's, see TensorParallel.local_grads)."""
+        if self.tp is None:
+            return [leaf.grad for leaf in leaves]
+        return self.tp.local_grads(leaves, unit)
 
     def _stage0_put(self: Engine, b: FlatBucket, i: int, view: torch.Tensor,
                     grad: torch.Tensor) -> None:
@@ -213,20 +217,24 @@ class BackwardHooks:
         """Move gradients autograd left on the bucket's parameters into its buffer, for
         slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
         unused in a synchronised backward that still holds gradients from no_sync()."""
-        for i, s in enumerate(b.slots):
-            for leaf in self.faces.leaves(s.param):
-                # Stage 0's .grad may be the buffer's own view: already in.
-                g = self._grad_of(leaf)
-                if g is None or (b.valid[i] and same_memory(g, b.slot_view(b.grad, i))):
-                    continue
-                if not self.policy.shard_optimizer:
-                    self._stage0_put(b, i, b.slot_view(b.grad, i), g)
-                else:
-                    if self.policy.keep_full_grads:
-                        self.reducer.stash(b)
-                    b.put_grad(b.grad, i, g, add=b.valid[i])
-                b.valid[i] = True
-                leaf.grad = None
+        leaves = [(i, leaf) for i, s in enumerate(b.slots)
+                  for leaf in self.faces.leaves(s.param)]
+        if self.units:  # a unit's: the same on every tp rank (see local_grads)
+            grads = self._grads_of([leaf for _, leaf in leaves], b.name)
+        else:
+            grads = [self._grads_of([leaf], b.slots[i].names[0])[0] for i, leaf in leaves]
+        for (i, leaf), g in zip(leaves, grads):
+            # Stage 0's .grad may be the buffer's own view: already in.
+            if g is None or (b.valid[i] and same_memory(g, b.slot_view(b.grad, i))):
+                continue
+            if not self.policy.shard_optimizer:
+                self._stage0_put(b, i, b.slot_view(b.grad, i), g)
+            else:
+                if self.policy.keep_full_grads:
+                    self.reducer.stash(b)
+                b.put_grad(b.grad, i, g, add=b.valid[i])
+            b.valid[i] = True
+            leaf.grad = None
 
     def _finish_backward(self: Engine) -> None:
         """See [Note: end of backward]."""

@@ -18,10 +18,11 @@ shards the *local pieces*:
   DTensor leaf over the compute parameter's memory with the tp placement (FSDP2's
   unsharded parameter is the same), so the tp plan's ops see the DTensors they were
   written for. Its gradient arrives on the face, where the engine's hooks take it
-  (:meth:`TensorParallel.local_grad`): brought to the face's placement first — a
+  (:meth:`TensorParallel.local_grads`): brought to the face's placement first — a
   ``Partial`` gradient (a sequence-parallel norm's weight) is all-reduced over tp, as
-  FSDP2 does before its reduce-scatter — then its local tensor, which the engine
-  reduces over dp only. A leaf, not ``DTensor.from_local`` of the compute parameter in
+  FSDP2 does before its reduce-scatter (at stage 3 a unit's in one all-reduce, not one
+  DTensor ``redistribute`` each) — then its local tensor, which the engine reduces over
+  dp only. A leaf, not ``DTensor.from_local`` of the compute parameter in
   each forward: autograd runs a node made before a block's ops only after the whole
   backward, so every gradient arrived late (all held to the end, then reduced twice).
 * the user parameter (see [Note: parameters the user sees] in params.py) is a DTensor
@@ -206,18 +207,45 @@ class TensorParallel:
         """What the modules hold in forward and backward for a tensor-parallel parameter."""
         return self.faces[id(param)]
 
-    def local_grad(self, leaf: torch.Tensor) -> torch.Tensor | None:
-        """A face's gradient as the local piece's: brought to the face's placement first
-        (a sequence-parallel norm's ``Partial`` gradient is all-reduced over tp here,
-        as FSDP2 does before its reduce-scatter); other leaves' as they are."""
-        g = leaf.grad
-        if g is None or not hasattr(g, "_local_tensor"):
-            return g
-        if tuple(g.placements) == tuple(leaf.placements):
-            return g._local_tensor  # not to_local(): an autograd op, per parameter and step
-        local = g.redistribute(placements=leaf.placements)._local_tensor
-        wait = getattr(local, "wait", None)  # an async collective's result
-        return wait() if callable(wait) else local
+    def local_grads(self, leaves: list[torch.Tensor], unit: str) -> list[torch.Tensor | None]:
+        """Faces' gradients as their local pieces', other leaves' as they are. A gradient
+        whose placement differs from its face's is brought to it first: a
+        sequence-parallel norm's ``Partial`` gradient is summed over tp here, as FSDP2
+        does before its reduce-scatter, all of ``leaves``' in one all-reduce on the tp
+        group (zeroshard's ledger records it); any other change by DTensor's
+        ``redistribute``. Every tp rank must call it with the same leaves in the same
+        order (stage 3: a unit's; stages 1-2 cut buckets apart on tp ranks, so one leaf
+        a call as its gradient arrives)."""
+        out: list[torch.Tensor | None] = []
+        summed: list[int] = []
+        for leaf in leaves:
+            g = leaf.grad
+            if g is None or not hasattr(g, "_local_tensor"):
+                out.append(g)
+            elif tuple(g.placements) == tuple(leaf.placements):
+                out.append(g._local_tensor)  # not to_local(): an autograd op per parameter
+            elif _summed_over_tp(g.placements[0], leaf.placements[0]):
+                summed.append(len(out))
+                out.append(g._local_tensor)
+            else:
+                local = g.redistribute(placements=leaf.placements)._local_tensor
+                wait = getattr(local, "wait", None)  # an async collective's result
+                out.append(wait() if callable(wait) else local)
+        if summed:
+            parts = [out[i] for i in summed]
+            flat = torch.cat([t.reshape(-1) for t in parts])
+            self.comm.all_reduce(flat, phase="backward", unit=unit)
+            if leaves[summed[0]].grad.placements[0].reduce_op == "avg":
+                flat.div_(self.size)
+            for i, t, v in zip(summed, parts, flat.split([t.numel() for t in parts])):
+                out[i] = v.view_as(t)
+        return out
+
+
+def _summed_over_tp(have: Any, want: Any) -> bool:
+    """A ``Partial`` sum (or mean) to be made ``Replicate``: one all-reduce."""
+    return (have.is_partial() and want.is_replicate()
+            and getattr(have, "reduce_op", None) in ("sum", "avg"))
 
 
 @torch.no_grad()

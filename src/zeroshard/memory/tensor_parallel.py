@@ -22,11 +22,13 @@ what a ring moves anyway (S (tp-1)/tp per rank). Per step, with L layers:
             full checkpointing: + 2L S all-gather, + L S reduce-scatter. Selective
             recomputes the attention core only: none.
 The replicated norm weights' gradients are left as ``Partial`` DTensors by torch's
-backward; zeroshard's engine all-reduces each over tp as it reaches the parameter
-(``from_local``'s backward, engine/tensor_parallel.py): (2L + 1) h elements in the
-gradients' dtype, in backward (an all-reduce of S bytes counts 2S, as the loss's do).
-Measured on llama-tiny at tp 2 with a dispatch counter (tests/test_tp_accounting.py):
-every op's bytes, in forward and in backward, equal.
+backward; zeroshard's engine sums them over tp before its dp reduction
+(``TensorParallel.local_grads``, engine/tensor_parallel.py; at stage 3 one all-reduce
+per unit, at stages 1-2 one per norm): (2L + 1) h elements in the gradients' dtype, in
+backward (an all-reduce of S bytes counts 2S, as the loss's do). Measured on llama-tiny
+at tp 2 with a dispatch counter (tests/test_tp_accounting.py): every op's bytes, in
+forward and in backward, equal; composed with zeroshard, torch's collectives equal the
+dispatch counter's and the norms' all-reduces zeroshard's ledger (tests/test_tp.py).
 """
 
 from __future__ import annotations
