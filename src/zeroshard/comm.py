@@ -194,10 +194,12 @@ class Comm:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
-        self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str
+        self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
+        checked: bool = True,
     ) -> tuple[str, _Check | None]:
-        """Record the collective and post its check (see [Note: divergence] in comm_check.py); its
-        description and the check to verify before its result is used."""
+        """Record the collective and post its check (see [Note: divergence] in comm_check.py,
+        unless not ``checked``); its description and the check to verify before its result
+        is used."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
@@ -221,7 +223,7 @@ class Comm:
         )
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
         check = None
-        if self.check and n > 1:
+        if self.check and n > 1 and checked:
             check = self._post(op, unit, phase, t.numel())
             if self.check == "strict":
                 check.verify()
@@ -280,9 +282,13 @@ class Comm:
     def all_reduce(
         self, tensor: torch.Tensor, *, phase: str = "other", unit: str = "",
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
+        checked: bool = True,
     ) -> Pending:
-        """In-place all-reduce (sum by default); ``.wait()`` returns ``tensor``."""
-        desc, check = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase, unit)
+        """In-place all-reduce (sum by default); ``.wait()`` returns ``tensor``. Not
+        ``checked``: no descriptor check (for a collective whose place in the order
+        others already pin down; see TensorParallel.local_grads)."""
+        desc, check = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase,
+                                  unit, checked)
         if self.size == 1:
             return Pending(None, tensor, "")
         with _waiting_in(desc):
