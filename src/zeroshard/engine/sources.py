@@ -40,7 +40,8 @@ def memory_sources(e: Engine) -> Callable[[], dict[str, list[torch.Tensor]]]:
                       if s.param.grad is not None]
         # A tied parameter's parts held until its other uses deliver (tied.py).
         grads += e.tied.held_grads()
-        # Stage 3's all-gathers in flight (gathered layout, before the copy-out).
+        # Stage 3's all-gathers in flight (gathered layout, before the copy-out; on gloo
+        # the other ranks' slices only, see Comm.all_gather_from).
         comm = [b.gathering for b in e.all_buckets if b.gathering is not None]
         # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
         other = [b.used for b in e.all_buckets if b.used is not None]
