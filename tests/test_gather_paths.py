@@ -1,7 +1,9 @@
 """Stages 1-2's post-step gather takes one of two paths (engine.refresh_weights): on gloo
 each rank's chunk of each parameter is broadcast straight into the whole weights; on
 NCCL (any non-decomposing group) the rank's slice goes into a gathered buffer, one
-all-gather, then the copy-out. And the masters live in one of two homes: inside the
+all-gather, then the copy-out. Stage 3's unit gathers likewise: on gloo this rank's slice
+is broadcast from where it lives and only the others' land in a buffer
+(``Comm.all_gather_from``), elsewhere the gathered buffer and one all-gather. And the masters live in one of two homes: inside the
 weights (fp32, see [Note: masters inside the weights] in engine/chunks.py) or apart
 (mixed precision). CPU tests run gloo, so the NCCL path is forced here on a gloo group
 (``decompose = False``: gloo's native all-gather and reduce-scatter) and both paths must
@@ -58,7 +60,10 @@ def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> d
     # bf16 gradients reduced in fp32: the two paths sum in different orders, which in
     # bf16 differs by an ulp and AdamW's first steps amplify that into a visible change.
     extra = {"reduce_dtype": "fp32"} if mp else {}
-    model, optim = zeroshard.shard(_Odd(), torch.optim.AdamW, stage=stage, lr=1e-2,
+    m = _Odd()
+    if stage == 3:  # two units and the root
+        extra["units"] = [m.a, m.b]
+    model, optim = zeroshard.shard(m, torch.optim.AdamW, stage=stage, lr=1e-2,
                                    mixed_precision=mp, bucket_bytes=256, **extra)
     engine = zeroshard.engine_of(model)
     for c in engine.comms():
@@ -68,9 +73,11 @@ def _train(rank: int, world: int, stage: int, mp: str | None, native: bool) -> d
     return {"state": zeroshard.full_state_dict(model),
             "in_full": [b.master_in_full for b in engine.buckets],
             "impl": sorted({r.impl for r in gathers}), "gathers": len(gathers),
+            "gathered_bytes": sum(r.logical_bytes for r in gathers),
             "buckets": len(engine.buckets),
-            "compute": {s.names[0]: b.slot_view(b.full, i).clone()  # the whole compute weights
-                        for b in engine.buckets for i, s in enumerate(b.slots)}}
+            "compute": {} if stage == 3 else {  # the whole compute weights (stage 3 frees them)
+                s.names[0]: b.slot_view(b.full, i).clone()
+                for b in engine.buckets for i, s in enumerate(b.slots)}}
 
 
 _SIZES = [5, 0, 40_000, 3, 1, 20_000, 7]  # elements per piece (fp32: 20 B to 160 KB)
@@ -98,28 +105,52 @@ def _gather_pieces(rank: int, world: int, pack_below: int) -> tuple[bool, int]:
     return torch.equal(full, want), len(comm.ledger.records)
 
 
-def _all(rank: int, world: int) -> tuple[list, list]:
+def _gather_from(rank: int, world: int) -> tuple[bool, list]:
+    """``Comm.all_gather_from``: rank q's slice (values 1000 q + i) sent from its own
+    tensor; every other rank's lands in ``others``, in rank order without this one's."""
+    from zeroshard.comm import Comm
+
+    comm = Comm()
+    n = 5
+    own = torch.arange(n, dtype=torch.float32) + 1000 * rank
+    others = torch.full(((world - 1) * n,), float("nan"))
+    comm.all_gather_from(own, others, unit="u").wait()
+    want = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * q
+                      for q in range(world) if q != rank])
+    return torch.equal(others, want), [(r.op, r.impl, r.logical_bytes)
+                                       for r in comm.ledger.records]
+
+
+def _all(rank: int, world: int) -> tuple[list, list, tuple]:
     grid = [{"stage": s, "mp": mp, "native": nat}
-            for s in (1, 2) for mp in (None, "bf16") for nat in (False, True)]
+            for s in (1, 2, 3) for mp in (None, "bf16") for nat in (False, True)]
     # nothing packed, the pieces under 64 KiB packed (the default), everything packed
     pieces = [_gather_pieces(rank, world, b) for b in (0, 64 * 2**10, 2**30)]
-    return sweep(functools.partial(_train, rank, world), grid), pieces
+    return (sweep(functools.partial(_train, rank, world), grid), pieces,
+            _gather_from(rank, world))
 
 
 def test_both_gather_paths_and_master_homes_train_alike() -> None:
     ranks = run_ranks(_all, 3, timeout=300)
     # pieces broadcast one by one or packed (see [Note: small pieces]) land in place
     assert all(r[1] == [(True, 1)] * 3 for r in ranks), [r[1] for r in ranks]
+    # a slice sent from where it lives: every rank (rank 1's own slice in the middle)
+    # receives the others', counted as one all-gather of the whole 3 x 5 floats
+    assert [r[2] for r in ranks] == [(True, [("all_gather", "broadcast", 60)])] * 3
     ranks = [r[0] for r in ranks]
     results = ranks[0]
     by = {}
-    for i, (stage, mp) in enumerate((s, mp) for s in (1, 2) for mp in (None, "bf16")):
+    for i, (stage, mp) in enumerate((s, mp) for s in (1, 2, 3) for mp in (None, "bf16")):
         gloo, native = results[2 * i], results[2 * i + 1]
         by[(stage, mp)] = gloo
-        assert all(gloo["in_full"]) == (mp is None) and all(native["in_full"]) == (mp is None)
         assert gloo["impl"] == ["broadcast"] and native["impl"] == ["all_gather"]
-        # one logical all-gather per bucket per step, whichever way it is issued
-        assert gloo["gathers"] == native["gathers"] == gloo["buckets"], (stage, mp)
+        # the same logical all-gathers, whichever way they are issued
+        assert gloo["gathered_bytes"] == native["gathered_bytes"], (stage, mp)
+        if stage == 3:  # each unit's, around its forward and its backward
+            assert gloo["gathers"] == native["gathers"] > gloo["buckets"], (stage, mp)
+        else:  # one per bucket per step
+            assert all(gloo["in_full"]) == (mp is None) == all(native["in_full"])
+            assert gloo["gathers"] == native["gathers"] == gloo["buckets"], (stage, mp)
         for name, ref in gloo["state"].items():
             torch.testing.assert_close(native["state"][name], ref, rtol=1e-6, atol=1e-7,
                                        msg=lambda m, k=(stage, mp, name): f"{k}: {m}")
@@ -131,7 +162,7 @@ def test_both_gather_paths_and_master_homes_train_alike() -> None:
     # fp32: both paths equal one process on the whole batch, the in-place edit included;
     # the parameter no rank used keeps its (halved) initial value
     ref = _reference()
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for name, want in ref.items():
             torch.testing.assert_close(by[(stage, None)]["state"][name], want, rtol=1e-5,
                                        atol=1e-6, msg=lambda m, k=(stage, name): f"{k}: {m}")

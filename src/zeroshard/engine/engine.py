@@ -366,14 +366,6 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             u.wait()
             self._reshard(u)
 
-    def settle_gathers(self) -> None:
-        """Finish stage-3 gathers still in flight (a forward that raised after a
-        prefetch) before the optimizer writes the slices they send from (see
-        Comm.all_gather_from)."""
-        for u in self.units:
-            if u.pending:
-                u.wait()
-
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
         for u in self.units:  # gathered by a forward no backward followed: now stale
