@@ -353,6 +353,39 @@ def _by_op_and_phase(records) -> dict[str, int]:
 LEDGER = [{"stage": s, "policy": p} for s in (1, 2, 3) for p in ("none", "full")]
 
 
+def _join(rank: int, world: int, stage: int) -> float:
+    """Uneven data under ``zeroshard.join()`` on (dp 2, tp 2): dp rank 1 (both its tp
+    ranks) has one batch fewer and shadows the last step, whose update is dp rank 0's half
+    of the batch alone, as one process training on what the ranks had. The largest
+    relative deviation of any parameter from that reference."""
+    from zeroshard.models import build_model
+
+    torch.manual_seed(0)
+    ref = build_model(llama_config(255)).double()
+    model = build_model(llama_config(255)).double()
+    model.load_state_dict(ref.state_dict())
+    mesh = tp_mesh("dp2xtp2")
+    parallelize_llama(model, mesh["tp"])
+    model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, mesh=mesh, lr=1e-2)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    d, dp = dp_coordinate(mesh)
+    per = len(batch(0, 255)[0]) // dp
+    with zeroshard.join(model, optim):
+        for step in range(3 - d):
+            idx, y = batch(step, 255)
+            backward(tp_loss(model, idx[d * per:(d + 1) * per], y[d * per:(d + 1) * per]))
+            optim.step()
+            optim.zero_grad()
+    for step in range(3):
+        idx, y = batch(step, 255)
+        n = len(idx) if step < 2 else per
+        tp_loss(ref, idx[:n], y[:n]).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    refs = dict(ref.named_parameters())
+    return max(_rel(p.full_tensor(), refs[n]) for n, p in model.named_parameters())
+
+
 def _all(rank: int, world: int) -> list:
     return [sweep(functools.partial(_train, rank, world), EXACT),
             sweep(functools.partial(_train, rank, world), MIXED),
@@ -360,7 +393,8 @@ def _all(rank: int, world: int) -> list:
             _errors(rank, world),
             sweep(functools.partial(_ledger, rank, world), LEDGER),
             [_uneven(rank, world, stage) for stage in (1, 3)],
-            _consistent(rank, world), _subset_save(rank, world)]
+            _consistent(rank, world), _subset_save(rank, world),
+            [_join(rank, world, stage) for stage in (2, 3)]]
 
 
 @functools.cache
@@ -500,3 +534,8 @@ def test_tp_small_buckets_cut_differently_on_tp_ranks() -> None:
     cuts = [r[0][k]["buckets"] for r in _results()]
     # tp rank 0 closes a bucket after its 128 LM-head rows, tp rank 1 (127) fits the norm
     assert len(cuts[0]) > 4 and cuts[0] != cuts[1], cuts  # rank 1: tp rank 1
+
+
+def test_tp_uneven_data_under_join() -> None:
+    for r in _results():  # stages 2 and 3: dp rank 1 shadows the last step
+        assert max(r[8]) <= 1e-9, r[8]

@@ -366,6 +366,16 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             u.wait()
             self._reshard(u)
 
+    def settle_gathers(self) -> None:
+        """Finish stage-3 gathers still in flight (a forward that raised after a
+        prefetch) before the optimizer writes the slices they send from (on gloo this
+        rank's slice is sent from ``shard16``, the masters themselves in fp32; see
+        Comm.all_gather_from). The values gathered are dropped by ``after_step``, but
+        a broadcast of device tensors over gloo may write its input back when done."""
+        for u in self.units:
+            if u.pending:
+                u.wait()
+
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
         for u in self.units:  # gathered by a forward no backward followed: now stale

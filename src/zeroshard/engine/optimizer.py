@@ -87,6 +87,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         for b, slots in engine.unused_slots():
             skip_slots(b, slots)  # as torch skips a parameter whose grad is None
+        engine.settle_gathers()
         self.optim.step()
         old = self._replaces() if self._replaces is not None else None
         if old is not None:

@@ -73,7 +73,9 @@ class JoinReplay:
             self.comm.sync_point("forward", phase="forward")
         broadcast = False
         for r in self._last_iter:
-            if r.phase not in ("forward", "backward") or r.group == "replicate":
+            # Not the replicas' all-reduces, nor the tp ones (a tensor-parallel norm's
+            # gradient): a rank's tp peers share its data, so they have all joined too.
+            if r.phase not in ("forward", "backward") or r.group in ("replicate", "tp"):
                 continue
             if r.op == "broadcast":  # rank 0's buffers (buffers.py)
                 if not broadcast:

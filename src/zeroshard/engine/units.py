@@ -24,9 +24,9 @@ frees. On gloo, where an all-gather runs as N broadcasts, this rank's slice is
 broadcast from ``shard16`` where it lives and the buffer holds only the other ranks'
 slices ((N-1)/N of one); the copy-out reads this rank's chunks from ``shard16``
 (:meth:`Comm.all_gather_from`): a slice-sized copy less per gather (benchmarks/
-tp-results.txt). A gather still in flight when the optimizer writes ``shard16`` (a
-forward that raised after a prefetch) sends values no one uses: ``after_step`` frees
-every gathered unit, and the next forward gathers again. ``full`` is allocated once and its *storage* is resized to zero to free it
+tp-results.txt). The optimizer step first finishes any gather still in flight (a
+forward that raised after a prefetch), so nothing writes ``shard16`` while it is sent
+(``Engine.settle_gathers``). ``full`` is allocated once and its *storage* is resized to zero to free it
 (``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors autograd
 saved in forward (views of the weights, such as a transposed weight) keep pointing at the
 same storage, which holds the right values again by the time backward reads them. While
