@@ -160,3 +160,25 @@ def test_stage3_unsharded_peak_is_bounded(world: int) -> None:
         else:
             bound = blocks + root  # everything is kept from forward to backward
         assert 0 < r["peak_unsharded"] <= bound, (point, r["peak_unsharded"], bound)
+
+
+def test_the_ledger_keeps_recent_steps_only() -> None:
+    """A long run's ledger stays bounded (KEEP_STEPS to twice that many steps are kept),
+    and ``last_step()`` is always the step just closed."""
+    from zeroshard.comm import KEEP_STEPS, CommLedger, CommRecord
+
+    def rec(n: int) -> CommRecord:
+        return CommRecord(op="all_reduce", impl="all_reduce", logical_bytes=n, wire_bytes=n,
+                          group="dp", group_size=2, phase="backward", unit="u")
+
+    ledger = CommLedger()
+    ledger.add(rec(-1))  # set-up traffic, then step 0 starts
+    ledger.mark_step()
+    for step in range(10 * KEEP_STEPS):
+        for j in range(3):
+            ledger.add(rec(10 * step + j))
+        ledger.mark_step()
+        assert [r.logical_bytes for r in ledger.last_step()] == [10 * step + j for j in range(3)]
+        assert len(ledger.records) <= 3 * 2 * KEEP_STEPS + 1
+    assert ledger.dropped + len(ledger.records) == 1 + 3 * 10 * KEEP_STEPS
+    assert ledger.step == 10 * KEEP_STEPS + 1

@@ -68,9 +68,18 @@ class CommRecord:
     dtype: str = ""
 
 
+#: Completed steps whose records a ledger keeps, beside the open one. A step appends a
+#: record (~300 B) per collective, ~100 on an 8-block model at stage 3: kept whole, a
+#: million-step run's ledger would hold tens of GB of host memory for Python's collector
+#: to walk. Older steps are dropped in batches of this many (``CommLedger.mark_step``).
+KEEP_STEPS = 16
+
+
 @dataclass
 class CommLedger:
-    """Append-only list of :class:`CommRecord` with a few summaries.
+    """The records of every collective of the last :data:`KEEP_STEPS` to
+    ``2 * KEEP_STEPS`` completed steps and of the open one (set-up traffic until it ages
+    out), with a few summaries.
 
     The engine writes to it; tests, the benchmark and the planner read it. ``mark_step``
     lets readers ask for the traffic of the most recent step only.
@@ -80,6 +89,8 @@ class CommLedger:
     _step_starts: list[int] = field(default_factory=lambda: [0])
     #: Optimizer steps completed (the engine resets it to 0 once set-up traffic is done).
     step: int = 0
+    #: Records dropped with old steps (``records`` holds the rest).
+    dropped: int = 0
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -90,9 +101,17 @@ class CommLedger:
         self.step = 0
 
     def mark_step(self) -> None:
-        """Close the current step: ``last_step()`` then returns its records."""
+        """Close the current step: ``last_step()`` then returns its records. Once more than
+        ``2 * KEEP_STEPS`` steps are held, the oldest are dropped down to ``KEEP_STEPS``
+        (an index into ``records`` is good until the next ``mark_step``)."""
         self._step_starts.append(len(self.records))
         self.step += 1
+        held = len(self._step_starts) - 1  # completed steps (set-up traffic counts as one)
+        if held > 2 * KEEP_STEPS:
+            cut = self._step_starts[held - KEEP_STEPS]
+            del self.records[:cut]
+            self._step_starts = [s - cut for s in self._step_starts[held - KEEP_STEPS:]]
+            self.dropped += cut
 
     def last_step(self) -> list[CommRecord]:
         """Records of the last completed step (between the last two ``mark_step`` calls)."""
