@@ -19,20 +19,20 @@ compute dtype). Around the unit's compute:
               frozen weights, which no gradient tracks)
 
 An all-gather fills a transient buffer in the gathered (rank-major) layout, which
-``wait`` copies out into ``full`` (parameter-major, see [Note: flat buckets]) and
-frees. On gloo, where an all-gather runs as N broadcasts, this rank's slice is
-broadcast from ``shard16`` where it lives and the buffer holds only the other ranks'
-slices ((N-1)/N of one); the copy-out reads this rank's chunks from ``shard16``
-(:meth:`Comm.all_gather_from`): a slice-sized copy less per gather (benchmarks/
-tp-results.txt). The optimizer step first finishes any gather still in flight (a
-forward that raised after a prefetch), so nothing writes ``shard16`` while it is sent
-(``Engine.settle_gathers``). ``full`` is allocated once and its *storage* is resized to zero to free it
-(``untyped_storage().resize_(0)``) and back to refill it, as FSDP does: tensors autograd
-saved in forward (views of the weights, such as a transposed weight) keep pointing at the
-same storage, which holds the right values again by the time backward reads them. While
-sharded, the modules hold the user parameters (DTensor slices of the masters, see
-[Note: parameters the user sees] in params.py), so user code that touches them outside
-forward sees the true shapes and values, never freed memory.
+``wait`` copies out into ``full`` (parameter-major, see [Note: flat buckets]) and frees.
+On gloo, where an all-gather runs as N broadcasts, this rank's slice is broadcast from
+``shard16`` where it lives and the buffer holds only the other ranks' slices ((N-1)/N of
+one); the copy-out reads this rank's chunks from ``shard16``
+(:meth:`Comm.all_gather_from`): a slice-sized copy less per gather
+(benchmarks/tp-results.txt). The optimizer step first finishes any gather still in
+flight (a forward that raised after a prefetch), so nothing writes ``shard16`` while it is sent
+(``Engine.settle_gathers``). ``full`` is allocated once and its *storage* is resized to
+zero to free it (``untyped_storage().resize_(0)``) and back to refill it, as FSDP does:
+tensors autograd saved in forward (views of the weights, such as a transposed weight)
+keep pointing at the same storage, which holds the right values again by the time
+backward reads them. While sharded, the modules hold the user parameters (DTensor slices
+of the masters, see [Note: parameters the user sees] in params.py), so user code that
+touches them outside forward sees the true shapes and values, never freed memory.
 
 The root unit is gathered at the root's forward and kept until the end of backward, since
 the head is the first thing backward needs (FSDP2 treats its root the same way); it is
