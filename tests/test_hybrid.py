@@ -38,10 +38,46 @@ def _traffic(rank: int, world: int, stage: int, **opts) -> dict:
     }
 
 
+def _save(rank: int, world: int) -> dict:
+    """Replica 0 writes a checkpoint; every rank returns once it is committed, and when
+    one of replica 0's writers fails, every rank of every replica raises."""
+    import os
+    import tempfile
+
+    from _training import make_model
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from zeroshard.state import CheckpointError, save_checkpoint
+
+    model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=2,
+                                   lr=1e-3, hybrid=(2, 2))
+    engine = zeroshard.engine_of(model)
+    root = os.path.join(tempfile.gettempdir(), f"hybrid-save-{os.getppid()}")
+    out = {"replica": engine.replicate.rank}
+    save_checkpoint(os.path.join(root, "good"), model, optim)
+    out["committed_on_return"] = os.path.exists(os.path.join(root, "good"))
+    original = FileSystemWriter.write_data
+
+    def fail(self, plan, planner):
+        if engine.replicate.rank == 0 and engine.comm.rank == 1:
+            raise OSError("disk full (simulated)")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = fail
+    try:
+        save_checkpoint(os.path.join(root, "bad"), model, optim)
+        out["bad"] = "returned"
+    except CheckpointError as e:
+        out["bad"] = str(e)
+    finally:
+        FileSystemWriter.write_data = original
+    return out
+
+
 def _all(rank: int, world: int) -> list:
     parity = sweep(functools.partial(_hybrid, rank, world), GRID)
     traffic = sweep(functools.partial(_traffic, rank, world), GRID)
-    return [parity, traffic]
+    return [parity, traffic, _save(rank, world)]
 
 
 @functools.cache
@@ -101,3 +137,10 @@ def _bad(rank: int, world: int, case: str) -> str:
 def test_hybrid_bad_layouts(case: str, pattern: str) -> None:
     for msg in run_ranks(_bad, 2, case, timeout=60):
         assert pattern in msg, msg
+
+
+def test_every_replica_waits_for_replica_0s_save_and_learns_its_failure() -> None:
+    for r in _results():
+        assert r[2]["committed_on_return"], r[2]
+        assert "nothing was committed" in r[2]["bad"], r[2]
+    assert sorted(r[2]["replica"] for r in _results()) == [0, 0, 1, 1]

@@ -246,10 +246,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             _write(path, engine, model, optimizer, extra_json, extra_tensors, t0)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
             failed = exc
-    span = _replica_span(engine)
-    if span is not None:  # the other replicas learn how replica 0's save went
+    if engine.replicate is not None:  # the other replicas learn how replica 0's save went
         flag = torch.tensor([float(failed is not None)], device=engine.device)
-        dist.all_reduce(flag, group=span)
+        dist.all_reduce(flag, group=_replica_span(engine))
         if failed is None and flag.item() > 0:
             raise CheckpointError(f"saving {str(path)!r} failed on replica 0 (its ranks raised "
                                   "the cause); nothing was committed")
@@ -259,10 +258,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
 
 
 def _replica_span(engine: Engine):
-    """The group of every replica (hybrid sharding), or None: without replicas the writing
-    ranks are all the ranks of the model."""
-    if engine.replicate is None:
-        return None
+    """The group of every rank of a hybrid-sharded model (None: the default group, which
+    ``engine.world`` often is; so None does not mean "no replicas")."""
     if engine.tp is not None:
         return engine.tp.span_group
     return engine.world.group
