@@ -1,24 +1,32 @@
 # Two commands do all set-up (see README):
-#   make demo   -> creates .venv if missing, installs zeroshard, runs the main job
-#   make test   -> same set-up, then ruff + the whole test suite
+#   make demo   -> creates .venv if missing, installs zeroshard and what the demo runs, runs it
+#   make test   -> the same plus the test and integration dependencies, then ruff + the suite
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint slow clean
 
-$(STAMP): pyproject.toml
+# torch, zeroshard and its plotting: all `zeroshard bench` imports (the demo's set-up).
+$(BASE): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned: its CPU build is on disk here; an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[plot]"
+	touch $(BASE)
+
+# Everything the tests need: pytest, ruff and the integrations (transformers, peft, TRL,
+# Lightning), whose tests run in CI.
+$(STAMP): $(BASE)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(BIN)/zeroshard bench
 
 lint: $(STAMP)

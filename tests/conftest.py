@@ -8,6 +8,8 @@ import os
 import shutil
 import tempfile
 
+from _timing import TimingPlugin
+
 # 2 cores shared by the test process and up to 4 ranks: one OpenMP thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -28,3 +30,9 @@ _SCRATCH = tempfile.mkdtemp(prefix="zs-tests-")
 os.environ["TMPDIR"] = _SCRATCH
 tempfile.tempdir = None  # tempfile caches its folder: read TMPDIR again
 atexit.register(shutil.rmtree, _SCRATCH, True)
+
+
+def pytest_configure(config) -> None:
+    # Each test's wall and CPU time, and the run's worst waits: tests/_timing.py.
+    config.pluginmanager.register(TimingPlugin(worker=hasattr(config, "workerinput")),
+                                  "zeroshard-timing")

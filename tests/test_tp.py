@@ -57,9 +57,7 @@ def _train(rank: int, world: int, *, stage: int, layout: str, vocab: int = 255,
     from zeroshard.models import build_model
 
     torch.manual_seed(0)
-    ref = build_model(llama_config(vocab, intermediate)).to(dtype)
     model = build_model(llama_config(vocab, intermediate)).to(dtype)
-    model.load_state_dict(ref.state_dict())
     mesh = tp_mesh(layout)
     parallelize_llama(model, mesh["tp"])
     if policy:
@@ -78,8 +76,7 @@ def _train(rank: int, world: int, *, stage: int, layout: str, vocab: int = 255,
         model, optim = zeroshard.shard(model, kind, stage=stage, mesh=mesh, **hyper, **opts)
     finally:
         engine_module._FORCE_HOST_COPIES = False
-    ref_optim = kind(ref.parameters(), **hyper)
-    refs = dict(ref.named_parameters())
+    ref = _reference(vocab, intermediate, dtype, sgd)
     d, dp = dp_coordinate(mesh)
     per = len(batch(0, vocab)[0]) // dp
     out: dict = {"loss": [], "norm": [], "types": set(), "placements": set()}
@@ -91,25 +88,47 @@ def _train(rank: int, world: int, *, stage: int, layout: str, vocab: int = 255,
             norm = optim.clip_grad_norm_(0.5)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        ref_loss = tp_loss(ref, idx, y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         mean = whole(loss).detach().clone()
         torch.distributed.all_reduce(mean)  # over every rank: tp ranks hold equal losses
-        out["loss"].append((mean.item() / world, ref_loss.item()))
-        out["norm"].append((whole(norm).item(), ref_norm.item()))
+        out["loss"].append((mean.item() / world, ref["loss"][step]))
+        out["norm"].append((whole(norm).item(), ref["norm"][step]))
         if step == STEPS - 1:
-            out["grad_dev"] = {n: _rel(p.grad.full_tensor(), refs[n.replace("_orig_mod.", "")].grad)
+            out["grad_dev"] = {n: _rel(p.grad.full_tensor(), ref["grad"][n.replace("_orig_mod.", "")])
                                for n, p in model.named_parameters()}
         optim.step()
         optim.zero_grad()
-        ref_optim.step()
-        ref_optim.zero_grad()
-    out["param_dev"] = {n: _rel(p.full_tensor(), refs[n.replace("_orig_mod.", "")])
+    out["param_dev"] = {n: _rel(p.full_tensor(), ref["param"][n.replace("_orig_mod.", "")])
                         for n, p in model.named_parameters()}
     out["types"] = {type(p).__name__ for p in model.parameters()}
     out["buckets"] = [len(b.slots) for b in zeroshard.engine_of(model).buckets]
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
+    return out
+
+
+@functools.cache
+def _reference(vocab: int, intermediate: int | None, dtype: torch.dtype, sgd: bool) -> dict:
+    """One process training the unparallelised model on the whole batch: per-step losses
+    and clipped norms, the last step's gradients and the final weights. Computed once per
+    rank for every configuration that shares it (it costs more than a sharded run)."""
+    from zeroshard.models import build_model
+
+    torch.manual_seed(0)  # the sharded model's initial weights (_train)
+    ref = build_model(llama_config(vocab, intermediate)).to(dtype)
+    kind, hyper = (torch.optim.SGD, {"lr": 1.0}) if sgd else (
+        torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+    ref_optim = kind(ref.parameters(), **hyper)
+    out: dict = {"loss": [], "norm": []}
+    for step in range(STEPS):
+        idx, y = batch(step, vocab)
+        loss = tp_loss(ref, idx, y)
+        loss.backward()
+        out["norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        out["loss"].append(loss.item())
+        if step == STEPS - 1:
+            out["grad"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref_optim.step()
+        ref_optim.zero_grad()
+    out["param"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
     return out
 
 
@@ -386,11 +405,14 @@ def _join(rank: int, world: int, stage: int) -> float:
     return max(_rel(p.full_tensor(), refs[n]) for n, p in model.named_parameters())
 
 
-def _all(rank: int, world: int) -> list:
-    return [sweep(functools.partial(_train, rank, world), EXACT),
-            sweep(functools.partial(_train, rank, world), MIXED),
-            sweep(functools.partial(_resume, rank, world), RESUME),
-            _errors(rank, world),
+def _part(rank: int, world: int, part: int) -> list:
+    if part == 0:
+        return [sweep(functools.partial(_train, rank, world), EXACT)]
+    if part == 1:
+        return [sweep(functools.partial(_train, rank, world), MIXED)]
+    if part == 2:
+        return [sweep(functools.partial(_resume, rank, world), RESUME)]
+    return [_errors(rank, world),
             sweep(functools.partial(_ledger, rank, world), LEDGER),
             [_uneven(rank, world, stage) for stage in (1, 3)],
             _consistent(rank, world), _subset_save(rank, world),
@@ -398,16 +420,24 @@ def _all(rank: int, world: int) -> list:
 
 
 @functools.cache
-def _results() -> list:
-    return run_ranks(_all, 4, timeout=900)
+def _call(part: int) -> list:
+    """One 4-rank call per part (the last holds items 3-8), shared by the tests that read
+    it: each test pays for its own part only."""
+    return run_ranks(_part, 4, part, timeout=900)
+
+
+def _results(item: int) -> list:
+    """Item ``item`` of the results, per rank: 0 EXACT, 1 MIXED, 2 RESUME, 3 refusals,
+    4 LEDGER, 5 uneven pieces, 6 start states, 7 subset saves, 8 join."""
+    return [r[max(0, item - 3)] for r in _call(min(item, 3))]
 
 
 @pytest.mark.parametrize("k", range(len(EXACT)), ids=[
     f"s{p['stage']}-{p['layout']}" + (f"-offload-{p['offload']}" if "offload" in p else "")
     + ("-small-buckets" if "bucket_bytes" in p else "") for p in EXACT])
 def test_tp_matches_one_process(k: int) -> None:
-    for rank, r in enumerate(_results()):
-        got = r[0][k]
+    for rank, r in enumerate(_results(0)):
+        got = r[k]
         for (loss, ref) in got["loss"]:
             # float64: sums re-associated across ranks differ in the last bits, which
             # three AdamW steps grow to ~2e-12 (any misplaced piece shows as > 1e-3)
@@ -420,7 +450,7 @@ def test_tp_matches_one_process(k: int) -> None:
 
 
 def test_tp_user_placements() -> None:
-    got = _results()[0][0]
+    got = _results(0)[0]
     two_d = got[0]["placements"]  # (dp 2, tp 2), stage 1
     assert two_d["lm_head.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert two_d["blocks.0.attn.out_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
@@ -432,7 +462,7 @@ def test_tp_user_placements() -> None:
 
 @pytest.mark.parametrize("k", range(len(MIXED)), ids=["bf16-full-s3", "compiled-s2"])
 def test_tp_mixed_precision_checkpointing_compile(k: int) -> None:
-    got = _results()[0][1][k]
+    got = _results(1)[0][k]
     # measured: bf16 losses 3e-3 off (the loss itself is bf16), gradients 1.1e-2,
     # parameters 3e-3; fp32 with compiled blocks 1e-7 / 9e-7 / 2e-7
     bound = 1e-2 if MIXED[k].get("mixed_precision") else 1e-5
@@ -449,7 +479,7 @@ def test_tp_mixed_precision_checkpointing_compile(k: int) -> None:
 def test_tp_state_resumes_on_another_layout(k: int) -> None:
     from zeroshard.models import build_model
 
-    got = _results()[0][2][k]
+    got = _results(2)[0][k]
     plain = build_model(llama_config(255)).state_dict()
     if RESUME[k]["via"] == "state_dict":  # whole tensors, as DDP's
         assert got["shapes"] == {n: tuple(v.shape) for n, v in plain.items()}
@@ -464,7 +494,7 @@ def test_tp_state_resumes_on_another_layout(k: int) -> None:
 
 
 def test_tp_refusals_name_the_fix() -> None:
-    got = _results()[0][3]
+    got = _results(3)[0]
     assert "stages 1, 2 and 3" in got["stage0"]
     assert "parallelize_module(model, mesh['tp'], plan) before shard()" in got["no_dtensor"]
     assert "leaves tp rank 3 no piece" in got["empty_piece"], got["empty_piece"]
@@ -498,8 +528,8 @@ def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
              for key, v in every.items()}
     norms = {key: v for key, v in norms.items() if v}
     assert list(norms) == ["all_reduce/backward"], norms
-    for rank, r in enumerate(_results()):
-        got = r[4][k]
+    for rank, r in enumerate(_results(4)):
+        got = r[k]
         assert got["tp"] == want, (rank, got["tp"], want)
         assert got["tp_ledger"] == norms, (rank, got["tp_ledger"], norms)
         assert got["groups"] == ["dp", "tp"], got["groups"]
@@ -512,30 +542,30 @@ def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
 
 
 def test_tp_checkpoint_of_uneven_pieces() -> None:
-    for r in _results():
-        for got in r[5]:
+    for r in _results(5):
+        for got in r:
             assert got["there"] == 0.0 and got["back"] == 0.0, got
     # rank 3 is (dp 1, tp 1): tp rows 4 + 3 -> its dp chunk of 3 rows is 1; columns 3
-    assert _results()[3][5][0]["local"]["0.weight"] == (1, 6)
-    assert _results()[3][5][0]["local"]["1.weight"] == (2, 3)
+    assert _results(5)[3][0]["local"]["0.weight"] == (1, 6)
+    assert _results(5)[3][0]["local"]["1.weight"] == (2, 3)
 
 
 def test_every_rank_starts_from_rank_0s_state() -> None:
-    states = [r[6] for r in _results()]
+    states = _results(6)
     assert all(st == states[0] for st in states[1:])  # parameters outside the plan, buffers
 
 
 def test_a_save_is_collective_over_its_models_ranks_only() -> None:
-    assert [r[7] for r in _results()] == ["ok"] * 4
+    assert _results(7) == ["ok"] * 4
 
 
 def test_tp_small_buckets_cut_differently_on_tp_ranks() -> None:
     k = next(i for i, p in enumerate(EXACT) if "bucket_bytes" in p)
-    cuts = [r[0][k]["buckets"] for r in _results()]
+    cuts = [r[k]["buckets"] for r in _results(0)]
     # tp rank 0 closes a bucket after its 128 LM-head rows, tp rank 1 (127) fits the norm
     assert len(cuts[0]) > 4 and cuts[0] != cuts[1], cuts  # rank 1: tp rank 1
 
 
 def test_tp_uneven_data_under_join() -> None:
-    for r in _results():  # stages 2 and 3: dp rank 1 shadows the last step
-        assert max(r[8]) <= 1e-9, r[8]
+    for r in _results(8):  # stages 2 and 3: dp rank 1 shadows the last step
+        assert max(r) <= 1e-9, r

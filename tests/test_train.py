@@ -176,14 +176,11 @@ def _wait(proc: subprocess.Popen, ckpt: Path, log: Path, until=lambda: False) ->
 
 
 def test_torchrun_restart_after_sigkill_matches_uninterrupted_run(tmp_path: Path) -> None:
-    ref, log = _torchrun(tmp_path / "ref", free_port())
-    try:
-        _wait(ref, tmp_path / "ref", log)
-        assert ref.returncode == 0, _tail(log)
-    finally:
-        _stop(ref)
+    # The uninterrupted run and the faulty one side by side: each mostly waits (start-up,
+    # rendezvous, the restart), so together they take little longer than one.
+    ref, ref_log = _torchrun(tmp_path / "ref", free_port())
     ckpt = tmp_path / "faulty"
-    run, log = _torchrun(ckpt, free_port(), "--step-sleep", "0.3")
+    run, log = None, None
 
     def at_step_6() -> bool:
         steps = [r["step"] for r in _records(ckpt / "metrics.jsonl") if r["event"] == "step"]
@@ -191,13 +188,18 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted_run(tmp_path: Path
 
     killed = None
     try:
+        run, log = _torchrun(ckpt, free_port(), "--step-sleep", "0.3")
         _wait(run, ckpt, log, until=at_step_6)
         if run.poll() is None:
             killed = int((ckpt / "rank1.pid").read_text())
             os.kill(killed, signal.SIGKILL)
             _wait(run, ckpt, log)
+        _wait(ref, tmp_path / "ref", ref_log)
+        assert ref.returncode == 0, _tail(ref_log)
     finally:
-        _stop(run)
+        _stop(ref)
+        if run is not None:
+            _stop(run)
     assert killed is not None, f"never saw step 6 logged:\n{_tail(log)}"
     assert run.returncode == 0, _tail(log)
     records = _records(ckpt / "metrics.jsonl")

@@ -253,15 +253,18 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
                               for leaf in leaves]
         self._handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
             functools.partial(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
-        self._handles.append(self.model.register_forward_pre_hook(self._pre_forward,
+        # Eager only: see [Note: compile] in stage3.py.
+        eager = torch.compiler.disable
+        self._handles.append(self.model.register_forward_pre_hook(eager(self._pre_forward),
                                                                   with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._post_forward))
+        self._handles.append(self.model.register_forward_hook(eager(self._post_forward)))
+        unit_pre, unit_post = eager(self._unit_pre_forward), eager(self._unit_post_forward)
         for u in self.units:
             if not u.is_root:
                 self._handles.append(u.module.register_forward_pre_hook(
-                    lambda m, a, u=u: self._unit_pre_forward(u, a)))
+                    lambda m, a, u=u: unit_pre(u, a)))
                 self._handles.append(u.module.register_forward_hook(
-                    lambda m, a, o, u=u: self._unit_post_forward(u, o)))
+                    lambda m, a, o, u=u: unit_post(u, o)))
 
     def comms(self) -> list[Comm]:
         """The engine's distinct communicators (sharding, replicate, world)."""

@@ -31,7 +31,6 @@ class ForwardHooks:
     """Mixin of :class:`~zeroshard.engine.engine.Engine`: the root hooks read and drive
     every phase's state (stage-3 units, faces, join counting, buffers, loss scale)."""
 
-    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _pre_forward(self: Engine, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
         if not in_backward():
@@ -67,7 +66,6 @@ class ForwardHooks:
             return x.to(self.compute_dtype)
         return x
 
-    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _post_forward(self: Engine, module: nn.Module, args, output):
         if not in_backward():  # as DDP: the next forward syncs buffers after a training one
             self._sync_buffers = torch.is_grad_enabled() and self.sync

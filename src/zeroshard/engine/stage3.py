@@ -14,6 +14,9 @@ of the block's own code; the hooks run eagerly just outside it, at the unit boun
 (one graph break before and one after each hooked module when the whole model is
 compiled). The compute parameters a compiled block reads are always the same
 ``nn.Parameter`` objects (only their storage is refilled), so guards hold across steps.
+The hooks are wrapped where the engine registers them, not decorated here:
+``torch.compiler.disable`` imports ``torch._dynamo`` (~3 s), which ``import zeroshard``
+would otherwise pay in every process, compiled or not.
 """
 
 from __future__ import annotations
@@ -100,7 +103,6 @@ class Stage3Hooks:
         for u in order[start : start + self.config.prefetch]:
             self._unshard(u, "backward" if u.in_backward else "forward")
 
-    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
         if u.in_backward or in_backward():  # recomputation (activation checkpointing)
             self._unshard(u, "backward")
@@ -131,7 +133,6 @@ class Stage3Hooks:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    @torch.compiler.disable  # see [Note: compile] in stage3.py
     def _unit_post_forward(self, u: Unit, output):
         if u.in_backward or in_backward():
             # A recompute's graph only regenerates saved tensors; the hooks registered in

@@ -117,6 +117,7 @@ def write_atomic(path: str, data: bytes) -> None:
 # -- one call ------------------------------------------------------------------------------
 def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir: str,
               timeout: float) -> tuple[bytes, int]:
+    start = _cpu_seconds()
     try:
         import datetime
 
@@ -135,10 +136,20 @@ def _run_call(rank: int, world_size: int, payload: bytes, backend: str, calldir:
         value = fn(rank, world_size, *args, **kwargs)
         if dist.is_initialized():  # fn may have torn it down itself
             dist.destroy_process_group()
-        return pickle.dumps({"status": "ok", "value": value}), 0
+        return pickle.dumps({"status": "ok", "value": value,
+                             "cpu": _cpu_seconds() - start}), 0
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
         tb = "".join(traceback.format_exception(e))
-        return pickle.dumps(failure("error", f"{type(e).__name__}: {e}", tb, time.time())), 1
+        out = failure("error", f"{type(e).__name__}: {e}", tb, time.time())
+        return pickle.dumps(out | {"cpu": _cpu_seconds() - start}), 1
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its waited-for children (a call's torchrun
+    or subprocess): the test process cannot see a rank's, which is the rank server's
+    child, not its own (the suite's timing report adds it to the test that made the call)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _clear_dtensor_caches() -> None:

@@ -21,10 +21,20 @@ from typing import Any
 from zeroshard.testing.errors import RankError, RankTimeout
 from zeroshard.testing.rank_main import failure
 
-__all__ = ["replay_logs", "supervise"]
+__all__ = ["rank_cpu_seconds", "replay_logs", "supervise"]
 
 _DUMP_GRACE_S = 2.0  # how long the test process waits for watchdog reports after the deadline
 _TAIL_LINES = 20
+
+# CPU seconds the ranks of this process's calls reported (rank_main._cpu_seconds), for the
+# test suite's timing report: ranks are the rank server's children, so neither this
+# process's rusage nor `time` of the whole run sees them.
+_RANK_CPU = [0.0]
+
+
+def rank_cpu_seconds() -> float:
+    """CPU seconds used by the ranks of every call this process has supervised so far."""
+    return _RANK_CPU[0]
 
 
 def supervise(procs: list[Any], calldir: str, deadline: float, timeout: float,
@@ -55,6 +65,7 @@ def supervise(procs: list[Any], calldir: str, deadline: float, timeout: float,
                 procs[r].join()
                 exitcode = procs[r].exitcode
             done[r] = _outcome(calldir, r, exitcode)
+            _RANK_CPU[0] += done[r].get("cpu", 0.0)
         if any(o["status"] != "ok" for o in done.values()):
             _raise_failure(procs, calldir, done)
     return [done[r]["value"] for r in range(n)]
