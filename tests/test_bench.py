@@ -135,7 +135,6 @@ def test_budget_picks_the_fastest_that_fits(fast_run: dict[str, Any]) -> None:
 
 
 def test_plot_has_both_panels(fast_run: dict[str, Any]) -> None:
-    pytest.importorskip("matplotlib")
     from zeroshard.bench.render import plot
 
     assert fast_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -170,7 +170,8 @@ def test_reshard_to_other_world_sizes_and_stages(world2, world: int, grid: list)
 
 # -- consolidation -------------------------------------------------------------------------
 def test_consolidate_equals_full_state_dict(world2, tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors
+
     from zeroshard.cli import main
     from zeroshard.models import build_model
 
@@ -361,7 +362,7 @@ def _peak_rss(cmd: list[str]) -> int:
 
 @pytest.mark.slow
 def test_consolidate_gpt2_124m_peak_rss_is_one_parameter_not_the_model(tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors
     times = run_ranks(_save_gpt2_124m, 2, str(tmp_path), timeout=900)[0]
     ckpt, out = tmp_path / "big", tmp_path / "gpt2.safetensors"
     stored = sum(p.stat().st_size for p in ckpt.iterdir())

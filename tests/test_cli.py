@@ -211,6 +211,14 @@ def test_console_error_and_lazy_imports() -> None:
             "print(rc, 'zeroshard.memory.planner' in sys.modules)")
     ver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert ver.stdout.split()[-2:] == ["0", "False"]
+    # `import zeroshard` loads neither torch.compile's machinery (~3 s a process) nor
+    # DTensor and checkpointing (loaded on first use) nor any optional integration.
+    heavy = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
+             "transformers", "peft", "trl", "lightning", "datasets", "matplotlib"]
+    code = (f"import sys, zeroshard; print([m for m in {heavy!r} if m in sys.modules]); "
+            "from zeroshard import save_checkpoint, CheckpointError; print(save_checkpoint.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["[]", "zeroshard.state.save"], out.stdout + out.stderr
 
 
 def test_plan_traced_hybrid_and_offload_rows(capsys: pytest.CaptureFixture[str]) -> None:

@@ -165,16 +165,19 @@ def _steps(mesh, model, optim, steps: range, vocab: int = 255) -> list[float]:
 
 
 RESUME = [{"via": "state_dict", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
-          {"via": "state_dict", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
-          {"via": "state_dict", "src": ("dp2xtp2", 1), "dst": ("rep2xshard1xtp2", 2)},
           {"via": "checkpoint", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
-          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
           {"via": "checkpoint", "src": ("rep2xshard1xtp2", 1), "dst": ("dp2xtp2", 3)},
-          {"via": "checkpoint", "src": ("dp4", 2), "dst": ("rep2xshard1xtp2", 2)},
           # hybrid sharding without tp: replica 0 writes, and a tp layout reads it
           {"via": "checkpoint", "src": ("rep2xshard2", 3), "dst": ("dp2xtp2", 2)},
-          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)},  # tp 2 -> 4
-          {"via": "checkpoint", "src": ("dp1xtp4", 1), "dst": ("dp2xtp2", 1)}]
+          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)}]  # tp 2 -> 4
+# `make slow` (README, "Tests"): the same paths between other layouts and stages; each has
+# its twin above (whole state dicts / checkpoints onto another layout, no tp <-> tp, tp
+# degree changes).
+RESUME_SLOW = [{"via": "state_dict", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
+               {"via": "state_dict", "src": ("dp2xtp2", 1), "dst": ("rep2xshard1xtp2", 2)},
+               {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
+               {"via": "checkpoint", "src": ("dp4", 2), "dst": ("rep2xshard1xtp2", 2)},
+               {"via": "checkpoint", "src": ("dp1xtp4", 1), "dst": ("dp2xtp2", 1)}]
 
 
 def _resume(rank: int, world: int, via: str, src: tuple, dst: tuple) -> dict:
@@ -474,14 +477,31 @@ def test_tp_mixed_precision_checkpointing_compile(k: int) -> None:
     assert max(got["param_dev"].values()) <= bound, got["param_dev"]
 
 
-@pytest.mark.parametrize("k", range(len(RESUME)), ids=[
-    f"{p['via']}-{p['src'][0]}-s{p['src'][1]}-to-{p['dst'][0]}-s{p['dst'][1]}" for p in RESUME])
+def _resume_id(p: dict) -> str:
+    return f"{p['via']}-{p['src'][0]}-s{p['src'][1]}-to-{p['dst'][0]}-s{p['dst'][1]}"
+
+
+@pytest.mark.parametrize("k", range(len(RESUME)), ids=[_resume_id(p) for p in RESUME])
 def test_tp_state_resumes_on_another_layout(k: int) -> None:
+    _check_resume(RESUME[k], _results(2)[0][k])
+
+
+def _resume_sweep(rank: int, world: int, grid: list[dict]) -> list:
+    return sweep(functools.partial(_resume, rank, world), grid)
+
+
+@pytest.mark.slow
+def test_tp_state_resumes_on_more_layouts() -> None:
+    for point, got in zip(RESUME_SLOW, run_ranks(_resume_sweep, 4, RESUME_SLOW,
+                                                 timeout=900)[0]):
+        _check_resume(point, got)
+
+
+def _check_resume(point: dict, got: dict) -> None:
     from zeroshard.models import build_model
 
-    got = _results(2)[0][k]
     plain = build_model(llama_config(255)).state_dict()
-    if RESUME[k]["via"] == "state_dict":  # whole tensors, as DDP's
+    if point["via"] == "state_dict":  # whole tensors, as DDP's
         assert got["shapes"] == {n: tuple(v.shape) for n, v in plain.items()}
         assert got["moments"]["exp_avg"] == tuple(plain["tok_emb.weight"].shape)
     else:
@@ -489,8 +509,8 @@ def test_tp_state_resumes_on_another_layout(k: int) -> None:
         assert got["consolidated_dev"] == 0.0  # the safetensors file holds the whole weights
     assert got["loaded_dev"] == 0.0  # loaded exactly what was saved
     for a, b in zip(got["resumed"], got["go_on"]):
-        assert abs(a - b) <= 1e-10 * abs(b), (got["resumed"], got["go_on"])
-    assert got["end_dev"] <= 1e-9
+        assert abs(a - b) <= 1e-10 * abs(b), (point, got["resumed"], got["go_on"])
+    assert got["end_dev"] <= 1e-9, point
 
 
 def test_tp_refusals_name_the_fix() -> None:

@@ -8,13 +8,20 @@ from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CommLedger, CommRecord
 from .config import ShardConfig
 from .join import join
-from .state import (
-    CheckpointError,
-    consolidate,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+
+# Checkpoints load on first use: torch.distributed.checkpoint imports DTensor (~0.7 s a
+# process), which `zeroshard plan`, the bench's parent and most scripts never need.
+_STATE = ("CheckpointError", "consolidate", "latest_checkpoint", "load_checkpoint",
+          "save_checkpoint")
+
+
+def __getattr__(name: str):
+    if name in _STATE:
+        from . import state
+
+        return getattr(state, name)
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
