@@ -89,6 +89,12 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _small(args: argparse.Namespace, steps: int, mb: int, seq: int) -> tuple[int, int, int]:
+    """(steps, micro-batch, sequence) for a part: a dry run walks the same paths on less
+    work (bf16 matmuls are slow on CPU, and the suite runs the dry run)."""
+    return (3, 2, 32) if args.dry_run else (steps, mb, seq)
+
+
 def _batches(vocab: int, n: int, mb: int, seq: int, dev):
     import torch
 
@@ -139,8 +145,9 @@ def part_parity(args: argparse.Namespace) -> dict:
 
     dev = _world1(args)
     preset = "gpt2-tiny"
-    batches = _batches(get_preset(preset).vocab, 5, 4, 64, dev)
-    ref = _train_plain(build_model(preset, seed=0).to(dev), 5, batches)
+    steps, mb, seq = _small(args, 5, 4, 64)
+    batches = _batches(get_preset(preset).vocab, steps, mb, seq, dev)
+    ref = _train_plain(build_model(preset, seed=0).to(dev), steps, batches)
     rows, base16 = [], {}
     configs = [(s, mp, "none") for mp in (None, "bf16") for s in (0, 1, 2, 3)]
     configs += [(2, "fp16", "none"), (3, None, "full"), (3, None, "selective")]
@@ -148,7 +155,7 @@ def part_parity(args: argparse.Namespace) -> dict:
         model = build_model(preset, seed=0).to(dev)
         if ckpt != "none":
             apply_checkpointing(model, ckpt)
-        got = _train_zs(model, 5, batches, stage=stage, mixed_precision=mp)
+        got = _train_zs(model, steps, batches, stage=stage, mixed_precision=mp)
         if mp is None:
             dev_ = _rel(got, ref)
             ok, bound = dev_ <= 1e-4, "1e-4 vs plain AdamW"
@@ -207,13 +214,14 @@ def part_offload(args: argparse.Namespace) -> dict:
     dev = _world1(args)
     engine_mod._FORCE_HOST_COPIES = args.dry_run  # on CPU host and device coincide
     preset = "gpt2-tiny"
-    batches = _batches(get_preset(preset).vocab, 4, 4, 64, dev)
+    steps, mb, seq = _small(args, 4, 4, 64)
+    batches = _batches(get_preset(preset).vocab, steps, mb, seq, dev)
     rows = []
     for stage, off in ((2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")):
         # the same (fused) AdamW both ways: offload picks it by default for the host step
-        base = _train_zs(build_model(preset, seed=0).to(dev), 4, batches, stage=stage,
+        base = _train_zs(build_model(preset, seed=0).to(dev), steps, batches, stage=stage,
                          mixed_precision="bf16", fused=True)
-        got = _train_zs(build_model(preset, seed=0).to(dev), 4, batches, stage=stage,
+        got = _train_zs(build_model(preset, seed=0).to(dev), steps, batches, stage=stage,
                         mixed_precision="bf16", offload=off, fused=True)
         same = all(torch.equal(got[k], base[k]) for k in base)
         rows.append({"stage": stage, "offload": off, "bitwise_equal": same, "ok": same})
