@@ -7,7 +7,7 @@ run: see ``zeroshard.testing.rank_cpu_seconds``). Setup and teardown count, so a
 module-scoped fixture's cost lands on the first test that asks for it.
 
 At the end of a run (on the controller when pytest-xdist runs workers) this writes
-``.pytest-times.json`` beside the tests (every test: wall, CPU, idle = wall - CPU) and
+``.pytest-times.json`` at the repository root (every test: wall, CPU, idle = wall - CPU) and
 prints the ten tests that waited longest and every test over the budget
 (``ZEROSHARD_TEST_BUDGET_S``, 60 s by default; README, "Tests"), with the cores' busy
 share over the run read from /proc/stat (the whole machine's: meaningful on a quiet one).
@@ -117,12 +117,12 @@ class TimingPlugin:
         over = sorted(((t["wall_s"], n) for n, t in self.tests.items() if t["wall_s"] > BUDGET_S),
                       reverse=True)
         if over:
-            tr.write_line(f"over the {BUDGET_S:.0f} s budget per test (README, 'Tests'):",
+            tr.write_line(f"over the {BUDGET_S:g} s budget per test (README, 'Tests'):",
                           red=True)
             for w, nodeid in over:
                 tr.write_line(f"  {w:6.1f} s  {nodeid}", red=True)
         else:
-            tr.write_line(f"no test over the {BUDGET_S:.0f} s budget per test")
+            tr.write_line(f"no test over the {BUDGET_S:g} s budget per test")
 
 
 _STASH = pytest.StashKey[dict]()
