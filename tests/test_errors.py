@@ -158,3 +158,49 @@ def test_bad_input_messages() -> None:
         assert got[name] is not None, f"{name}: no error raised"
         assert got[name][0] == etype.__name__, (name, got[name])
         assert re.search(pattern, got[name][1]), (name, got[name][1])
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))
+
+
+def _warnings_of(rank: int, world: int, cases: list[dict]) -> list[list[str]]:
+    import warnings
+
+    out = []
+    for options in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zeroshard.shard(_Stack(), torch.optim.AdamW, **options)
+        out.append([str(w.message) for w in caught if issubclass(w.category, UserWarning)])
+    return out
+
+
+IGNORED = [
+    ({"stage": 3, "bucket_bytes": 2**20}, ["bucket_bytes=1048576 has no effect with stage=3: "
+                                           "stage 3 reduces each unit's gradients"]),
+    ({"stage": 2, "bucket_bytes": 2**20}, []),
+    ({"stage": 1, "reshard_after_forward": False, "prefetch": 2},
+     ["reshard_after_forward=False has no effect with stage=1", "prefetch=2 has no effect"]),
+    ({"stage": 3, "reshard_after_forward": False, "prefetch": 2}, []),
+    ({"stage": 0, "prefetch": 1, "bucket_bytes": None}, []),  # defaults passed: no effect lost
+    ({"stage": 2, "mixed_precision": "bf16", "init_scale": 1024.0},
+     ["init_scale=1024.0 has no effect with mixed_precision='bf16': loss scaling runs "
+      "under mixed_precision='fp16' only"]),
+    ({"stage": 2, "mixed_precision": "fp16", "init_scale": 1024.0}, []),
+]
+
+
+def test_options_without_effect_warn() -> None:
+    """Nothing ignored silently: an option set where it does nothing warns, naming it,
+    why, and what to do (docs/stages.md lists them)."""
+    got = run_ranks(_warnings_of, 1, [c for c, _ in IGNORED], timeout=60)[0]
+    for (options, expected), messages in zip(IGNORED, got):
+        assert len(messages) == len(expected), (options, messages)
+        for want, message in zip(expected, messages):
+            assert message.startswith(want), (options, message)

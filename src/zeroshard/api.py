@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, CommLedger
-from .config import ShardConfig, suggest_option
+from .config import ShardConfig, ignored_options, suggest_option
 from .engine.engine import Engine, ParamInit
 from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import ShardedOptimizer
@@ -35,6 +36,7 @@ from .engine.tensor_parallel import (
 )
 from .engine.units import UnitSpec
 from .memory.tracker import MemoryTracker
+from .wrapping import ddp_refusal, refuse_wrapped
 
 __all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of", "memory_tracker"]
 
@@ -68,6 +70,13 @@ class ShardedModule:
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self._zeroshard_engine.sync = bool(value)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        # DistributedDataParallel's constructor asks for this before it touches a
+        # parameter: the place to refuse DDP around a sharded model ([Note: double
+        # wrapping] in wrapping.py).
+        raise ddp_refusal(self)  # type: ignore[arg-type]
 
     @property
     def module(self) -> nn.Module:
@@ -221,6 +230,7 @@ def _check_model(model: nn.Module, stage: int) -> None:
         raise TypeError(f"shard() needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_zeroshard_engine", None) is not None:
         raise ValueError("this model is already sharded; call shard() once per model")
+    refuse_wrapped(model)
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         peft = (" A peft model loaded with PeftModel.from_pretrained is frozen unless "
@@ -336,6 +346,8 @@ def shard(
             "its keywords (zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)), a callable "
             "params -> optimizer, or a torch optimizer built on model.parameters()")
     config = ShardConfig(stage=stage, **ours)
+    for message in ignored_options(config, set(ours)):
+        warnings.warn(message, UserWarning, stacklevel=2)
     _check_model(model, stage)
     check_elementwise(optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):

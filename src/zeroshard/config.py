@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "auto_bucket_bytes", "suggest_option"]
+__all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "auto_bucket_bytes", "ignored_options",
+           "suggest_option"]
 
 MAX_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 MIN_BUCKET_BYTES = 2**20
@@ -170,6 +171,41 @@ class ShardConfig:
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+_LOSS_SCALE = ("init_scale", "growth_interval", "growth_factor", "backoff_factor")
+
+#: (option, does it have an effect under this config, why not, what to do instead).
+_EFFECTIVE = (
+    ("bucket_bytes", lambda c: c.stage != 3,
+     "stage 3 reduces each unit's gradients in one collective, so the units set the "
+     "sizes", "drop it, or choose units= to size stage 3's collectives"),
+    ("reshard_after_forward", lambda c: c.stage == 3,
+     "stages 0-2 keep the whole weights on every rank: nothing is gathered or freed",
+     "drop it, or use stage=3"),
+    ("prefetch", lambda c: c.stage == 3,
+     "stages 0-2 gather no weights, so there is nothing to prefetch",
+     "drop it, or use stage=3"),
+    *((name, lambda c: c.mixed_precision == "fp16",
+       "loss scaling runs under mixed_precision='fp16' only (fp32 and bf16 gradients do "
+       "not underflow)", "drop it, or use mixed_precision='fp16'")
+      for name in _LOSS_SCALE),
+)
+
+
+def ignored_options(config: ShardConfig, given: set[str]) -> list[str]:
+    """One message per option in ``given`` (the keywords the caller passed) set to
+    something other than its default where it has no effect under ``config``: shard()
+    warns with each, so no option is dropped silently (docs/stages.md lists them)."""
+    defaults = {f.name: f.default for f in fields(ShardConfig)}
+    out = []
+    for name, effective, why, instead in _EFFECTIVE:
+        value = getattr(config, name)
+        if name in given and value != defaults[name] and not effective(config):
+            under = (f"mixed_precision={config.mixed_precision!r}" if name in _LOSS_SCALE
+                     else f"stage={config.stage}")
+            out.append(f"{name}={value!r} has no effect with {under}: {why}; {instead}")
+    return out
 
 
 def suggest_option(name: str, extra: list[str] | None = None) -> str | None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..wrapping import REPLACED_HINT, refuse_active_ddp
 from .buffers import broadcast_buffers
 from .stage3 import in_backward
 from .units import UnitState
@@ -34,6 +35,7 @@ class ForwardHooks:
     def _pre_forward(self: Engine, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
         if not in_backward():
+            refuse_active_ddp(self.model)
             self.weights.refresh_edited()
             self._backward_ended = False
         if self._joinable is not None and not in_backward():
@@ -154,7 +156,7 @@ class ForwardHooks:
                 raise RuntimeError(
                     f"parameter {name!r} was replaced after zeroshard.shard(); sharded "
                     "buffers no longer back it. Change the model before sharding it, or "
-                    "build a new model and shard that"
+                    "build a new model and shard that" + REPLACED_HINT
                 )
             was = self._grad_flags.get(id(p))
             if was is None or p.requires_grad == was:
