@@ -253,6 +253,26 @@ def _check_model(model: nn.Module, stage: int) -> None:
         )
 
 
+def _whole_mesh(model: nn.Module, mesh: Any) -> Any:
+    """FSDP2's habit on a tensor-parallel model: ``fully_shard(model, mesh=mesh["dp"])``.
+    zeroshard reduces over dp and keeps the tp pieces in step itself, so it needs the
+    whole mesh: the dp submesh's root, when that root has a tp dimension and the tp
+    parameters live on its tp submesh."""
+    if mesh is None or is_tp_mesh(mesh) or not hasattr(mesh, "_get_root_mesh"):
+        return mesh
+    from torch.distributed.tensor import DTensor
+
+    tp_param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if tp_param is None:
+        return mesh
+    root = mesh._get_root_mesh()
+    names = tuple(n for n in (getattr(root, "mesh_dim_names", None) or ()) if n != "tp")
+    if (root is mesh or not is_tp_mesh(root) or names != tuple(mesh.mesh_dim_names or ())
+            or tp_param.device_mesh._get_root_mesh() != root):
+        return mesh  # not the dp part of the tp model's mesh: _check_dtensor_params says so
+    return root
+
+
 def _check_dtensor_params(model: nn.Module, mesh: Any) -> None:
     """A model parallelised with parallelize_module needs the whole mesh, tp dimension
     included (FSDP2 takes mesh["dp"]; zeroshard takes the mesh itself)."""
@@ -362,6 +382,7 @@ def shard(
         param_init = _default_param_init(model)
     ledger = CommLedger()
     tp = None
+    mesh = _whole_mesh(model, mesh)
     _check_dtensor_params(model, mesh)
     if is_tp_mesh(mesh):  # see [Note: tensor-parallel parameters]
         if process_group is not None or hybrid is not None:
