@@ -326,6 +326,56 @@ def test_default_units_are_the_decoder_layers() -> None:
         assert _unit_modules(model, None) == list(layers)
 
 
+def _tiny_family(kind: str) -> torch.nn.Module:
+    if kind != "mistral":
+        return tiny(kind)
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        bos_token_id=0, eos_token_id=0))
+
+
+def test_checkpointing_on_hfs_default_call_turns_the_cache_off_in_training(caplog) -> None:
+    """``model(input_ids=x, labels=x)`` (use_cache=True by default, as the HF Trainer
+    calls it) in train mode: gradients bitwise those without checkpointing, for every
+    family the planner supports; the cache is off in training (said once in the log) and
+    on in evaluation; a cache passed in to a training forward is refused. See [Note: the
+    KV cache under checkpointing] in zeroshard/hf.py."""
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    zhf._LOG_ONCE.clear()
+    for kind in (*KINDS, "mistral"):
+        ref = _tiny_family(kind)
+        ref.train()
+        ref(input_ids=x, labels=x, use_cache=False).loss.backward()
+        for policy in ("selective", "selective-op", "full"):
+            model = _tiny_family(kind)
+            model.train()
+            zhf.apply_checkpointing(model, policy)
+            out = model(input_ids=x, labels=x)
+            out.loss.backward()
+            assert out.past_key_values is None, (kind, policy)  # full: it held keys twice
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), (kind, policy, n)
+            model.eval()
+            with torch.no_grad():
+                assert model(input_ids=x).past_key_values.get_seq_length() == SEQ
+            model.train()
+            cache = model(input_ids=x, use_cache=True).past_key_values  # still off
+            assert cache is None, (kind, policy)
+            with torch.no_grad():
+                cache = model(input_ids=x[:, :4]).past_key_values  # no gradients: kept
+            with pytest.raises(ValueError, match="= was passed to a training forward"):
+                model(input_ids=x[:, :4], past_key_values=cache)
+            zhf.remove_checkpointing(model)
+            assert model(input_ids=x).past_key_values is not None  # the hook went too
+    said = [r.getMessage() for r in caplog.records
+            if "use_cache=True is incompatible with activation checkpointing" in r.getMessage()]
+    # once per decoder class and process
+    assert [m.split(": ")[1].split()[0] for m in said] == ["GPT2Model", "LlamaModel",
+                                                            "MistralModel"], said
+
+
 def test_selective_recomputes_the_attention_core_only() -> None:
     """Gradients are bitwise those without checkpointing; with eager attention the
     scores are no longer alive after forward."""

@@ -61,6 +61,7 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["s3-lora"] = ["--stage", "3", "--lora", "--out", f"{base}/s3l"]
     runs["ddp-eval"] = ["--ddp", "--eval", "--checkpointing", "--out", f"{base}/ddpe"]
     runs["s3-eval"] = ["--stage", "3", "--eval", "--checkpointing", "--out", f"{base}/s3e"]
+    runs["s3-selective"] = ["--stage", "3", "--selective", "--out", f"{base}/s3s"]
     runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
     runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
     runs["s2-fp16"] = ["--stage", "2", "--fp16", "--out", f"{base}/s2h"]
@@ -97,6 +98,14 @@ def _assert_same_logs(got: list[dict], want: list[dict], rel: float = 1e-5,
 def test_losses_and_grad_norms_equal_ddp(stage: int) -> None:
     logs = _all()["logs"]
     _assert_same_logs(logs[f"s{stage}"], logs["ddp"])
+
+
+def test_hf_selective_checkpointing_on_the_trainers_default_call_equals_ddp() -> None:
+    """The Trainer calls the model with HF's default use_cache=True; selective
+    checkpointing turns the cache off in training (as HF's own checkpointing does) and
+    trains as DDP without checkpointing."""
+    logs = _all()["logs"]
+    _assert_same_logs(logs["s3-selective"], logs["ddp"])
 
 
 def test_gradient_accumulation_equals_ddp() -> None:

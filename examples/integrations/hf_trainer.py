@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--eval", action="store_true",
                    help="evaluate every 3 steps, then generate from a prompt (every rank)")
     p.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
+    p.add_argument("--selective", action="store_true",
+                   help="zeroshard.hf.apply_checkpointing(model, 'selective') (zeroshard only)")
     a = p.parse_args(argv)
     args = transformers.TrainingArguments(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2,
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.manual_seed(1)
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                            target_modules=["q_proj", "v_proj"]))
+    if a.selective:  # the Trainer calls the model with HF's default use_cache=True
+        import zeroshard.hf
+
+        zeroshard.hf.apply_checkpointing(model, "selective")
     if a.ddp:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        eval_dataset=Tokens(128, 16, 8) if a.eval else None)

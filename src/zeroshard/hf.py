@@ -204,11 +204,79 @@ def _wrap_selective(m: nn.Module) -> None:
     m.__class__ = _CLASSES[cls]
 
 
+# -- the KV cache in checkpointed training ----------------------------------------------
+# [Note: the KV cache under checkpointing]
+# HF causal LMs default to ``use_cache=True``: each attention appends its keys and values
+# to a cache object in forward. A checkpointed region runs that forward again in backward,
+# so the append runs twice: under the op-level selective policy the recompute then sees
+# other ops than the forward and fails ("aten.slice.Tensor encountered during backward
+# but not found in storage"); under ``full`` it goes through and the cache handed back
+# holds every key twice (16 -> 32 positions measured). HF's own gradient checkpointing
+# turns the cache off in training for this reason; so do we, once a policy is applied:
+# a forward pre-hook on the module that owns the decoder layers passes
+# ``use_cache=False`` to training forwards with gradients (logged once). Generation and
+# evaluation (no gradients, or eval mode) keep the cache. A cache the caller passes in
+# (``cache=``, ``past_key_values=`` before transformers 5.2x) in such a forward cannot be
+# made safe and is refused.
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # newest first
+_LOG_ONCE: set[str] = set()
+
+
+def _training_with_grads(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()
+
+
+def _cache_off_in_training(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The decoder's forward pre-hook; see [Note: the KV cache under checkpointing]."""
+    if not _training_with_grads(module):
+        return None
+    given = next((k for k in _CACHE_ARGS if kwargs.get(k) is not None), None)
+    if given is not None:
+        raise ValueError(
+            f"{given}= was passed to a training forward of a model with activation "
+            "checkpointing: the recompute in backward would append to the cache a second "
+            "time. Pass no cache in training (use_cache=False), or remove the checkpointing "
+            "(zeroshard.hf.remove_checkpointing(model))")
+    if kwargs.get("use_cache") is False:
+        return None
+    if type(module).__name__ not in _LOG_ONCE:
+        _LOG_ONCE.add(type(module).__name__)
+        import logging
+
+        logging.getLogger("zeroshard.hf").warning(
+            "use_cache=True is incompatible with activation checkpointing in training (the "
+            "recompute would fill the KV cache twice): %s runs with use_cache=False while "
+            "training with gradients, as HF's gradient checkpointing does",
+            type(module).__name__)
+    return args, {**kwargs, "use_cache": False}
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module that owns the decoder-layer list (LlamaModel, GPT2Model, ...)."""
+    layers = decoder_layers(model)
+    return next(m for m in model.modules() if any(c is layers for c in m.children()))
+
+
+def _hook_cache(model: nn.Module) -> None:
+    decoder = _decoder(model)
+    if getattr(decoder, "_zs_cache_hook", None) is None:
+        decoder._zs_cache_hook = decoder.register_forward_pre_hook(  # type: ignore[assignment]
+            _cache_off_in_training, with_kwargs=True)
+
+
+def _unhook_cache(model: nn.Module) -> None:
+    for m in model.modules():
+        handle = m.__dict__.pop("_zs_cache_hook", None)
+        if handle is not None:
+            handle.remove()
+
+
 def remove_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_checkpointing` (both the core policies and HF selective)."""
     for m in model.modules():
         if isinstance(m, _SelectiveMixin):
             m.__class__ = type(m)._zs_hf_original
+    _unhook_cache(model)
     return _core_remove_checkpointing(model)
 
 
@@ -266,7 +334,10 @@ def apply_checkpointing(
             )
         for m in mods:
             _wrap_selective(m)
+        _hook_cache(model)
         return model
+    if pol.name != "none":
+        _hook_cache(model)
     return _core_apply_checkpointing(model, pol, blocks=layers,
                                      offload_activations=offload_activations,
                                      pin_memory=pin_memory)
