@@ -28,6 +28,7 @@ from zeroshard.testing import run_ranks  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "integrations"
 EXAMPLE = EXAMPLES / "hf_trainer.py"
 TRL = EXAMPLES / "trl_sft_lora.py"
+DPO = EXAMPLES / "trl_dpo_lora.py"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_USE_CPU": "1"}
 
 
@@ -41,9 +42,9 @@ def _example(path: Path = EXAMPLE) -> Any:
 
 def _run(rank: int, world: int, runs: list[list[str]]) -> list[list[dict]]:
     transformers.logging.set_verbosity_error()
-    hf, trl = _example(), _example(TRL)
-    return [(trl if argv[0] == "trl" else hf).main(argv[1:] if argv[0] == "trl" else argv)
-            for argv in runs]
+    scripts = {"hf": _example(), "trl": _example(TRL), "dpo": _example(DPO)}
+    return [scripts[argv[0]].main(argv[1:]) if argv[0] in scripts
+            else scripts["hf"].main(argv) for argv in runs]
 
 
 def _runs(base: str) -> dict[str, list[str]]:
@@ -71,6 +72,12 @@ def _runs(base: str) -> dict[str, list[str]]:
         runs[f"trl-s{s}"] = ["trl", "--stage", str(s), "--out", f"{base}/trl-s{s}"]
     runs["trl-ddp-bf16"] = ["trl", "--ddp", "--bf16", "--out", f"{base}/trl-ddpb"]
     runs["trl-s3-bf16"] = ["trl", "--stage", "3", "--bf16", "--out", f"{base}/trl-s3b"]
+    # TRL's DPOTrainer with LoRA: the reference pass disables the adapters (under no_grad)
+    # between the policy's forward and its backward; stages 0-2 in make slow
+    runs["dpo-ddp"] = ["dpo", "--ddp", "--out", f"{base}/dpo-ddp"]
+    runs["dpo-s3"] = ["dpo", "--stage", "3", "--out", f"{base}/dpo-s3"]
+    runs["dpo-ddp-bf16"] = ["dpo", "--ddp", "--bf16", "--out", f"{base}/dpo-ddpb"]
+    runs["dpo-s3-bf16"] = ["dpo", "--stage", "3", "--bf16", "--out", f"{base}/dpo-s3b"]
     return runs
 
 
@@ -203,6 +210,50 @@ def test_trl_sft_with_lora_equals_ddp(stage: int) -> None:
 def test_trl_bf16_default_trains_within_the_bf16_tolerance() -> None:
     logs = _all()["logs"]
     _assert_same_logs(logs["trl-s3-bf16"], logs["trl-ddp-bf16"], rel=3e-2, keys=("loss",))
+
+
+DPO_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins")
+
+
+def _dpo_adapters_equal(base: str, got: str, want: str) -> None:
+    from safetensors.torch import load_file
+
+    a = load_file(f"{base}/{got}/final/adapter_model.safetensors")
+    b = load_file(f"{base}/{want}/final/adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) == 8
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_trl_dpo_with_lora_equals_ddp_at_stage_3() -> None:
+    """TRL's DPOTrainer + LoRA (trl/scripts/dpo.py --use_peft): losses, gradient norms and
+    rewards as its DDP run, and the same adapter."""
+    run = _all()
+    _assert_same_logs(run["logs"]["dpo-s3"], run["logs"]["dpo-ddp"], keys=DPO_KEYS)
+    _dpo_adapters_equal(run["base"], "dpo-s3", "dpo-ddp")
+
+
+def test_trl_dpo_bf16_trains_within_the_bf16_tolerance() -> None:
+    logs = _all()["logs"]
+    _assert_same_logs(logs["dpo-s3-bf16"], logs["dpo-ddp-bf16"], rel=3e-2, keys=("loss",))
+
+
+def _dpo_stages(rank: int, world: int, base: str) -> list[list[dict]]:
+    transformers.logging.set_verbosity_error()
+    dpo = _example(DPO)
+    runs = [["--stage", str(s), "--out", f"{base}/dpo-s{s}"] for s in (0, 1, 2)]
+    runs.append(["--stage", "2", "--bf16", "--out", f"{base}/dpo-s2b"])
+    return [dpo.main(argv) for argv in runs]
+
+
+@pytest.mark.slow
+def test_trl_dpo_with_lora_equals_ddp_at_stages_0_to_2() -> None:
+    run = _all()
+    logs = run_ranks(_dpo_stages, 2, run["base"], timeout=900, env=ENV)[0]
+    for stage in (0, 1, 2):
+        _assert_same_logs(logs[stage], run["logs"]["dpo-ddp"], keys=DPO_KEYS)
+        _dpo_adapters_equal(run["base"], f"dpo-s{stage}", "dpo-ddp")
+    _assert_same_logs(logs[3], run["logs"]["dpo-ddp-bf16"], rel=3e-2, keys=("loss",))
 
 
 # -- bad settings: refused before training, nothing written ---------------------------------

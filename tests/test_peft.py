@@ -120,6 +120,43 @@ def refused_on_every_rank(rank: int, world: int, out: str) -> str:
     return "no error"
 
 
+def _dpo_loss(model: Any, x: torch.Tensor, reference: bool = True) -> torch.Tensor:
+    """TRL DPO's shape: a reference pass through the same peft model with its adapters
+    disabled (``disable_adapter()`` flips the adapters' requires_grad, under no_grad),
+    then the policy's loss against it."""
+    out = model(input_ids=x, labels=x, use_cache=False)
+    ref = torch.zeros(())
+    if reference:  # after the policy's forward, before its backward, as TRL orders them
+        with torch.no_grad(), model.disable_adapter():
+            ref = model(input_ids=x, use_cache=False).logits.float()
+    return out.loss + (out.logits.float() - ref).pow(2).mean()
+
+
+def dpo_reference_pass(rank: int, world: int, *, stage: int, mp: str | None,
+                       bases: str) -> dict:
+    """Three steps of _dpo_loss at ``stage`` / ``mp``; then the error for an adapter left
+    disabled (flags still flipped) at the next forward with gradients."""
+    model, optim = sharded("llama", bases, stage, mp)
+    losses = []
+    for step in range(STEPS):
+        loss = _dpo_loss(model, batch(rank, step))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    model.base_model.disable_adapter_layers()  # flips the flags and leaves them flipped
+    try:
+        _dpo_loss(model, batch(rank, 0), reference=False)
+        left = "no error"
+    except RuntimeError as exc:
+        left = str(exc)
+    model.base_model.enable_adapter_layers()
+    return {"losses": losses, "full": zeroshard.full_state_dict(model), "left": left}
+
+
+DPO_GRID = [{"stage": s, "mp": None} for s in range(4)] + [
+    {"stage": s, "mp": "bf16"} for s in (2, 3)]
+
 GRID = [{"kind": "llama", "stage": s, "mp": mp} for s in range(4) for mp in (None, "bf16")]
 GRID += [{"kind": "gpt2", "stage": 3, "mp": None}, {"kind": "gpt2", "stage": 1, "mp": "bf16"}]
 # a base loaded in bf16 (its LoRA weights fp32, as peft makes them): exported in bf16
@@ -130,8 +167,9 @@ def _all(rank: int, world: int, bases: str, out: str) -> dict:
     transformers.logging.set_verbosity_error()
     results = sweep(functools.partial(train_and_export, rank, world, bases=bases, out=out),
                     GRID)
+    dpo = sweep(functools.partial(dpo_reference_pass, rank, world, bases=bases), DPO_GRID)
     return {"results": results, "resume": resume(rank, world, bases, out),
-            "refused": refused_on_every_rank(rank, world, out)}
+            "refused": refused_on_every_rank(rank, world, out), "dpo": dpo}
 
 
 @functools.cache
@@ -286,3 +324,34 @@ def test_unsharded_peft_export_matches_peft_own_save(tmp_path: Path) -> None:
     ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
     theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_reference_pass_with_adapters_disabled_trains_as_unsharded(run: dict) -> None:
+    """TRL DPO + LoRA's reference pass (peft's disable_adapter() under no_grad flips the
+    adapters' requires_grad) at stages 0-3, fp32 and bf16: the losses and weights of one
+    process over the global batch; a flip left in place at the next forward with
+    gradients keeps the error that names it where the flag cannot reach the backward."""
+    model = lora("llama", _base(run, "llama", None))
+    model.train()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    want = []
+    for step in range(STEPS):
+        per_rank = [_dpo_loss(model, batch(r, step)) for r in range(2)]
+        loss = sum(per_rank) / 2  # DDP's mean of the ranks' means
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        want.append([t.item() for t in per_rank])
+    ref = dict(model.state_dict())
+    for rank, res in enumerate(run["ranks"]):
+        for point, got in zip(DPO_GRID, res["dpo"]):
+            tol = 1e-5 if point["mp"] is None else 5e-2
+            for g, w in zip(got["losses"], want):
+                assert abs(g - w[rank]) <= tol * abs(w[rank]), (point, got["losses"], want)
+            for k, v in got["full"].items():
+                if ".lora_" in k:
+                    torch.testing.assert_close(v, ref[k].float(), atol=tol, rtol=tol)
+            if point["stage"] == 3 or point["mp"]:  # the model computes with other tensors
+                assert "had requires_grad=True when the model was sharded" in got["left"], got
+            else:  # fp32 stages 0-2 honour freezing, as DDP does (docs/porting.md)
+                assert got["left"] == "no error", got

@@ -53,6 +53,9 @@ class ForwardHooks:
         if self.units:
             root = self.units[-1]
             self._fwd_cursor = 0
+            # Gathered before this forward: kept from a forward with gradients whose
+            # backward has not run yet (see _post_forward).
+            self._root_kept = root.state is not UnitState.SHARDED
             self._unshard(root, "forward")
             root.wait()
             self._prefetch(self._order, 0)
@@ -74,7 +77,16 @@ class ForwardHooks:
         if self.units:
             self._recording = False
             if not torch.is_grad_enabled():
-                self._reshard(self.units[-1])
+                root = self.units[-1]
+                if self._root_kept and not in_backward():
+                    # A forward without gradients between a forward with gradients and
+                    # its backward (TRL DPO's reference pass with the adapters disabled):
+                    # that graph saved views of the root's gathered weights, which the
+                    # backward reads before any unit hook could gather them again; keep
+                    # them, and hand the modules back the user parameters.
+                    self.faces.show(root.buckets, compute=False)
+                else:
+                    self._reshard(root)
         elif self._shown_compute and not torch.is_grad_enabled():
             self._show_user()  # no backward follows
         if torch.is_grad_enabled() and not in_backward():
@@ -159,7 +171,10 @@ class ForwardHooks:
                     "build a new model and shard that" + REPLACED_HINT
                 )
             was = self._grad_flags.get(id(p))
-            if was is None or p.requires_grad == was:
+            if was is None or p.requires_grad == was or not torch.is_grad_enabled():
+                # A forward without gradients computes none, so a flag flipped for it is
+                # harmless: peft's disable_adapter() (TRL's DPO reference pass) flips the
+                # adapters' flags under torch.no_grad() and flips them back after.
                 continue
             # Freezing is honoured where the modules compute with the parameters you
             # hold (fp32 stages 0-2: autograd skips them, the step restores them as
