@@ -41,7 +41,21 @@ def _run(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> list[list[
 
     warnings.filterwarnings("ignore")
     examples = {n: _example(n) for n in ("fabric", "lightning_trainer")}
-    return [examples[name].main(argv) for name, argv in runs]
+    return [_convert(rank, *argv) if name == "convert" else examples[name].main(argv)
+            for name, argv in runs]
+
+
+def _convert(rank: int, src: str, dst: str) -> list:
+    """Rank 0 writes the one-file .ckpt (one process, no group); the other waits for it."""
+    import time
+
+    from zeroshard.integrations.lightning_checkpoint import to_lightning_checkpoint
+
+    if rank == 0:
+        to_lightning_checkpoint(src, dst)
+    while not Path(dst).exists():  # os.replace: whole once it exists
+        time.sleep(0.05)
+    return []
 
 
 def _runs(base: str) -> dict[str, tuple[str, list[str]]]:
@@ -64,6 +78,22 @@ def _runs(base: str) -> dict[str, tuple[str, list[str]]]:
     runs["lightning-meta"] = ("lightning_trainer", ["--strategy", "zeroshard_stage_3",
                                                     "--empty-init",
                                                     "--out", f"{base}/lightning-meta"])
+    # another strategy's checkpoint: DDP's one-file .ckpt resumed (and tested) under
+    # zeroshard; zeroshard's directory, converted to one file, resumed under DDP
+    lt, ddp_ckpt = "lightning_trainer", f"{base}/lightning_trainer-ddp/ckpt/step-step=3.ckpt"
+    for s in (0, 3):
+        runs[f"lt-from-ddp-s{s}"] = (lt, ["--strategy", f"zeroshard_stage_{s}", "--resume-from",
+                                          ddp_ckpt, "--out", f"{base}/lt-from-ddp-s{s}"])
+    runs["lt-test-ddp"] = (lt, ["--strategy", "ddp", "--test-from", ddp_ckpt,
+                                "--out", f"{base}/lt-test-ddp"])
+    runs["lt-test-s3"] = (lt, ["--strategy", "zeroshard_stage_3", "--test-from", ddp_ckpt,
+                               "--out", f"{base}/lt-test-s3"])
+    own = f"{base}/lightning_trainer-s3/ckpt/step-step=3.ckpt"
+    runs["lt-test-s3-own"] = (lt, ["--strategy", "zeroshard_stage_3", "--test-from", own,
+                                   "--out", f"{base}/lt-test-s3o"])
+    runs["lt-convert"] = ("convert", [own, f"{base}/converted.ckpt"])
+    runs["lt-s3-to-ddp"] = (lt, ["--strategy", "ddp", "--resume-from",
+                                 f"{base}/converted.ckpt", "--out", f"{base}/lt-s3-to-ddp"])
     runs["lightning-full"] = ("lightning_trainer", [
         "--strategy", "zeroshard_stage_3", "--state-dict-type", "full",
         "--out", f"{base}/lightning-full"])
@@ -142,6 +172,54 @@ def test_lightning_full_checkpoint_loads_into_plain_torch() -> None:
         assert (ckpt["state_dict"][k] - v).norm() <= 1e-3 * v.norm() + 1e-8, k
     opt = torch.optim.AdamW(lit.parameters(), lr=1e-2)
     opt.load_state_dict(ckpt["optimizer_states"][0])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ddp_checkpoint_resumed_under_zeroshard_continues_ddps_run(stage: int) -> None:
+    """fit(ckpt_path=<the DDP strategy's one-file .ckpt>) under zeroshard: weights,
+    optimizer, scheduler and loop state restored (it once trained fresh weights)."""
+    logs = _all()["logs"]
+    _same(logs[f"lt-from-ddp-s{stage}"],
+          [h for h in logs["lightning_trainer-ddp"] if h["step"] > 3])
+
+
+def test_test_from_a_ddp_checkpoint_gives_ddps_metric() -> None:
+    logs = _all()["logs"]
+    want = logs["lt-test-ddp"][0]["test_loss"]
+    for run in ("lt-test-s3", "lt-test-s3-own"):  # DDP's file; zeroshard's own directory
+        got = logs[run][0]["test_loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), (run, got, want)
+
+
+def test_zeroshard_checkpoint_converted_resumes_under_ddp_and_loads_for_inference() -> None:
+    """to_lightning_checkpoint (zeroshard consolidate --lightning): the stage-3 run's
+    step-3 directory as one .ckpt, which the DDP strategy resumes (continuing the stage-3
+    run) and LitGPT.load_from_checkpoint loads (the weights the run had at step 3: those
+    of the "full" stage-3 run's one-file checkpoint, bit for bit)."""
+    run = _all()
+    logs, base = run["logs"], run["base"]
+    _same(logs["lt-s3-to-ddp"], [h for h in logs["lightning_trainer-s3"] if h["step"] > 3])
+    lit = _example("lightning_trainer").LitGPT.load_from_checkpoint(f"{base}/converted.ckpt")
+    full = torch.load(f"{base}/lightning-full/ckpt/step-step=3.ckpt", weights_only=False)
+    got = lit.state_dict()
+    assert got.keys() == full["state_dict"].keys()
+    for k, v in full["state_dict"].items():
+        assert torch.equal(got[k], v), k
+    converted = torch.load(f"{base}/converted.ckpt", weights_only=False)
+    for i, entry in full["optimizer_states"][0]["state"].items():
+        for key, v in entry.items():
+            assert torch.equal(converted["optimizer_states"][0]["state"][i][key], v), (i, key)
+    assert converted["optimizer_states"][0]["param_groups"][0]["params"] == \
+        full["optimizer_states"][0]["param_groups"][0]["params"]
+    # the same from the command line
+    from zeroshard.cli import main
+
+    out = f"{base}/cli.ckpt"
+    assert main(["consolidate", f"{base}/lightning_trainer-s3/ckpt/step-step=3.ckpt", out,
+                 "--lightning"]) == 0
+    cli = torch.load(out, weights_only=False)
+    assert all(torch.equal(cli["state_dict"][k], v) for k, v in converted["state_dict"].items())
+    assert cli["global_step"] == converted["global_step"] == 3
 
 
 def _fabric_extras(rank: int, world: int, strategy: str) -> dict:

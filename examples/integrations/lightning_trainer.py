@@ -6,8 +6,12 @@
 The one line that changes is the Trainer's ``strategy=`` (after ``import
 zeroshard.integrations.lightning_trainer``, which registers the names). The run
 accumulates 2 batches per step, clips at norm 1, decays the learning rate, checkpoints
-with ModelCheckpoint at step 3 and resumes from it with ``--resume``; rank 0 writes each
-step's loss and gradient norm (the global one) to ``--out/logs.json``.
+with ModelCheckpoint at step 3 and resumes from it with ``--resume`` (or from any
+checkpoint, another strategy's too, with ``--resume-from``); rank 0 writes each step's loss
+and gradient norm (the global one) to ``--out/logs.json``. ``--test-from CKPT`` only
+tests the model a checkpoint holds. A zeroshard checkpoint (a directory) becomes the
+one-file ``.ckpt`` that ``--strategy ddp`` and ``LitGPT.load_from_checkpoint`` read with
+``zeroshard consolidate DIR OUT.ckpt --lightning``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ class LitGPT(L.LightningModule):
         self._loss = loss.detach()
         return loss
 
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        x, y = batch[:, :-1], batch[:, 1:]
+        loss = F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+        self.log("test_loss", loss, sync_dist=True)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
@@ -81,6 +90,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="resume from the step-3 checkpoint")
+    p.add_argument("--resume-from", metavar="CKPT",
+                   help="resume from this checkpoint (another strategy's too: DDP's .ckpt)")
+    p.add_argument("--test-from", metavar="CKPT",
+                   help="no training: trainer.test(ckpt_path=CKPT); returns the metrics")
     p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
     p.add_argument("--empty-init", action="store_true",
                    help="build the model on the meta device (stage 3: materialised per unit)")
@@ -104,7 +117,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with trainer.init_module(empty_init=a.empty_init):
         module = LitGPT()
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
-    trainer.fit(module, loader, ckpt_path=f"{a.out}/ckpt/step-step=3.ckpt" if a.resume else None)
+    if a.test_from:
+        return trainer.test(module, loader, ckpt_path=a.test_from, verbose=False)
+    resume = a.resume_from or (f"{a.out}/ckpt/step-step=3.ckpt" if a.resume else None)
+    trainer.fit(module, loader, ckpt_path=resume)
     if trainer.is_global_zero:
         with open(f"{a.out}/logs.json", "w") as f:
             json.dump(module.history, f)

@@ -477,10 +477,28 @@ def _add_consolidate(subparsers: Any) -> None:
                    help="dtype of floating tensors (default fp32: the master weights)")
     p.add_argument("--no-verify", action="store_true",
                    help="check file sizes only, not CRC-32 (skips one read of each file)")
+    p.add_argument("--lightning", action="store_true",
+                   help="a zeroshard Lightning strategy's checkpoint directory -> Lightning's "
+                   "one-file .ckpt (whole weights, torch-format optimizer state, loops), which "
+                   "the DDP strategy resumes and LightningModule.load_from_checkpoint loads")
     p.set_defaults(handler=_run_consolidate)
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
+    if args.lightning:
+        from zeroshard.errors import UsageError
+        from zeroshard.integrations.lightning_checkpoint import to_lightning_checkpoint
+        from zeroshard.state.manifest import CheckpointError
+
+        if args.dtype != "fp32":
+            raise UsageError("--lightning writes the weights as saved; drop --dtype")
+        try:
+            out = to_lightning_checkpoint(args.checkpoint, args.out)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+        print(f"wrote {out}: Lightning's one-file checkpoint (LitModel.load_from_checkpoint, "
+              "or Trainer(strategy='ddp').fit(..., ckpt_path=...))")
+        return 0
     from zeroshard.state.consolidate import run
 
     return run(args)

@@ -27,6 +27,10 @@ with the model's wrapping, stepping, accumulation and checkpoints replaced:
   schedulers' state, written by rank 0); ``fit(ckpt_path=...)`` restores them at any world
   size and stage. ``state_dict_type="full"`` keeps Lightning's one-file format with whole
   state dicts (gathered on every rank, written by rank 0), loadable by the DDP strategy.
+  A one-file checkpoint (the DDP strategy's, or a "full" one) is restored too, weights and
+  optimizer state, at any stage. For Lightning's own readers (the DDP strategy,
+  ``LightningModule.load_from_checkpoint``) a sharded directory becomes one ``.ckpt`` with
+  ``to_lightning_checkpoint`` (lightning_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ from typing import Any
 
 import torch
 
+from .lightning_checkpoint import LIGHTNING_STATE as _LIGHTNING_STATE
+from .lightning_checkpoint import to_lightning_checkpoint
 from .lightning_fabric import check_precision, one_optimizer, register, strategy_options
 
-__all__ = ["ZeroShardStrategy"]
-
-_LIGHTNING_STATE = "lightning.pt"  # inside a sharded checkpoint directory
+__all__ = ["ZeroShardStrategy", "to_lightning_checkpoint"]
 
 
 def _strategy_class() -> type:
@@ -76,6 +80,7 @@ def _strategy_class() -> type:
                              process_group_backend=process_group_backend,
                              start_method=start_method)
             self._redirect = _ForwardRedirection()
+            self._one_file = False  # the checkpoint being restored is one file
 
         # -- setup -----------------------------------------------------------------------
         def setup(self, trainer: Any) -> None:
@@ -161,7 +166,10 @@ def _strategy_class() -> type:
 
         @property
         def lightning_restore_optimizer(self) -> bool:
-            return self.state_dict_type == "full"  # sharded: load_checkpoint did
+            # A one-file checkpoint (DDP's, or a "full" one) holds the optimizer state in
+            # torch's format: Lightning loads it into zeroshard's optimizer, which takes
+            # that format. A sharded one: load_checkpoint restored it already.
+            return self.state_dict_type == "full" or self._one_file
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
             if self.state_dict_type == "sharded":
@@ -195,19 +203,33 @@ def _strategy_class() -> type:
         def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                             ) -> dict[str, Any]:
             path = Path(self.broadcast(str(checkpoint_path)))
-            if not (path / "zeroshard.json").is_file():  # a one-file checkpoint
+            self._one_file = not (path / "zeroshard.json").is_file()
+            if self._one_file:  # Lightning's format (the DDP strategy's, or "full")
                 return super().load_checkpoint(path, weights_only=weights_only)
             import zeroshard
 
+            checkpoint = torch.load(path / _LIGHTNING_STATE, weights_only=False)
+            if getattr(self.lightning_module, "_zeroshard_engine", None) is None:
+                # validate/test/predict: the module is not sharded; its whole weights,
+                # read here one tensor at a time, are loaded by load_model_state_dict
+                from zeroshard.state.consolidate import CheckpointReader
+
+                reader = CheckpointReader(path)
+                checkpoint["state_dict"] = {k: reader.tensor(k) for k in reader.keys()}
+                return checkpoint
             optimizer = _inner(self.optimizers[0]) if self.optimizers else None
             zeroshard.load_checkpoint(path, self.lightning_module, optimizer)
-            checkpoint = torch.load(path / _LIGHTNING_STATE, weights_only=False)
             checkpoint["state_dict"] = {}  # loaded above, into the shards
             return checkpoint
 
         def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-            if self.state_dict_type == "full" and checkpoint.get("state_dict"):
+            # Whole weights (a one-file checkpoint, whatever this strategy saves): into
+            # every rank's shards and masters (ShardedModule.load_state_dict) or, outside
+            # fit, into the unsharded module. A sharded checkpoint's are loaded already.
+            # Skipping them here once left fit(ckpt_path=<DDP's .ckpt>) on fresh weights.
+            if checkpoint.get("state_dict"):
                 return super().load_model_state_dict(checkpoint, strict)
+            return None
 
         def remove_checkpoint(self, filepath: Any) -> None:
             path = Path(filepath)

@@ -121,6 +121,18 @@ def _groups_json(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return groups
 
 
+def _group_params(engine: Engine, optim: torch.optim.Optimizer) -> list[list[str]] | None:
+    """Names of each group's parameters, in the group's order (None if ``optim`` does not
+    hold the model's parameters, e.g. the inner optimizer over zeroshard's chunks)."""
+    first: dict[int, str] = {}
+    for name, p in engine.user_params_by_name().items():
+        first.setdefault(id(p), name)
+    try:
+        return [[first[id(p)] for p in g["params"]] for g in optim.param_groups]
+    except KeyError:
+        return None
+
+
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
@@ -172,6 +184,9 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
             # the hyperparameters the user's groups hold now (an LR scheduler sets those;
             # the inner optimizer's catch up at the next step)
             "param_groups": _groups_json(optim), "params": optim_params,
+            # each group's parameters in the optimizer's order: torch's numbering
+            # (integrations/lightning_checkpoint.py writes torch's format from it)
+            "group_params": _group_params(engine, optim),
             # trainable, but never stepped when saved (no gradient yet): no state, as in
             # torch (empty when nothing was stepped at all: "params" is empty then)
             "unstepped": unstepped if optim_params else [],
