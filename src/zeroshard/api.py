@@ -173,10 +173,16 @@ def engine_of(model: nn.Module) -> Engine:
 
 
 def _swap_class(model: nn.Module) -> None:
+    """Mix ShardedModule in, keeping the class's name and module: code that records a
+    model's class by name reads the user's (HF's save_pretrained writes it as
+    config.json's "architectures"; a "ZeroShardLlamaForCausalLM" there made the export
+    unloadable by AutoModelForCausalLM). ``isinstance(m, ShardedModule)`` tells them apart."""
     cls = type(model)
     if issubclass(cls, ShardedModule):
         return
-    model.__class__ = type(f"ZeroShard{cls.__name__}", (ShardedModule, cls), {})
+    model.__class__ = type(cls.__name__, (ShardedModule, cls), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "_zeroshard_swapped": True})
 
 
 # DistributedDataParallel's keywords, which a ported script may still pass.

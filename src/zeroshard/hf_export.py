@@ -51,9 +51,11 @@ class ExportError(ValueError):
 
 # -- what the model is ------------------------------------------------------------------
 def _original_class(model: nn.Module) -> type:
-    """The user's class, skipping the subclasses zeroshard creates (``ZeroShard<Cls>``)."""
+    """The user's class, skipping the subclasses zeroshard creates (the sharded model's,
+    which keeps the user's name and module, and the checkpoint wrappers')."""
     for cls in type(model).__mro__:
-        if not cls.__module__.startswith("zeroshard"):
+        if not cls.__module__.startswith("zeroshard") and not cls.__dict__.get(
+                "_zeroshard_swapped", False):
             return cls
     return type(model)
 

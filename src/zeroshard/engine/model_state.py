@@ -6,8 +6,11 @@ parameter whole, in its original dtype (fp32 master weights under mixed precisio
 values being trained, which is what a user reloads), buffers as they are.
 
 * Where this rank holds every parameter whole in its original dtype — stage 0, and
-  stages 1-2 without mixed precision — the values are views of the weights on their
-  device, as under DDP: no copy, no communication, so calling it on one rank is fine.
+  stages 1-2 without mixed precision — the values are copies of the weights on their
+  device, one tensor per parameter (tied names share one): no communication, so calling
+  it on one rank is fine. Not views, as under DDP: zeroshard's weights are views of flat
+  buffers, and tensors sharing one storage are refused by safetensors' ``load_model``
+  (Accelerate's ``load_state``); the copy costs the weights' bytes once, transiently.
 * Otherwise (stages 1-2 under mixed precision, stage 3) it is a collective: every rank
   must call it. Buckets are gathered one at a time (a stage-3 bucket is one unit) and
   each parameter is copied to the CPU, so the device never holds more than its shards
@@ -77,7 +80,10 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
             src = b.master if not engine.policy.shard_optimizer else b.full
             for i, s in enumerate(b.slots):
                 user = engine.faces.user[id(s.param)]
-                v = user if keep_vars else b.slot_view(src.detach(), i)
+                # A copy per parameter, on its device: views of one flat buffer would
+                # share its storage, which safetensors' load_model (Accelerate's
+                # load_state) refuses ("None is covering the entire storage").
+                v = user if keep_vars else b.slot_view(src.detach(), i).clone()
                 out.update(dict.fromkeys(s.names, v))
             continue
         shard = (b.master if b.master is not None else b.shard16).detach()
