@@ -347,3 +347,62 @@ def test_a_peer_that_issued_the_check_is_not_stranded(monkeypatch) -> None:
         with pytest.raises(CollectiveMismatch, match="rank 1 is blocked in "
                            r"torch.distributed.all_reduce\(\) called at train.py:305"):
             check._ask_peers()
+
+
+def _full_tensor_alone(rank: int, world: int, root: str, linger: float) -> str:
+    """Rank 0 gathers a stage-3 parameter alone (``p.full_tensor()``: torch's collective,
+    not zeroshard's); rank 1 goes on to its next training step. Each rank writes what it
+    got, and when, to ``root``; with ``linger`` rank 1's process lives on afterwards."""
+    from zeroshard.comm import CollectiveError
+
+    model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
+                                   lr=1e-2, timeout=TIMEOUT)
+    x, y = next(loader("gpt2-tiny", rank, world))
+    loss_of(model, x, y).backward()
+    optim.step()
+    optim.zero_grad()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            next(model.parameters()).full_tensor()
+        else:
+            loss_of(model, x, y).backward()
+        got = "no error"
+    except (CollectiveMismatch, CollectiveTimeout, CollectiveError) as e:
+        got = f"{type(e).__name__}: {e}"
+    with open(os.path.join(root, f"rank{rank}"), "w") as f:
+        f.write(f"{time.monotonic() - start:.2f}\n{got}")
+    if rank == 1 and linger:
+        time.sleep(linger)  # a peer that caught the error and stays (a notebook, a retry)
+    return got
+
+
+@pytest.mark.parametrize("linger", [0.0, 60.0])
+def test_full_tensor_on_one_rank_ends_every_rank_in_seconds(tmp_path, linger: float) -> None:
+    """p.full_tensor() of a stage-3 parameter on rank 0 alone (a known FSDP2 hang), rank 1
+    on to its next step: rank 1 raises naming both places and the fix within seconds; rank
+    0, blocked inside torch's collective, gets the same error when its peer's process ends
+    (linger 0) or is ended by its own watch (linger 60: the peer lives on), saying a peer
+    reported a divergence — never the process group's 300 s timeout."""
+    from zeroshard.testing.errors import RankError
+
+    t0 = time.monotonic()
+    try:
+        run_ranks(_full_tensor_alone, 2, str(tmp_path), linger, timeout=120, fresh=True)
+        ended = None
+    except RankError as e:
+        ended = str(e)
+    took = time.monotonic() - t0
+    seconds, got = (tmp_path / "rank1").read_text().split("\n", 1)
+    assert float(seconds) < 15, (seconds, got)
+    assert got.startswith("CollectiveMismatch") and "rank 0 is blocked in " \
+        "DTensor.full_tensor()" in got and "every one of them must run it" in got, got
+    assert "test_divergence.py" in got, got  # where rank 0 called it
+    if linger:  # ended by zeroshard, before rank 1 stopped lingering
+        assert ended is not None and "a peer reported a divergence" in ended, ended
+        assert "DTensor.full_tensor()" in ended and "exit code 1" in ended, ended
+    else:
+        assert ended is None, ended
+        seconds0, got0 = (tmp_path / "rank0").read_text().split("\n", 1)
+        assert got0.startswith("CollectiveMismatch") and "rank 0:" in got0, got0
+    assert took < 30 + 10, took  # both ranks ended: 30 s, plus the fresh ranks' start-up

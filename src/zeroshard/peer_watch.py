@@ -28,6 +28,13 @@ again, i.e. when the blocked collective fails as the waiting rank's process ends
 prints it, so every rank still alive ends with an error that says what to do. A peer in a
 collective over other ranks only, or busy, is waited for as before.
 
+Collectives torch issues itself count too: ``p.full_tensor()`` on a stage-3 parameter
+(DTensor's functional all-gather over the parameter's mesh) on rank 0 alone, while rank 1
+goes on to its next step, is seen as rank 0 blocked in ``DTensor.full_tensor()``. A rank
+told of the divergence whose main thread is still blocked in such a collective
+``END_STUCK_AFTER_S`` later is ended by its watch (it prints why, then exits with status
+1): that collective returns only when the process group times out, minutes later.
+
 The watch never delivers an error unless a peer's check is provably stuck; when the store
 is unreachable it does nothing, and checks behave as without it.
 """
@@ -37,6 +44,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import os
 import sys
 import threading
 import time
@@ -106,7 +114,7 @@ def _main_thread_state() -> dict[str, Any]:
                  if not f.f_globals.get("__name__", "").startswith("torch")), None)
     where = f"{user.f_code.co_filename}:{user.f_lineno}" if user is not None else "?"
     if collective is None:
-        return {"state": "running", "where": where}
+        return _dtensor_state(frames, where)
     call = f"torch.distributed.{collective.f_code.co_name}()"
     outer = next((frames[i] for i in reversed(dist_frames)
                   if frames[i].f_code.co_name != "wrapper"), collective)
@@ -120,6 +128,35 @@ def _main_thread_state() -> dict[str, Any]:
         except (RuntimeError, ValueError):
             ranks = None
     return {"state": "foreign", "call": call, "where": where, "ranks": ranks}
+
+
+def _dtensor_state(frames: list[Any], where: str) -> dict[str, Any]:
+    """A main thread blocked in a collective torch issues for a DTensor (``p.full_tensor()``
+    on a stage-3 parameter, ``redistribute``): waiting in a functional collective, under
+    a DTensor method. Its ranks are the DTensor's mesh's (1-D meshes; a collective over
+    one dimension of a larger mesh is not attributed: reported as running)."""
+    waiting = any(f.f_globals.get("__name__", "") == "torch.distributed._functional_collectives"
+                  and f.f_code.co_name in _FUNCTIONAL_WAITS for f in frames)
+    api = next((f for f in reversed(frames)  # the outermost DTensor method
+                if f.f_globals.get("__name__", "").startswith("torch.distributed.tensor")
+                and f.f_code.co_name in ("full_tensor", "redistribute")), None)
+    if not waiting or api is None:
+        return {"state": "running", "where": where}
+    mesh = getattr(api.f_locals.get("self"), "device_mesh", None)
+    if mesh is None or mesh.ndim != 1:
+        return {"state": "running", "where": where}
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    call = (f"DTensor.{api.f_code.co_name}() (torch's collective over ranks {ranks}: every "
+            "one of them must run it, e.g. p.full_tensor() of a stage-3 parameter)")
+    return {"state": "foreign", "call": call, "where": where, "ranks": ranks}
+
+
+#: Where a functional collective (DTensor's) blocks: waiting for its result.
+_FUNCTIONAL_WAITS = frozenset({"wait_tensor", "wait", "_maybe_wrap_tensor"})
+
+#: Seconds a rank told of a divergence may stay blocked in a torch collective before its
+#: watch ends the process (the collective can never return; see [Note: asking the peers]).
+END_STUCK_AFTER_S = 5.0
 
 
 class _Watch:
@@ -218,6 +255,25 @@ class _Watch:
             print(f"zeroshard: {message}", file=sys.stderr, flush=True)
             _raise_in_main(self._error, message)
             store.set(f"ack/{n}/{self._rank}", "1")
+            self._end_if_stuck()
+
+    def _end_if_stuck(self) -> None:
+        """The error above surfaces when the main thread runs Python again; a torch
+        collective it is blocked in returns only when a peer's process ends or the process
+        group times out (minutes). A peer reported that it never will: end this process."""
+        deadline = time.monotonic() + END_STUCK_AFTER_S
+        while time.monotonic() < deadline:
+            if main_thread_state()["state"] != "foreign":
+                return  # it moved on: the error is delivered there
+            time.sleep(0.1)
+        state = main_thread_state()
+        if state["state"] != "foreign":
+            return
+        print(f"zeroshard: rank {self._rank}: a peer reported a divergence, and this rank is "
+              f"still blocked in {state['call']} (called at {state['where']}), which cannot "
+              "return: ending this process (exit code 1). Run that call on every rank.",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
     def close(self) -> None:
         self._stop.set()
