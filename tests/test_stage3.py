@@ -173,3 +173,77 @@ def test_meta_init_equals_normal_construction() -> None:
     for ranks in run_ranks(_meta_all, 2, timeout=120):
         for r in ranks:
             assert r["equal"] and r["same_out"] and r["trained_equal"], r
+
+
+class _AutoEncoder(nn.Module):
+    """Lightning's examples/pytorch/basics/autoencoder.py: two nn.Sequentials, no
+    nn.ModuleList of layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def _ae_batches(rank: int | None, world: int) -> list[torch.Tensor]:
+    """Three steps of a global batch of 8 images; ``rank``'s share, or all (None)."""
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.rand(8, 28 * 28, generator=g) for _ in range(3)]
+    return steps if rank is None else [x.chunk(world)[rank] for x in steps]
+
+
+def _ae_step(model: nn.Module, optim, x: torch.Tensor) -> float:
+    loss = F.mse_loss(model(x), x)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _autoencoder(rank: int, world: int) -> dict:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("zeroshard").addHandler(handler)
+    try:
+        model, optim = zeroshard.shard(_AutoEncoder(), torch.optim.AdamW, stage=3, lr=1e-2)
+    finally:
+        logging.getLogger("zeroshard").removeHandler(handler)
+    engine = zeroshard.engine_of(model)
+    losses = [_ae_step(model, optim, x) for x in _ae_batches(rank, world)]
+    return {"units": [u.name for u in engine.units], "log": records, "losses": losses,
+            "peak": engine.peak_unsharded_bytes, "full": zeroshard.full_state_dict(model)}
+
+
+def test_a_model_without_a_layer_list_gets_units_by_size() -> None:
+    """The autoencoder at stage 3 with no units=: units chosen by size, named in the log
+    (rank 0); it trains as one process on the global batch; the gathered peak (with one
+    unit prefetched) is half the model, not all of it."""
+    ref = _AutoEncoder()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # DDP's mean over the ranks' means = the mean over the global batch (equal shares)
+    want = [_ae_step(ref, opt, x) for x in _ae_batches(None, 2)]
+    whole = sum(p.numel() * 4 for p in ref.parameters())
+    per_rank = run_ranks(_autoencoder, 2, timeout=120)
+    for rank, got in enumerate(per_rank):
+        assert got["units"] == ["encoder.0", "encoder.2", "decoder.0", "decoder.2", "root"], got
+        assert (len(got["log"]) == 1) == (rank == 0), got["log"]
+        assert got["peak"] < 0.6 * whole, (got["peak"], whole)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got["full"][k], v, rtol=1e-5, atol=1e-6)
+    for step, w in enumerate(want):  # the ranks' mean loss = the global batch's
+        got = (per_rank[0]["losses"][step] + per_rank[1]["losses"][step]) / 2
+        assert abs(got - w) <= 1e-5 * w, (step, got, w)
+    message = per_rank[0]["log"][0]
+    assert "units chosen by size" in message and "encoder.0 (50,240)" in message, message
+    assert "Pass units= to choose others" in message, message

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Pending
+from .auto_units import units_by_size
 from .flat import FlatBucket, cut_buckets
 
 __all__ = ["Unit", "UnitState", "build_units", "UnitSpec"]
@@ -151,10 +152,13 @@ class Unit:
         self.state = UnitState.SHARDED
 
 
-def _unit_modules(model: nn.Module, spec: UnitSpec) -> list[nn.Module]:
+def _unit_modules(model: nn.Module, spec: UnitSpec, rank: int = 0) -> list[nn.Module]:
     if spec is None:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
         if not lists:
+            by_size = units_by_size(model, rank)  # see [Note: units by size]
+            if by_size:
+                return by_size
             raise ValueError(
                 f"stage 3 found no nn.ModuleList of layers in {type(model).__name__} to use as "
                 "units (the default); pass units=: the repeated layers, e.g. "
@@ -198,7 +202,7 @@ def build_units(
     which for non-nested units is the root.
     """
     names = {id(m): n for n, m in model.named_modules()}
-    mods = _unit_modules(model, spec)
+    mods = _unit_modules(model, spec, rank)
     _check_disjoint(mods, names)
     from ..checkpointing import region_size
 
@@ -235,7 +239,10 @@ def build_units(
                 b.name = name if trainable else f"{name}(frozen)"
                 buckets.append(b)
             index += len(buckets)
-        if buckets:
+        # The root unit always exists, with no parameters if the units hold them all: the
+        # engine gathers it around the whole forward (forward.py's root hooks), which must
+        # not fall to the last unit.
+        if buckets or m is model:
             units.append(Unit(name, m, buckets, is_root=m is model))
     return units
 
