@@ -163,7 +163,7 @@ def _wrong(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize(("case", "says"), [
-    ("prepare_sharded", "prepare everything but the model"),
+    ("prepare_sharded", "zeroshard.integrations.accelerate.prepare(accelerator, model"),
     ("shard_prepared", "wrapped in DistributedDataParallel"),
     ("fp16", "use zeroshard's own fp16"),
 ])

@@ -35,10 +35,12 @@ __all__ = ["REPLACED_HINT", "ddp_refusal", "foreign_wrapper", "refuse_active_ddp
 #: What to do instead, in every refusal.
 SUPPORTED = (
     "zeroshard.shard(model, optimizer, stage=...) replaces DDP/FSDP/DeepSpeed: it returns "
-    "the model ready to train, use it as it is. Under Accelerate, prepare everything but "
-    "the model (optimizer, dataloader, scheduler = accelerator.prepare(optimizer, "
-    "dataloader, scheduler); docs/trainers-accelerate.md); under Lightning, use the "
-    "zeroshard strategy instead of 'ddp'/'fsdp'/'deepspeed' (docs/trainers-lightning.md)")
+    "the model ready to train, use it as it is. Under Accelerate, replace "
+    "accelerator.prepare(model, optimizer, ...) with zeroshard.integrations.accelerate."
+    "prepare(accelerator, model, optimizer, ..., stage=...) on the bare model and the "
+    "optimizer built on it (it shards them and prepares the rest; "
+    "docs/trainers-accelerate.md); under Lightning, use the zeroshard strategy instead of "
+    "'ddp'/'fsdp'/'deepspeed' (docs/trainers-lightning.md)")
 
 #: Appended to the error for a parameter replaced after shard().
 REPLACED_HINT = (
