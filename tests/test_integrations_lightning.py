@@ -304,3 +304,32 @@ def test_bad_settings_are_refused(case: str, says: str) -> None:
 
     for msg in run_ranks(_refused, 2, case, timeout=120):
         assert says in msg, msg
+
+
+def _torchrun_fabric(out: Path, strategy: str) -> list[dict]:
+    """examples/integrations/fabric.py under torchrun (Fabric finds the ranks there)."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           str(EXAMPLES / "fabric.py"), "--strategy", strategy, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_fabric_strategy_name_under_torchrun_equals_ddp(tmp_path) -> None:
+    """Fabric(strategy="zeroshard_stage_2") in a script launched by torchrun (after the
+    import that registers the name): DDP's losses and norms (docs/trainers-lightning.md)."""
+    got = _torchrun_fabric(tmp_path / "zs", "zeroshard_stage_2")
+    want = _torchrun_fabric(tmp_path / "ddp", "ddp")
+    assert len(got) == 6
+    _same(got, want)
