@@ -48,6 +48,9 @@ class DeepSpeedEngine(nn.Module):
         super().__init__()
         self.module = module
 
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(*inputs)
+
 
 DeepSpeedEngine.__module__ = "deepspeed.runtime.engine"
 
@@ -81,7 +84,8 @@ _BEFORE = {"ddp": DDP, "ddp_inside": lambda m: _Parent(DDP(m)), "fsdp2": _fsdp2,
            "fsdp1": _fsdp1, "deepspeed": DeepSpeedEngine, "deepspeed_zero3": _ds_partitioned}
 # FSDP1 around a sharded model needs an accelerator (see _fsdp1); there it replaces the
 # parameters, which the forward's check refuses as it does FSDP2's.
-_AFTER = {"ddp": DDP, "ddp_parent": lambda m: DDP(_Parent(m)), "fsdp2": _fsdp2}
+_AFTER = {"ddp": DDP, "ddp_parent": lambda m: DDP(_Parent(m)), "fsdp2": _fsdp2,
+          "fsdp2_parent": lambda m: _fsdp2(_Parent(m)), "deepspeed": DeepSpeedEngine}
 
 
 def _wrapped_then_sharded(how: str) -> str:
@@ -159,6 +163,8 @@ AFTER_EXPECT = {
     "ddp": ("construction", "DistributedDataParallel around a model sharded by zeroshard"),
     "ddp_parent": ("forward", "runs inside DistributedDataParallel\\(_Parent\\)"),
     "fsdp2": (None, "fully_shard"),
+    "fsdp2_parent": (None, "fully_shard"),  # it replaced the parameters: refused so
+    "deepspeed": ("forward", "runs inside DeepSpeed \\(DeepSpeedEngine"),
 }
 
 
@@ -177,7 +183,7 @@ def test_double_wrapping_is_refused_either_way() -> None:
                 # parameter (a DTensor) refuses torch's broadcast before DDP's hook or
                 # ours can speak: still before any gradient, in torch's words.
                 at, pattern = "construction", "broadcast_.default does not have a sharding"
-            if point == {"how": "fsdp2", "stage": 3}:
+            if point["how"].startswith("fsdp2") and point["stage"] == 3:
                 # Likewise fully_shard on stage-3 parameters (DTensors) fails inside torch.
                 at, pattern = "construction", "Invariant encountered"
             assert res["at"] in ((at,) if at else ("construction", "forward")), (point, res)

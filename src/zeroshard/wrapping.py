@@ -23,6 +23,9 @@ other wrapper reduces or re-lays out behind its back. So:
 * FSDP1 and FSDP2 around a sharded model replace its parameters; the pre-forward hook's
   check of the parameters refuses that and names these wrappers
   (:data:`REPLACED_HINT`).
+* A wrapper whose ``forward`` calls the model — DeepSpeed's engine, FSDP1, a parent made
+  ``fully_shard`` — is on the stack at the first forward (:func:`refuse_wrapping_caller`;
+  once per model: reading frames' locals is not free).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = ["REPLACED_HINT", "ddp_refusal", "foreign_wrapper", "refuse_active_ddp",
-           "refuse_wrapped"]
+           "refuse_wrapped", "refuse_wrapping_caller"]
 
 #: What to do instead, in every refusal.
 SUPPORTED = (
@@ -95,6 +98,28 @@ def ddp_refusal(model: nn.Module) -> RuntimeError:
         f"DistributedDataParallel around a model sharded by zeroshard "
         f"({type(model).__name__}): zeroshard already reduces its gradients, so DDP would "
         f"reduce them a second time (or fail inside backward). {SUPPORTED}")
+
+
+def refuse_wrapping_caller(model: nn.Module) -> None:
+    """The first forward's check for a wrapper whose ``forward`` calls the model:
+    DeepSpeed's engine (``deepspeed.initialize(model=sharded)``), FSDP1, a module made
+    ``fully_shard`` around it. Their frames are on the stack: the first 64 are looked at,
+    for a ``self`` that is such a wrapper."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            return
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and obj is not model:
+            kind = next((k for c in type(obj).__mro__ if (k := _kind(c)) is not None), None)
+            if kind is not None:
+                raise RuntimeError(
+                    f"the zeroshard-sharded {type(model).__name__} runs inside {kind} "
+                    f"({type(obj).__name__}): that wrapper would reduce or re-lay out the "
+                    f"gradients zeroshard already reduces. {SUPPORTED}")
+        frame = frame.f_back
 
 
 def refuse_active_ddp(model: nn.Module) -> None:

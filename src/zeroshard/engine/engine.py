@@ -160,6 +160,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self._backward_queued = False
         self._backward_ended = False  # a backward ended since the last forward
         self._root_kept = False  # stage 3: the root was gathered when this forward began
+        self._callers_checked = False  # see wrapping.refuse_wrapping_caller
         # Stage 3 schedule (see [Note: prefetch] in units.py) and its accounting.
         self._order: list = []
         self._recording = True

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..wrapping import REPLACED_HINT, refuse_active_ddp
+from ..wrapping import REPLACED_HINT, refuse_active_ddp, refuse_wrapping_caller
 from .buffers import broadcast_buffers
 from .stage3 import in_backward
 from .units import UnitState
@@ -36,6 +36,9 @@ class ForwardHooks:
         self._check_params()
         if not in_backward():
             refuse_active_ddp(self.model)
+            if not self._callers_checked:
+                refuse_wrapping_caller(self.model)
+                self._callers_checked = True
             self.weights.refresh_edited()
             self._backward_ended = False
         if self._joinable is not None and not in_backward():
