@@ -23,9 +23,9 @@ other wrapper reduces or re-lays out behind its back. So:
 * FSDP1 and FSDP2 around a sharded model replace its parameters; the pre-forward hook's
   check of the parameters refuses that and names these wrappers
   (:data:`REPLACED_HINT`).
-* A wrapper whose ``forward`` calls the model — DeepSpeed's engine, FSDP1, a parent made
-  ``fully_shard`` — is on the stack at the first forward (:func:`refuse_wrapping_caller`;
-  once per model: reading frames' locals is not free).
+* A wrapper whose ``forward`` calls the model — DeepSpeed's engine, FSDP1 — is on the
+  stack at the first forward (:func:`refuse_wrapping_caller`, by the frames' qualified
+  names; Python >= 3.11).
 """
 
 from __future__ import annotations
@@ -100,25 +100,31 @@ def ddp_refusal(model: nn.Module) -> RuntimeError:
         f"reduce them a second time (or fail inside backward). {SUPPORTED}")
 
 
+#: ``forward`` methods of wrappers that call the model they wrap, by qualified name.
+_CALLERS = {
+    "DeepSpeedEngine.forward": "DeepSpeed (DeepSpeedEngine, from deepspeed.initialize)",
+    "FullyShardedDataParallel.forward": "FSDP (FullyShardedDataParallel)",
+}
+
+
 def refuse_wrapping_caller(model: nn.Module) -> None:
     """The first forward's check for a wrapper whose ``forward`` calls the model:
-    DeepSpeed's engine (``deepspeed.initialize(model=sharded)``), FSDP1, a module made
-    ``fully_shard`` around it. Their frames are on the stack: the first 64 are looked at,
-    for a ``self`` that is such a wrapper."""
+    DeepSpeed's engine (``deepspeed.initialize(model=sharded)``), FSDP1. Their frames are
+    on the stack: the first 64 are matched by their code's qualified name. Not by the
+    frames' ``self``: reading ``f_locals`` snapshots every caller's locals into its frame,
+    which then keeps them (and their tensors) alive after the caller ``del``s them."""
     import sys
 
     frame = sys._getframe(1)
     for _ in range(64):
         if frame is None:
             return
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, nn.Module) and obj is not model:
-            kind = next((k for c in type(obj).__mro__ if (k := _kind(c)) is not None), None)
-            if kind is not None:
-                raise RuntimeError(
-                    f"the zeroshard-sharded {type(model).__name__} runs inside {kind} "
-                    f"({type(obj).__name__}): that wrapper would reduce or re-lay out the "
-                    f"gradients zeroshard already reduces. {SUPPORTED}")
+        kind = _CALLERS.get(getattr(frame.f_code, "co_qualname", ""))  # Python >= 3.11
+        if kind is not None:
+            raise RuntimeError(
+                f"the zeroshard-sharded {type(model).__name__} runs inside {kind}: that "
+                f"wrapper would reduce or re-lay out the gradients zeroshard already "
+                f"reduces. {SUPPORTED}")
         frame = frame.f_back
 
 
