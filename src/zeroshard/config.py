@@ -92,8 +92,9 @@ class ShardConfig:
     #: None: collective checks wait comm.CHECK_TIMEOUT (600 s), collectives themselves
     #: the process group's own timeout.
     timeout: float | None = None
-    #: Before each training forward, broadcast from rank 0 the buffers that changed since
-    #: the last broadcast (BatchNorm's running statistics), as DDP does by default.
+    #: Broadcast rank 0's buffers (BatchNorm's running statistics; every buffer,
+    #: persistent or not) before a forward that follows a forward with gradients and
+    #: gradient sync, as DDP does by default.
     broadcast_buffers: bool = True
     #: Verify that all ranks issue the same collectives, so a rank that diverges
     #: (evaluates or saves a stage-3 state dict alone) raises an error on every rank

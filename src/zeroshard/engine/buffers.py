@@ -31,17 +31,18 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
             p.data = p.data.to(compute_dtype)
 
 
-def _state_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
-    """The model's persistent buffers (state, such as BatchNorm's running statistics;
-    non-persistent ones are derived, such as RoPE tables), grouped by dtype and
-    device: one broadcast each."""
+def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """The buffers DDP broadcasts before a forward: every module buffer, persistent or
+    not (a non-persistent running statistic updated in training forwards drifted on
+    rank 1 when only persistent ones went out: the weights ended 0.4 off DDP's), except
+    those named in ``_ddp_params_and_buffers_to_ignore`` (DDP's opt-out); grouped by
+    dtype and device, one broadcast each."""
+    ignored = set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-    for prefix, m in model.named_modules():
-        for n, t in m._buffers.items():
-            if t is None or n in m._non_persistent_buffers_set or t.is_meta:
-                continue
-            name = f"{prefix}.{n}" if prefix else n
-            groups.setdefault((t.dtype, t.device), []).append((name, t))
+    for name, t in model.named_buffers():
+        if name in ignored or t.is_meta:
+            continue
+        groups.setdefault((t.dtype, t.device), []).append((name, t))
     return list(groups.values())
 
 
@@ -51,7 +52,7 @@ def broadcast_buffers(model: nn.Module, world: Comm) -> None:
     DDP's ``broadcast_buffers`` (its default), so BatchNorm's running statistics are
     rank 0's everywhere as under DDP. Version counters are kept (as DDP does): a
     forward may have saved a buffer for a backward still to come."""
-    for group in _state_buffers(model):
+    for group in _synced_buffers(model):
         tensors = [t for _, t in group]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         world.broadcast(flat, 0, phase="forward", unit="buffers")

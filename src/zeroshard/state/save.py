@@ -169,9 +169,14 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                                                             group=group, peers=peers))
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = []
+    # Buffers may differ across ranks (BatchNorm without SyncBatchNorm, between two
+    # broadcasts): the checkpoint holds rank 0's, which a DDP user saves. Written by every
+    # rank, DCP kept whichever copy its deduplication picked (rank 1's, seen).
+    _, ckpt_rank, _, _, writes = checkpoint_group(engine)
     for key, t in nn.Module.state_dict(model, keep_vars=True).items():
         if key not in pnames:
-            sd[model_key(key)] = t.detach()
+            if ckpt_rank == 0 and writes:
+                sd[model_key(key)] = t.detach()
             buffers.append({"name": key, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)})
     layout = {
         "params": params, "buffers": buffers,
