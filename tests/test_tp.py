@@ -352,7 +352,9 @@ def _ledger(rank: int, world: int, stage: int, policy: str) -> dict:
     functional = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}  # not
     return {"tp": {phase: {k: v for k, v in c.by_op.items() if k in functional}  # the dp ones
                    for phase, c in (("forward", forward), ("backward", backward_))},
-            "dp": _by_op_and_phase([r for r in recs if r.group == "dp"]),
+            # the buffers' broadcast (DDP's, of the RoPE tables here) is not the ledger's
+            "dp": _by_op_and_phase([r for r in recs if r.group == "dp"
+                                    and r.unit != "buffers"]),
             # the norms' Partial gradients, summed over tp by zeroshard (local_grads)
             "tp_ledger": _by_op_and_phase([r for r in recs if r.group == "tp"]),
             "groups": sorted({r.group for r in recs}),
