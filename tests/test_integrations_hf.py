@@ -192,19 +192,24 @@ def test_lora_saves_the_adapter_ddp_saves() -> None:
         assert json.load(f)["peft_type"] == "LORA"
 
 
+def _adapters_equal(base: str, got: str, want: str) -> None:
+    """The LoRA adapters two runs saved (q_proj and v_proj of 2 layers: 8 tensors)."""
+    from safetensors.torch import load_file
+
+    a = load_file(f"{base}/{got}/final/adapter_model.safetensors")
+    b = load_file(f"{base}/{want}/final/adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) == 8
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("stage", range(4))
 def test_trl_sft_with_lora_equals_ddp(stage: int) -> None:
     """TRL's SFTTrainer wraps the model with LoRA itself (peft_config=): the same losses
     and gradient norms as its DDP run, and an adapter equal to the one DDP saves."""
-    from safetensors.torch import load_file
-
     run = _all()
     _assert_same_logs(run["logs"][f"trl-s{stage}"], run["logs"]["trl-ddp"])
-    got = load_file(f"{run['base']}/trl-s{stage}/final/adapter_model.safetensors")
-    want = load_file(f"{run['base']}/trl-ddp/final/adapter_model.safetensors")
-    assert got.keys() == want.keys() and len(got) == 8
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    _adapters_equal(run["base"], f"trl-s{stage}", "trl-ddp")
 
 
 def test_trl_bf16_default_trains_within_the_bf16_tolerance() -> None:
@@ -215,22 +220,12 @@ def test_trl_bf16_default_trains_within_the_bf16_tolerance() -> None:
 DPO_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins")
 
 
-def _dpo_adapters_equal(base: str, got: str, want: str) -> None:
-    from safetensors.torch import load_file
-
-    a = load_file(f"{base}/{got}/final/adapter_model.safetensors")
-    b = load_file(f"{base}/{want}/final/adapter_model.safetensors")
-    assert a.keys() == b.keys() and len(a) == 8
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-
-
 def test_trl_dpo_with_lora_equals_ddp_at_stage_3() -> None:
     """TRL's DPOTrainer + LoRA (trl/scripts/dpo.py --use_peft): losses, gradient norms and
     rewards as its DDP run, and the same adapter."""
     run = _all()
     _assert_same_logs(run["logs"]["dpo-s3"], run["logs"]["dpo-ddp"], keys=DPO_KEYS)
-    _dpo_adapters_equal(run["base"], "dpo-s3", "dpo-ddp")
+    _adapters_equal(run["base"], "dpo-s3", "dpo-ddp")
 
 
 def test_trl_dpo_bf16_trains_within_the_bf16_tolerance() -> None:
@@ -252,7 +247,7 @@ def test_trl_dpo_with_lora_equals_ddp_at_stages_0_to_2() -> None:
     logs = run_ranks(_dpo_stages, 2, run["base"], timeout=900, env=ENV)[0]
     for stage in (0, 1, 2):
         _assert_same_logs(logs[stage], run["logs"]["dpo-ddp"], keys=DPO_KEYS)
-        _dpo_adapters_equal(run["base"], f"dpo-s{stage}", "dpo-ddp")
+        _adapters_equal(run["base"], f"dpo-s{stage}", "dpo-ddp")
     _assert_same_logs(logs[3], run["logs"]["dpo-ddp-bf16"], rel=3e-2, keys=("loss",))
 
 
