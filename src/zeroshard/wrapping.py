@@ -31,6 +31,7 @@ other wrapper reduces or re-lays out behind its back. So:
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["REPLACED_HINT", "ddp_refusal", "foreign_wrapper", "refuse_active_ddp",
            "refuse_wrapped", "refuse_wrapping_caller"]
@@ -130,8 +131,6 @@ def refuse_wrapping_caller(model: nn.Module) -> None:
 
 def refuse_active_ddp(model: nn.Module) -> None:
     """The root pre-forward hook's check for a DDP around a module holding ``model``."""
-    from torch.nn.parallel import DistributedDataParallel
-
     ddp = DistributedDataParallel._get_active_ddp_module()
     if ddp is None:
         return

@@ -73,46 +73,31 @@ class StepGrads:
         ``master_grad`` and ``.grad`` views it again; ``None`` marks the parameter unused on
         this rank, so where every rank cleared it the step skips it as torch does, its
         optimizer state and AdamW's ``step`` untouched (as for a parameter no rank used,
-        see chunks.skip_slots)."""
-        if not self.faces.published:
-            self._adopt_before_backward()
-            return
+        see chunks.skip_slots).
+
+        With no backward since the last step or zero_grad (nothing published), an
+        assigned ``.grad`` is stepped too and the parameters left at None are skipped: a
+        script that computes gradients itself does this, and so does torch — DCP's
+        ``get_state_dict`` builds a fresh optimizer's state before ``dcp.load`` fills it
+        (``_init_optim_state``: zero ``.grad`` on every parameter, one step at lr=0).
+        Ignoring it left that state empty: the resumed run went on with fresh Adam
+        moments, silently."""
+        published = self.faces.published
         for b in self.buckets:
             for i, s in enumerate(b.slots):
-                user = self.faces.user[id(s.param)]
-                g = user.grad
+                g = self.faces.user[id(s.param)].grad
                 target = (b.local(b.master_grad, i) if self.faces.sharded
                           else b.slot_view(b.master_grad, i))
-                if g is None:  # torch's optimizers skip it: so does the step (unused)
-                    b.used[i] = 0.0
-                    target.zero_()
+                if g is None:
+                    if published:  # torch's optimizers skip it: so does the step (unused)
+                        b.used[i] = 0.0
+                        target.zero_()
                     continue
                 local = self._local_grad(b, i, g)
                 if same_memory(local, target):
                     continue
                 target.copy_(local)
-                self.faces.publish_slot(b, i)
-
-    def _adopt_before_backward(self) -> None:
-        """``.grad`` assigned with no backward since the last step or zero_grad: stepped
-        as torch steps it, the parameters left at None skipped (unused).
-
-        A script that computes gradients itself does this, and so does torch: DCP's
-        ``get_state_dict`` builds a fresh optimizer's state before ``dcp.load`` fills it
-        (``_init_optim_state``: zero ``.grad`` on every parameter, one step at lr=0).
-        Ignoring it left that state empty, and the resumed run continued on fresh Adam
-        moments, silently."""
-        for b in self.buckets:
-            for i, s in enumerate(b.slots):
-                g = self.faces.user[id(s.param)].grad
-                if g is None:
-                    continue
-                target = (b.local(b.master_grad, i) if self.faces.sharded
-                          else b.slot_view(b.master_grad, i))
-                local = self._local_grad(b, i, g)
-                if not same_memory(local, target):
-                    target.copy_(local)
-                b.used[i] = 1.0
+                b.used[i] = 1.0  # stepped, as torch steps a parameter with a .grad
                 self.faces.publish_slot(b, i)
 
     def _local_grad(self, b: FlatBucket, i: int, g: torch.Tensor) -> torch.Tensor:

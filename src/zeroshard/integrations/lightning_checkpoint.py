@@ -32,11 +32,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_lightning_checkpoint", "LIGHTNING_STATE"]
+__all__ = ["to_lightning_checkpoint", "whole_state_dict", "LIGHTNING_STATE"]
 
 #: Inside a zeroshard Lightning checkpoint directory: everything but weights and
 #: optimizer state, as Lightning's checkpoint dict (written by rank 0).
 LIGHTNING_STATE = "lightning.pt"
+
+
+def whole_state_dict(reader: Any) -> dict[str, torch.Tensor]:
+    """The model's whole ``state_dict`` from a ``CheckpointReader``, one tensor at a time."""
+    return {k: reader.tensor(k) for k in reader.keys()}
 
 
 def _group_names(manifest: dict[str, Any], optim: dict[str, Any]) -> list[list[str]]:
@@ -98,7 +103,7 @@ def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLik
             "zeroshard.consolidate (weights as safetensors)")
     reader = CheckpointReader(path)
     ckpt = torch.load(path / LIGHTNING_STATE, weights_only=False)
-    ckpt["state_dict"] = {k: reader.tensor(k) for k in reader.keys()}
+    ckpt["state_dict"] = whole_state_dict(reader)
     osd = optimizer_state_dict(reader) if optimizer else None
     ckpt["optimizer_states"] = [osd] if osd is not None else []
     if not optimizer:

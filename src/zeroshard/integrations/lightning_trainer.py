@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .lightning_checkpoint import LIGHTNING_STATE as _LIGHTNING_STATE
-from .lightning_checkpoint import to_lightning_checkpoint
+from .lightning_checkpoint import to_lightning_checkpoint, whole_state_dict
 from .lightning_fabric import check_precision, one_optimizer, register, strategy_options
 
 __all__ = ["ZeroShardStrategy", "to_lightning_checkpoint"]
@@ -214,8 +214,7 @@ def _strategy_class() -> type:
                 # read here one tensor at a time, are loaded by load_model_state_dict
                 from zeroshard.state.consolidate import CheckpointReader
 
-                reader = CheckpointReader(path)
-                checkpoint["state_dict"] = {k: reader.tensor(k) for k in reader.keys()}
+                checkpoint["state_dict"] = whole_state_dict(CheckpointReader(path))
                 return checkpoint
             optimizer = _inner(self.optimizers[0]) if self.optimizers else None
             zeroshard.load_checkpoint(path, self.lightning_module, optimizer)
