@@ -112,3 +112,155 @@ def test_buffers_are_rank_0s_as_under_ddp_and_in_checkpoints(tmp_path) -> None:
             assert got["resumed"] == got["losses"][2:], (rank, i)
             for k, v in got["state"].items():
                 assert torch.equal(got["resumed_state"][k], v), (rank, i, k)
+
+
+# -- when buffers are broadcast: DDP's rule, step by step -----------------------------------
+def _fwd(model: nn.Module, rank: int, step: int, *, backward: bool = True) -> float:
+    x, y = _batch(rank, step)
+    loss = F.mse_loss(model(x), y)
+    if backward and loss.requires_grad:
+        loss.backward()
+    return loss.item()
+
+
+def _sequence(model: nn.Module, optim, rank: int, will_sync) -> dict:
+    """train → no_sync micro-batches → no_grad train-mode forward → two no_grad evals →
+    an eval with grad (and its backward) → train → buffers edited on rank 1 alone
+    (through .data, reassigned) → train. ``will_sync()``: whether the next forward
+    broadcasts buffers (DDP: its own predicate; zeroshard: a counted broadcast)."""
+    syncs, losses = [], []
+
+    def fwd(step: int, **kw) -> None:
+        before = will_sync()
+        losses.append(_fwd(model, rank, step, **kw))
+        syncs.append(before if isinstance(before, bool) else will_sync() != before)
+
+    def step() -> None:
+        optim.step()
+        optim.zero_grad()
+
+    fwd(0)
+    step()
+    with model.no_sync():
+        fwd(1)
+        fwd(2)
+    fwd(3)
+    step()
+    with torch.no_grad():
+        fwd(4)
+        model.eval()
+        fwd(5)
+        fwd(6)
+    fwd(7)  # eval mode, grad enabled: a backward follows
+    optim.zero_grad()
+    model.train()
+    fwd(8)
+    step()
+    inner = model.module if isinstance(model, DDP) else model
+    if rank == 1:
+        inner.bn.running_mean.data.add_(1.0)
+        inner.scale = torch.full((8,), 3.0)  # reassigned: a new tensor
+    fwd(9)
+    step()
+    return {"syncs": syncs, "losses": losses, "state": _state(model)}
+
+
+def _ddp_sequence(rank: int) -> dict:
+    model = DDP(_Net())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _sequence(model, optim, rank, model._check_sync_bufs_pre_fwd)
+
+
+def _counted(model: nn.Module):
+    """The number of buffer broadcasts zeroshard has issued so far, as a callable."""
+    world = zeroshard.api.engine_of(model).world
+    count, broadcast = [0], world.broadcast
+
+    def counting(tensor, src=0, **kw):
+        count[0] += kw.get("unit") == "buffers"
+        return broadcast(tensor, src, **kw)
+
+    world.broadcast = counting
+    return lambda: count[0]
+
+
+def _zs_sequence(rank: int, stage: int) -> dict:
+    model, optim = zeroshard.shard(_Net(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    return _sequence(model, optim, rank, _counted(model))
+
+
+# -- the two switches: start-up and forward sync (DDP's broadcast_buffers and
+# forward_sync_buffers), on a model whose buffers start different on each rank ---------------
+def _switched(rank: int, stage: int | None, switch: dict) -> dict:
+    torch.manual_seed(0)
+    net = _Net()
+    net.scale.fill_(1.0 + rank)
+    if stage is None:
+        model = DDP(net, **switch)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        model, optim = zeroshard.shard(net, torch.optim.AdamW, stage=stage, lr=1e-2, **switch)
+    losses = _train(model, optim, rank, range(3))
+    return {"losses": losses, "state": _state(model)}
+
+
+# -- uneven inputs: rank 0 runs out first, so rank 1's statistics are the ones kept -----------
+def _joined(rank: int, stage: int | None) -> dict:
+    net = _Net()
+    if stage is None:
+        model = DDP(net)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ctx = model.join(divide_by_initial_world_size=False)  # zeroshard divides by active ranks
+    else:
+        model, optim = zeroshard.shard(net, torch.optim.AdamW, stage=stage, lr=1e-2)
+        ctx = zeroshard.join(model, optim)
+    with ctx:
+        losses = _train(model, optim, rank, range(2 + 2 * rank))
+    return {"losses": losses, "state": _state(model)}
+
+
+SWITCHES = [{"broadcast_buffers": False}, {"forward_sync_buffers": False}]
+
+
+def _rule_all(rank: int, world: int) -> dict:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # DDP's broadcast_buffers is deprecated
+        ddp_switched = [_switched(rank, None, s) for s in SWITCHES]
+    return {
+        "ddp": _ddp_sequence(rank),
+        "zs": sweep(_zs_sequence, [{"rank": rank, "stage": s} for s in range(4)]),
+        "ddp_switched": ddp_switched,
+        "zs_switched": sweep(_switched, [{"rank": rank, "stage": s, "switch": sw}
+                                         for sw in SWITCHES for s in (0, 3)]),
+        "ddp_join": _joined(rank, None),
+        "zs_join": sweep(_joined, [{"rank": rank, "stage": s} for s in (0, 3)]),
+    }
+
+
+def _same(got: dict, want: dict, where: tuple) -> None:
+    assert got["losses"] == want["losses"], (where, got["losses"], want["losses"])
+    for k, v in want["state"].items():
+        assert torch.equal(got["state"][k], v), (where, k, (got["state"][k] - v).abs().max())
+
+
+def test_buffer_broadcasts_follow_ddps_rule() -> None:
+    """Before which forwards buffers go out, from which rank, and the two switches —
+    each equal to DDP's, with every buffer bitwise on both ranks: the sequence of
+    ``_sequence`` at stages 0-3 (the count of broadcasts forward by forward, buffers
+    changed on rank 1 alone overwritten by rank 0's); ``broadcast_buffers=False`` (no
+    start-up sync either) and ``forward_sync_buffers=False`` (start-up sync only); uneven
+    inputs under ``join()``, where the highest rank still training is the source."""
+    ranks = run_ranks(_rule_all, 2, timeout=120)
+    for rank, out in enumerate(ranks):
+        want = out["ddp"]
+        for stage, got in enumerate(out["zs"]):
+            assert got["syncs"] == want["syncs"], (rank, stage, got["syncs"], want["syncs"])
+            _same(got, want, (rank, stage))
+        for i, got in enumerate(out["zs_switched"]):
+            _same(got, out["ddp_switched"][i // 2], (rank, "switch", i))
+        for i, got in enumerate(out["zs_join"]):
+            _same(got, out["ddp_join"], (rank, "join", i))
+    assert not torch.equal(ranks[0]["ddp_switched"][0]["state"]["scale"],
+                           ranks[1]["ddp_switched"][0]["state"]["scale"])  # the test bites

@@ -92,10 +92,15 @@ class ShardConfig:
     #: None: collective checks wait comm.CHECK_TIMEOUT (600 s), collectives themselves
     #: the process group's own timeout.
     timeout: float | None = None
-    #: Broadcast rank 0's buffers (BatchNorm's running statistics; every buffer,
-    #: persistent or not) before a forward that follows a forward with gradients and
-    #: gradient sync, as DDP does by default.
+    #: DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics;
+    #: every buffer, persistent or not) go to every rank at start-up and before a forward
+    #: that follows a forward with gradients and gradient sync. False: neither (each rank
+    #: keeps its own buffers from the start).
     broadcast_buffers: bool = True
+    #: DDP's ``forward_sync_buffers`` (torch 2.13): when given, it alone decides the
+    #: forward broadcasts and the start-up sync always happens (False: rank 0's buffers
+    #: at start-up, then each rank's own).
+    forward_sync_buffers: bool | None = None
     #: Verify that all ranks issue the same collectives, so a rank that diverges
     #: (evaluates or saves a stage-3 state dict alone) raises an error on every rank
     #: instead of hanging (see [Note: divergence] in comm_check.py). "strict": every collective
@@ -114,6 +119,13 @@ class ShardConfig:
             raise ValueError(
                 f"stage={self.stage} is not a ZeRO stage; use 0 (plain data parallel), "
                 "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)"
+            )
+        if self.forward_sync_buffers is not None and not self.broadcast_buffers:
+            raise ValueError(
+                f"broadcast_buffers=False with forward_sync_buffers="
+                f"{self.forward_sync_buffers!r}: give one. broadcast_buffers=False turns "
+                "off both the start-up and the forward broadcasts; forward_sync_buffers="
+                "False only the forward ones (as DDP's two switches)"
             )
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(
@@ -168,6 +180,18 @@ class ShardConfig:
     def compute_dtype(self) -> torch.dtype | None:
         """The 16-bit compute dtype, or None to keep each parameter's own dtype."""
         return MIXED_PRECISION[self.mixed_precision]
+
+    @property
+    def start_sync_buffers(self) -> bool:
+        """Rank 0's buffers to every rank at start-up (DDP's init sync)."""
+        return self.broadcast_buffers
+
+    @property
+    def sync_buffers_in_forward(self) -> bool:
+        """Broadcast buffers before a forward that follows a training one."""
+        if self.forward_sync_buffers is not None:
+            return self.forward_sync_buffers
+        return self.broadcast_buffers
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -8,9 +8,12 @@ ranks announce each iteration with ``Join.notify_join_context`` (zeroshard calls
 the model's forward). zeroshard's hook replays this rank's share of one training
 iteration *without data*:
 
-1. an all-reduce counting the ranks that still have data (active ranks add 1, joined 0):
-   every rank then divides gradients by that count, so the update equals training on
-   the ranks' actual batches;
+1. an all-reduce of a flag per rank (1: still has data): every rank then divides
+   gradients by their count, so the update equals training on the ranks' actual
+   batches, and takes the buffers (BatchNorm statistics) of the highest rank still
+   training, as DDP's join does (rank 0 may have run out, its statistics stale); when
+   the context ends, the buffers of the highest of the last ranks to join go to every
+   rank (DDP's final sync);
 2. the forward/backward collectives of the last real iteration, in the order the ledger
    recorded them: stage-3 gathers contribute this rank's weight slice (the others need
    it), gradient reductions contribute zeros (and this rank receives the reduced slice it
@@ -48,6 +51,7 @@ class _ShadowHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.joinable.engine.active_ranks = None
+        self.joinable.engine.sync_final_buffers(is_last_joiner)
 
 
 class ZeroJoinable(Joinable):

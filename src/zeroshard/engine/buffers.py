@@ -13,12 +13,12 @@ __all__ = ["sync_module_states", "broadcast_buffers", "materialize_buffers"]
 
 @torch.no_grad()
 def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm,
-                       compute_dtype: torch.dtype | None) -> None:
-    """Start every rank from rank 0's buffers and (stages 0-2) frozen parameters, as
-    DDP does; trainable weights are broadcast per bucket (materialize.py). Frozen
-    floating parameters then take the compute dtype, as stage 3 keeps them (its frozen
-    buckets)."""
-    for name, t in model.named_buffers():
+                       compute_dtype: torch.dtype | None, *, buffers: bool = True) -> None:
+    """Start every rank from rank 0's buffers (unless not ``buffers``: DDP's
+    ``broadcast_buffers=False``) and (stages 0-2) frozen parameters, as DDP does;
+    trainable weights are broadcast per bucket (materialize.py). Frozen floating
+    parameters then take the compute dtype, as stage 3 keeps them (its frozen buckets)."""
+    for name, t in model.named_buffers() if buffers else ():
         buf = t if t.is_contiguous() else t.contiguous()
         world.broadcast(buf, 0, phase="init", unit=f"buffer {name}")
         if buf is not t:
@@ -47,15 +47,18 @@ def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 @torch.no_grad()
-def broadcast_buffers(model: nn.Module, world: Comm) -> None:
-    """Rank 0's buffers to every rank before a forward that follows a training one —
-    DDP's ``broadcast_buffers`` (its default), so BatchNorm's running statistics are
-    rank 0's everywhere as under DDP. Version counters are kept (as DDP does): a
-    forward may have saved a buffer for a backward still to come."""
+def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
+                      phase: str = "forward") -> None:
+    """Rank ``src``'s buffers to every rank before a forward that follows a training
+    one — DDP's ``forward_sync_buffers`` (its default), so BatchNorm's running
+    statistics are rank 0's everywhere as under DDP (under ``join()`` the highest rank
+    still training, as DDP's join: rank 0 may have run out of data). Version counters
+    are kept (as DDP does): a forward may have saved a buffer for a backward still to
+    come."""
     for group in _synced_buffers(model):
         tensors = [t for _, t in group]
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        world.broadcast(flat, 0, phase="forward", unit="buffers")
+        world.broadcast(flat, src, phase=phase, unit="buffers")
         with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
             torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
                 flat.split([t.numel() for t in tensors]), tensors)])

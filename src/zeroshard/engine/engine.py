@@ -171,6 +171,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self.peak_unsharded_bytes = 0
         # Uneven inputs (see [Note: join] in join.py).
         self._joinable: Any = None
+        self._buffer_src = 0  # the rank buffers are broadcast from (join: see replay.py)
         self._iter_start = 0
         self._last_iter: list = []
         self._clip_this_iter: tuple[float, float] | None = None
@@ -209,7 +210,8 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         if meta:
             materialize_buffers(self.model, self.device)
         else:
-            sync_module_states(self.model, self.frozen, self.world, self.compute_dtype)
+            sync_module_states(self.model, self.frozen, self.world, self.compute_dtype,
+                               buffers=self.config.start_sync_buffers)
         # DDP syncs buffers before a forward that follows a training forward (and before
         # the first): see broadcast_buffers in buffers.py.
         self._sync_buffers = True

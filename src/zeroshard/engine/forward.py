@@ -45,14 +45,16 @@ class ForwardHooks:
             from torch.distributed.algorithms.join import Join
 
             if Join.notify_join_context(self._joinable) is not None:  # join() is active
-                self._count_active(1)
+                self._count_active(True)
                 self._iter_start = len(self.comm.ledger.records)
+            else:
+                self._buffer_src = 0
         if self.units:
             # One rank alone in a forward (evaluation on rank 0 only) is refused here,
             # before any gather; see [Note: divergence] in comm_check.py.
             self.comm.sync_point("forward", phase="forward")
-        if self.config.broadcast_buffers and self._sync_buffers and not in_backward():
-            broadcast_buffers(self.model, self.world)
+        if self.config.sync_buffers_in_forward and self._sync_buffers and not in_backward():
+            broadcast_buffers(self.model, self.world, self._buffer_src)
         if self.units:
             root = self.units[-1]
             self._fwd_cursor = 0

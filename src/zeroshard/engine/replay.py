@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .buffers import broadcast_buffers
@@ -18,6 +19,7 @@ from .flat import FlatBucket
 
 if TYPE_CHECKING:
     from ..comm import Comm
+    from ..config import ShardConfig
     from .reduction import Reducer
     from .units import Unit
 
@@ -35,14 +37,31 @@ class JoinReplay:
     units: list[Unit]
     buckets: list[FlatBucket]
     compute_dtype: torch.dtype | None
+    config: ShardConfig
     _last_iter: list
     _last_clip: tuple[float, float] | None
     _replaying: bool
+    _buffer_src: int
 
-    def _count_active(self, mine: int) -> None:
-        t = torch.tensor([float(mine)], device=self.device)
+    def _count_active(self, active: bool) -> None:
+        """How many ranks still have data (gradients are divided by it), and the
+        highest of them, whose buffers every rank takes (as DDP's join: rank 0 may have
+        run out of data, its statistics stale): one all-reduce of a flag per rank."""
+        t = torch.zeros(self.world.size, device=self.device)
+        t[self.world.rank] = float(active)
         self.world.all_reduce(t, phase="control", unit="join").wait()
-        self.reducer.active_ranks = int(t.item())
+        self.reducer.active_ranks = int(t.sum().item())
+        self._buffer_src = int(t.nonzero().max().item())
+
+    def sync_final_buffers(self, is_last_joiner: bool) -> None:
+        """At the end of ``join()``: the buffers of the highest rank among the last to
+        join, on every rank (DDP's ``_sync_final_model``; weights already agree)."""
+        if not self.config.sync_buffers_in_forward or self.world.size == 1:
+            return
+        t = torch.tensor([float(self.world.rank if is_last_joiner else -1)],
+                         device=self.device)
+        self.world.all_reduce(t, phase="control", unit="join", op=dist.ReduceOp.MAX).wait()
+        broadcast_buffers(self.model, self.world, int(t.item()), phase="control")
 
     def shadow_iteration(self, optimizer: Any) -> None:
         """One iteration without data: the collectives of the last real one, neutral."""
@@ -51,7 +70,7 @@ class JoinReplay:
                 f"rank {self.world.global_rank} ran out of data before finishing one "
                 "iteration inside zeroshard.join(); give every rank at least one batch"
             )
-        self._count_active(0)
+        self._count_active(False)
         self._replaying = True
         try:
             with torch.enable_grad():  # the real iteration's forward gathers ran with grad
@@ -79,7 +98,7 @@ class JoinReplay:
                 continue
             if r.op == "broadcast":  # rank 0's buffers (buffers.py)
                 if not broadcast:
-                    broadcast_buffers(self.model, self.world)  # every group's, in order
+                    broadcast_buffers(self.model, self.world, self._buffer_src)  # every group's
                 broadcast = True
                 continue
             if r.op == "all_gather":  # a stage-3 unit: serve our slice to the others
