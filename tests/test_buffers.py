@@ -5,6 +5,9 @@ is bitwise."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -264,3 +267,76 @@ def test_buffer_broadcasts_follow_ddps_rule() -> None:
             _same(got, out["ddp_join"], (rank, "join", i))
     assert not torch.equal(ranks[0]["ddp_switched"][0]["state"]["scale"],
                            ranks[1]["ddp_switched"][0]["state"]["scale"])  # the test bites
+
+
+# -- a forward on one rank alone: an error on every rank, never a hang -----------------------
+DIVERGING = [{"stage": s, "bn": True} for s in range(4)]
+LOCAL = ([{"stage": s, "bn": False} for s in range(3)]
+         + [{"stage": 1, "bn": True, "broadcast_buffers": False},
+            {"stage": 2, "bn": True, "forward_sync_buffers": False}])
+
+
+def _local_forward(rank: int, world: int, root: str, points: list[dict]) -> list:
+    """The DDP habit ``if rank == 0: model.module(x)`` then ``dist.barrier()``, after a
+    training step, for each of ``points``; the script catches what it raises and calls
+    ``destroy_process_group()`` itself (then starts the next point on a new group)."""
+    import torch.distributed as dist
+
+    out = []
+    for i, point in enumerate(points):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{root}/pg{i}", rank=rank,
+                                    world_size=world)
+        opts = {k: v for k, v in point.items() if k not in ("stage", "bn")}
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8) if point["bn"] else nn.ReLU(),
+                            nn.Linear(8, 8), nn.Linear(8, 2))
+        model, optim = zeroshard.shard(net, torch.optim.AdamW, stage=point["stage"], lr=1e-2,
+                                       **opts)
+        _train(model, optim, rank, range(1))
+        start, got = time.monotonic(), "completed"
+        try:
+            if rank == 0:
+                model.module.eval()
+                with torch.no_grad():
+                    model.module(_batch(rank, 1)[0])
+            dist.barrier()
+        except Exception as e:  # what a script catches
+            got = f"{type(e).__name__}: {e}"
+        finally:
+            dist.destroy_process_group()
+        out.append((time.monotonic() - start, got))
+    return out
+
+
+# Stages 1 and 2 take stage 0's path (the buffers' broadcast, checked before it is
+# issued): slow-marked, stage 0 is their twin in make test.
+@pytest.mark.parametrize("point", [
+    pytest.param(p, id=f"s{p['stage']}",
+                 marks=[pytest.mark.slow] if p["stage"] in (1, 2) else [])
+    for p in DIVERGING])
+def test_a_forward_on_one_rank_ends_every_rank_with_an_error(tmp_path, point) -> None:
+    """Rank 0 alone runs a forward of a BatchNorm model after a training step: both ranks
+    get CollectiveMismatch within 30 s saying what fits the stage (stages 0-2: the
+    buffers' broadcast and forward_sync_buffers=False; stage 3: the gathers), catch it,
+    destroy the group and return (once, rank 0 hung in the exit-time clean-up after a
+    broadcast it had issued alone, and rank 1 in its barrier). Rank 1's barrier fails
+    when rank 0's process ends (fresh ranks: a process per script, as torchrun's)."""
+    results = run_ranks(_local_forward, 2, str(tmp_path), [point], timeout=120, fresh=True)
+    for rank, [(seconds, got)] in enumerate(results):
+        where = (rank, seconds, got)
+        assert seconds < 30 and got.startswith("CollectiveMismatch"), where
+        if point["stage"] == 3:
+            assert "At stage 3 every forward gathers weights" in got, where
+        else:
+            assert "broadcasts rank 0's buffers" in got and \
+                "forward_sync_buffers=False" in got and "stage 3" not in got, where
+
+
+def test_a_forward_on_one_rank_without_buffer_broadcasts_is_local(tmp_path) -> None:
+    """Without buffers, or with the forward broadcasts off, stages 0-2 run that forward
+    locally, as DDP does: the script runs to completion."""
+    results = run_ranks(_local_forward, 2, str(tmp_path), LOCAL, timeout=120)
+    for rank, out in enumerate(results):
+        for point, (seconds, got) in zip(LOCAL, out):
+            assert got == "completed", (rank, point, seconds, got)

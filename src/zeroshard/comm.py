@@ -214,11 +214,11 @@ class Comm:
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
-        checked: bool = True,
+        checked: bool = True, strict: bool = False,
     ) -> tuple[str, _Check | None]:
         """Record the collective and post its check (see [Note: divergence] in comm_check.py,
         unless not ``checked``); its description and the check to verify before its result
-        is used."""
+        is used (``strict``: verified before the collective is issued)."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
@@ -244,7 +244,7 @@ class Comm:
         check = None
         if self.check and n > 1 and checked:
             check = self._post(op, unit, phase, t.numel())
-            if self.check == "strict":
+            if self.check == "strict" or strict:
                 check.verify()
                 check = None
         return desc, check
@@ -453,9 +453,14 @@ class Comm:
         self.all_gather(full, phase=phase, unit=unit).wait()
 
     def broadcast(
-        self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = ""
+        self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = "",
+        strict: bool = False,
     ) -> None:
-        desc, check = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase, unit)
+        """``strict``: its check completes before the broadcast is issued — where one rank
+        alone may be issuing it (a forward's buffers), so that a lone rank raises with
+        nothing in flight and its peers' own collectives fail as soon as it ends."""
+        desc, check = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase,
+                                  unit, strict=strict)
         if self.size == 1:
             return
         with _waiting_in(desc):

@@ -86,6 +86,14 @@ def _state_hint(units: set[str]) -> str:
 _FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
                  "stage 3 every forward gathers weights from every rank: run forward passes, "
                  "evaluation included, on every rank (each on its own share of the data).")
+_BUFFERS_HINT = (
+    "A rank ran a forward pass the others did not (evaluation on one rank?). A forward "
+    "that follows a training forward broadcasts rank 0's buffers (BatchNorm statistics) "
+    "to every rank, as DDP does; but under zeroshard model.module is the sharded model "
+    "itself, so unlike DDP's model.module(x) this forward is not local. Run it on every "
+    "rank (each on its own share of the data), or shard with forward_sync_buffers=False "
+    "(buffers synced at start-up only: each rank then keeps its own) to make forwards "
+    "at stages 0-2 local.")
 _UNIT_HINT = ("A unit ran on some ranks only (layer drop / stochastic depth or early exit "
               "with rank-dependent randomness?): at stage 3 a unit's forward gathers its "
               "weights from every rank and its backward reduces its gradients over every "
@@ -107,7 +115,9 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_state_hint(state))
     phases = [_PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
-    if len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
+    if "buffers" in units:
+        hints.append(_BUFFERS_HINT)
+    elif len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
         hints.append(_FORWARD_HINT)
     elif all(training) and len(units) > 1:
         hints.append(_UNIT_HINT)
@@ -125,7 +135,7 @@ def _fix_for(unit: str, phase: str, rank: int) -> str:
         return (f"Rank {rank} takes a state dict that the other ranks skipped (or ended "
                 "their scripts before). " + _state_hint({unit}))
     if phase == "forward":
-        return _FORWARD_HINT
+        return _BUFFERS_HINT if unit == "buffers" else _FORWARD_HINT
     return _ORDER_HINT
 
 

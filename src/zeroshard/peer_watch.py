@@ -156,7 +156,7 @@ _FUNCTIONAL_WAITS = frozenset({"wait_tensor", "wait", "_maybe_wrap_tensor"})
 
 #: Seconds a rank told of a divergence may stay blocked in a torch collective before its
 #: watch ends the process (the collective can never return; see [Note: asking the peers]).
-END_STUCK_AFTER_S = 5.0
+END_STUCK_AFTER_S = 15.0
 
 
 class _Watch:

@@ -48,17 +48,20 @@ def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
 
 @torch.no_grad()
 def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
-                      phase: str = "forward") -> None:
+                      phase: str = "forward", strict: bool = False) -> None:
     """Rank ``src``'s buffers to every rank before a forward that follows a training
     one — DDP's ``forward_sync_buffers`` (its default), so BatchNorm's running
     statistics are rank 0's everywhere as under DDP (under ``join()`` the highest rank
     still training, as DDP's join: rank 0 may have run out of data). Version counters
     are kept (as DDP does): a forward may have saved a buffer for a backward still to
-    come."""
+    come. ``strict``: the first broadcast waits for its check (a forward at stages 0-2,
+    whose first collective this is: one rank alone in it must raise before issuing it;
+    see [Note: divergence] in comm_check.py)."""
     for group in _synced_buffers(model):
         tensors = [t for _, t in group]
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        world.broadcast(flat, src, phase=phase, unit="buffers")
+        world.broadcast(flat, src, phase=phase, unit="buffers", strict=strict)
+        strict = False
         with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
             torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
                 flat.split([t.numel() for t in tensors]), tensors)])
