@@ -340,3 +340,43 @@ def test_a_forward_on_one_rank_without_buffer_broadcasts_is_local(tmp_path) -> N
     for rank, out in enumerate(results):
         for point, (seconds, got) in zip(LOCAL, out):
             assert got == "completed", (rank, point, seconds, got)
+
+
+class _Cached(nn.Module):
+    """A cache grown lazily to the input's length (rotary tables built on demand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache.numel() < x.shape[0]:
+            self.cache = torch.arange(float(x.shape[0]))
+        return self.b(self.a(x) * self.cache[: x.shape[0], None])
+
+
+def _grown_by_rank(rank: int, world: int, stage: int) -> str:
+    model, optim = zeroshard.shard(_Cached(), torch.optim.SGD, stage=stage, lr=0.1)
+    try:
+        for n in (3, 3 + rank * 2, 3):  # the cache grew on rank 1 alone, then a broadcast
+            model(torch.randn(n, 4)).sum().backward()
+            optim.step()
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_buffer_grown_to_another_size_on_each_rank_fails_clearly() -> None:
+    """A cache grown to each rank's input length: rank 0's cannot be broadcast (DDP fails
+    too); the error says so and how to keep the buffer out of the broadcast, on every
+    rank, before anything is sent."""
+    results = run_ranks(_grown_all, 2, timeout=120)
+    for rank, per_stage in enumerate(results):
+        for stage, got in zip((0, 3), per_stage):
+            assert got.startswith("CollectiveMismatch") and "buffers differ in size" in got \
+                and "_ddp_params_and_buffers_to_ignore" in got, (rank, stage, got)
+
+
+def _grown_all(rank: int, world: int) -> list[str]:
+    return [_grown_by_rank(rank, world, s) for s in (0, 3)]

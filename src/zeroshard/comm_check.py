@@ -94,6 +94,12 @@ _BUFFERS_HINT = (
     "rank (each on its own share of the data), or shard with forward_sync_buffers=False "
     "(buffers synced at start-up only: each rank then keeps its own) to make forwards "
     "at stages 0-2 local.")
+_BUFFER_SIZES_HINT = (
+    "The ranks' buffers differ in size (a cache grown lazily to each rank's input "
+    "length?), so rank 0's cannot be broadcast to the others; DDP fails here too. Give "
+    "the buffer the same shape on every rank (allocate it at its full size), or keep it "
+    "out of the broadcast: list its name in model._ddp_params_and_buffers_to_ignore "
+    "(set before shard()), or shard with forward_sync_buffers=False.")
 _UNIT_HINT = ("A unit ran on some ranks only (layer drop / stochastic depth or early exit "
               "with rank-dependent randomness?): at stage 3 a unit's forward gathers its "
               "weights from every rank and its backward reduces its gradients over every "
@@ -115,7 +121,9 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_state_hint(state))
     phases = [_PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
-    if "buffers" in units:
+    if units == {"buffers"} and len({r[5] for r in rows}) > 1:
+        hints.append(_BUFFER_SIZES_HINT)
+    elif "buffers" in units:
         hints.append(_BUFFERS_HINT)
     elif len({r[6] for r in rows}) > 1:  # a forward without gradients on some ranks
         hints.append(_FORWARD_HINT)
@@ -125,7 +133,8 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_FORWARD_HINT)
     if any(training) and not all(training):
         hints.append(_UNEVEN_HINT)
-    hints.append(_ORDER_HINT)
+    if _BUFFER_SIZES_HINT not in hints:
+        hints.append(_ORDER_HINT)
     return "\n".join(hints)
 
 

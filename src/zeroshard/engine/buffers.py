@@ -46,7 +46,6 @@ def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
     return list(groups.values())
 
 
-@torch.no_grad()
 def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
                       phase: str = "forward", strict: bool = False) -> None:
     """Rank ``src``'s buffers to every rank before a forward that follows a training
@@ -54,15 +53,17 @@ def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
     statistics are rank 0's everywhere as under DDP (under ``join()`` the highest rank
     still training, as DDP's join: rank 0 may have run out of data). Version counters
     are kept (as DDP does): a forward may have saved a buffer for a backward still to
-    come. ``strict``: the first broadcast waits for its check (a forward at stages 0-2,
-    whose first collective this is: one rank alone in it must raise before issuing it;
-    see [Note: divergence] in comm_check.py)."""
+    come. ``strict``: the first broadcast waits for its check (one rank alone in a
+    forward at stages 0-2, or buffers of another size on each rank, must raise before
+    it is issued; see [Note: divergence] in comm_check.py)."""
+    # Not under no_grad: the check's descriptor tells a training forward from an
+    # evaluation (buffers never require grad, so nothing is recorded).
     for group in _synced_buffers(model):
         tensors = [t for _, t in group]
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         world.broadcast(flat, src, phase=phase, unit="buffers", strict=strict)
         strict = False
-        with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
             torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
                 flat.split([t.numel() for t in tensors]), tensors)])
 

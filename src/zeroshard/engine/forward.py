@@ -54,9 +54,10 @@ class ForwardHooks:
             # before any gather; see [Note: divergence] in comm_check.py.
             self.comm.sync_point("forward", phase="forward")
         if self.config.sync_buffers_in_forward and self._sync_buffers and not in_backward():
-            # Stage 3 checked its peers above; stages 0-2 check with the first broadcast.
-            broadcast_buffers(self.model, self.world, self._buffer_src,
-                              strict=not self.units)
+            # Checked before it is issued: one rank alone in it (stages 0-2: no check
+            # point above), or buffers whose sizes differ by rank, must raise with
+            # nothing in flight.
+            broadcast_buffers(self.model, self.world, self._buffer_src, strict=True)
         if self.units:
             root = self.units[-1]
             self._fwd_cursor = 0
