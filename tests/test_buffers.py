@@ -380,3 +380,69 @@ def test_a_buffer_grown_to_another_size_on_each_rank_fails_clearly() -> None:
 
 def _grown_all(rank: int, world: int) -> list[str]:
     return [_grown_by_rank(rank, world, s) for s in (0, 3)]
+
+
+# -- checkpoints across stages and world sizes hold rank 0's buffers -------------------------
+def _buffers_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if "running" in k or "num_batches" in k}
+
+
+def _across(rank: int, world: int, root: str) -> dict:
+    """Save after 3 steps at stage 3, go on 2 steps; resume at stage 2 and go on alike."""
+    import torch.distributed as dist
+
+    model, optim = zeroshard.shard(_Net(), torch.optim.AdamW, stage=3, lr=1e-2)
+    _train(model, optim, rank, range(3))
+    live = {k: v.clone() for k, v in model.named_buffers()}
+    zeroshard.save_checkpoint(f"{root}/ckpt", model, optim)
+    after_save = {k: v.clone() for k, v in model.named_buffers()}
+    full = zeroshard.full_state_dict(model)
+    scale = live["scale"].clone()
+    dist.broadcast(scale, 0)  # what the next forward gives every rank (not checkpointed)
+    if rank == 0:
+        zeroshard.consolidate(f"{root}/ckpt", f"{root}/whole.safetensors")
+    uninterrupted = _train(model, optim, rank, range(3, 5))
+    again, optim2 = zeroshard.shard(_Net(), torch.optim.AdamW, stage=2, lr=1e-2)
+    zeroshard.load_checkpoint(f"{root}/ckpt", again, optim2)
+    loaded = zeroshard.full_state_dict(again)
+    loaded_local = {k: v.clone() for k, v in again.state_dict().items()}
+    again.scale.copy_(scale)
+    resumed = _train(again, optim2, rank, range(3, 5))
+    return {"live": live, "after_save": after_save, "full": full, "loaded": loaded,
+            "loaded_local": loaded_local, "uninterrupted": uninterrupted,
+            "resumed": resumed, "state": _state(model), "resumed_state": _state(again)}
+
+
+def _one_rank_load(rank: int, world: int, root: str) -> dict:
+    again, optim = zeroshard.shard(_Net(), torch.optim.AdamW, stage=1, lr=1e-2)
+    zeroshard.load_checkpoint(f"{root}/ckpt", again, optim)
+    return {k: v.clone() for k, v in again.state_dict().items()}
+
+
+def test_a_checkpoint_holds_rank_0s_buffers_across_stages_and_world_sizes(tmp_path) -> None:
+    """Saved at stage 3 after 3 steps (ranks' BatchNorm statistics differ), loaded at
+    stage 2: every rank's state equals rank 0's at the save, buffers included, and the
+    run goes on bitwise as the uninterrupted one; the save leaves rank 1's live buffers
+    alone; full_state_dict (what zeroshard.hf.save_pretrained writes) and consolidate's
+    file (what the Lightning export reads) hold rank 0's; loaded at world 1, rank 0's."""
+    from safetensors.torch import load_file
+
+    r0, r1 = run_ranks(_across, 2, str(tmp_path), timeout=120)
+    rank0 = r0["full"]
+    assert not all(torch.equal(v, r1["live"][k]) for k, v in _buffers_of(r0["live"]).items())
+    for k, v in r1["live"].items():
+        assert torch.equal(r1["after_save"][k], v), k  # the save changed nothing live
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    world1 = run_ranks(_one_rank_load, 1, str(tmp_path), timeout=60)[0]
+    for got in (r1["full"], r0["loaded"], r1["loaded"], whole, world1):
+        assert got.keys() == rank0.keys()
+        for k, v in rank0.items():
+            assert torch.equal(got[k].float(), v), k
+    for k, v in _buffers_of(rank0).items():
+        assert torch.equal(v, r0["live"][k].float()), k  # rank 0's own
+        for r in (r0, r1):
+            assert torch.equal(r["loaded_local"][k].float(), v), k
+    for r in (r0, r1):
+        assert r["resumed"] == r["uninterrupted"]
+        for k, v in r["state"].items():
+            assert torch.equal(r["resumed_state"][k], v), k

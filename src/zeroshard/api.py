@@ -16,6 +16,7 @@ from torch import nn
 
 from .comm import Comm, CommLedger
 from .config import ShardConfig, ignored_options, suggest_option
+from .engine.buffers import rank0_copies
 from .engine.engine import Engine, ParamInit
 from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import ShardedOptimizer
@@ -533,7 +534,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: full fp32 CPU tensor}`` with the keys of the original ``state_dict()``.
 
     Collective: every rank must call it. Weights come from the fp32 master copies, so
-    under mixed precision they are the exact values being trained, not 16-bit casts.
+    under mixed precision they are the exact values being trained, not 16-bit casts;
+    buffers are rank 0's on every rank (what DDP users save), the live ones untouched.
     """
     engine = engine_of(model)
     engine.world.sync_point("full_state_dict")
@@ -546,8 +548,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 v = engine.tp.whole(s.param, v)
             for n in s.names:
                 values[n] = v
+    whole = nn.Module.state_dict(model, keep_vars=True)
+    # Buffers as rank 0 holds them, on every rank (BatchNorm's statistics may differ by
+    # rank): see rank0_copies.
+    buffers = {id(t) for t in model.buffers()}
+    values.update(rank0_copies({k: t for k, t in whole.items() if id(t) in buffers
+                                and k not in values}, engine.world))
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in nn.Module.state_dict(model, keep_vars=True).items():
+    for key, tensor in whole.items():
         src = values.get(key, tensor).detach()
         if hasattr(src, "full_tensor"):  # a frozen tp parameter kept whole (stages 1-2)
             src = src.full_tensor()

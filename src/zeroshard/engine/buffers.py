@@ -8,7 +8,7 @@ from torch import nn
 
 from ..comm import Comm
 
-__all__ = ["sync_module_states", "broadcast_buffers", "materialize_buffers"]
+__all__ = ["sync_module_states", "broadcast_buffers", "rank0_copies", "materialize_buffers"]
 
 
 @torch.no_grad()
@@ -66,6 +66,24 @@ def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
             torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
                 flat.split([t.numel() for t in tensors]), tensors)])
+
+
+@torch.no_grad()
+def rank0_copies(tensors: dict[str, torch.Tensor], world: Comm) -> dict[str, torch.Tensor]:
+    """Copies of rank 0's ``tensors`` (a state dict's buffers) on every rank, the live
+    ones untouched: what a DDP user saves is rank 0's ``model.module.state_dict()``, and
+    broadcasting the buffers themselves would overwrite rank-local statistics kept under
+    ``broadcast_buffers=False``. One broadcast per dtype and device."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        groups.setdefault((t.dtype, t.device), []).append(name)
+    out = {}
+    for names in groups.values():
+        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+        world.broadcast(flat, 0, phase="state", unit="full_state_dict")
+        for n, v in zip(names, flat.split([tensors[n].numel() for n in names])):
+            out[n] = v.view_as(tensors[n])
+    return out
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
