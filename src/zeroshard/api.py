@@ -28,6 +28,7 @@ from .engine.optimizer_spec import (
     spec_from_class,
     spec_from_instance,
 )
+from .engine.outside_unit import explain_outside_read
 from .engine.tensor_parallel import (
     TensorParallel,
     is_tp_mesh,
@@ -50,6 +51,15 @@ class ShardedModule:
     """
 
     _zeroshard_engine: Engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except RuntimeError as e:  # see [Note: reads outside a unit]
+            explained = explain_outside_read(self, self._zeroshard_engine, e)  # type: ignore[arg-type]
+            if explained is None:
+                raise
+            raise explained from e
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -11,7 +11,7 @@ a unit too: the root unit stays gathered from the first forward to the end of th
 backward, so parameters left to it would be whole on every rank all step, and with one
 unit prefetched beside the one computing, two big units plus a root holding the rest
 would be the whole model. Parameters a module holds directly beside its units' stay
-with the root. The choice is logged (rank 0) with each unit's name and size; pass
+with the root; an ``nn.MultiheadAttention`` is never split (``LEAVES``). The choice is logged (rank 0) with each unit's name and size; pass
 ``units=`` to choose others.
 """
 
@@ -21,7 +21,12 @@ import logging
 
 from torch import nn
 
-__all__ = ["SHARE", "units_by_size"]
+__all__ = ["LEAVES", "SHARE", "units_by_size", "units_hint"]
+
+#: Modules whose forward reads their children's parameters directly (not by calling
+#: them), so a child may not be a unit of its own: nn.MultiheadAttention reads
+#: ``out_proj.weight`` (FSDP1's ``FORCE_LEAF_MODULES``). See [Note: reads outside a unit].
+LEAVES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 #: A unit holds at least this fraction of the model's parameters (before the leftovers).
 SHARE = 8
@@ -40,12 +45,19 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
     threshold = max(1, total // SHARE)
     chosen: set[int] = set()
 
-    def walk(m: nn.Module) -> int:  # children first; returns the parameters left over
-        left = _own(m) + sum(walk(c) for c in m.children())
-        if m is not model and left >= threshold:
+    def walk(m: nn.Module) -> tuple[int, bool]:
+        """Children first: the parameters left over, and whether a unit is inside (a
+        module holding a unit is never one itself: units do not overlap)."""
+        if isinstance(m, LEAVES):  # read as a whole: never split into units
+            left, inside = sum(p.numel() for p in m.parameters()), False
+        else:
+            below = [walk(c) for c in m.children()]
+            left = _own(m) + sum(n for n, _ in below)
+            inside = any(u for _, u in below)
+        if m is not model and not inside and left >= threshold:
             chosen.add(id(m))
-            return 0
-        return left
+            return 0, True
+        return left, inside
 
     walk(model)
 
@@ -74,3 +86,14 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
             ", ".join(f"{names[id(u)]} ({sum(p.numel() for p in u.parameters()):,})"
                       for u in units))
     return units
+
+
+def units_hint(model: nn.Module) -> str:
+    """``units=`` spelled for ``model``: the children of its first module with two or
+    more parameter-holding children (``list(model.encoder)``), else a predicate."""
+    for name, m in model.named_modules():
+        kids = [c for c in m.children() if any(True for _ in c.parameters())]
+        if len(kids) >= 2 and not isinstance(m, LEAVES):
+            where = f"model.get_submodule({name!r})" if name else "model"
+            return f"units=list({where}.children())"
+    return "units=lambda m: isinstance(m, MyBlock)"

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Pending
-from .auto_units import units_by_size
+from .auto_units import units_by_size, units_hint
 from .flat import FlatBucket, cut_buckets
 
 __all__ = ["Unit", "UnitState", "build_units", "UnitSpec"]
@@ -160,10 +160,10 @@ def _unit_modules(model: nn.Module, spec: UnitSpec, rank: int = 0) -> list[nn.Mo
             if by_size:
                 return by_size
             raise ValueError(
-                f"stage 3 found no nn.ModuleList of layers in {type(model).__name__} to use as "
-                "units (the default); pass units=: the repeated layers, e.g. "
-                "units=list(model.model.layers), or a predicate, e.g. units=lambda m: "
-                "isinstance(m, MyBlock) (units=lambda m: False keeps the whole model as one unit)"
+                f"stage 3 found no nn.ModuleList of layers in {type(model).__name__} to use "
+                "as units (the default), and too few parameter-holding modules to choose "
+                f"two by size; pass units=, e.g. {units_hint(model)}, or a predicate "
+                "(units=lambda m: False keeps the whole model as one unit)"
             )
         return list(lists[0])
     if callable(spec) and not isinstance(spec, nn.Module):

@@ -1,0 +1,146 @@
+"""A stage-3 parameter read outside its unit: torch's raw error, explained.
+
+[Note: reads outside a unit]
+At stage 3 a unit's parameters are whole only inside that unit's forward and backward;
+elsewhere the modules hold the user parameters, DTensors sharded over the ranks
+(params.py). Code that reads one outside its unit — the root computing with
+``self.blocks[0].weight`` (a head tied by hand), or ``nn.MultiheadAttention`` when
+``units=`` made its ``out_proj`` a unit of its own (it reads ``out_proj.weight``
+directly) — computes with a DTensor and a plain tensor, and DTensor raises "got mixed
+torch.Tensor and DTensor", naming neither the parameter nor the fix (FSDP2 raises the
+same). ``ShardedModule.__call__`` turns exactly that error into
+:class:`ParameterOutsideUnit`, found from the exception's traceback: the frames' locals
+(DTensor's dispatch holds the operands) give the parameter — an operand's local shard
+shares its storage — and the innermost frame whose ``self`` is a module of the model
+gives the module that read it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["ParameterOutsideUnit", "explain_outside_read"]
+
+_RAW = "got mixed torch.Tensor and DTensor"
+
+
+class ParameterOutsideUnit(RuntimeError):
+    """A stage-3 parameter was read outside the unit that gathers it."""
+
+
+def _frames(tb: TracebackType | None) -> list[Any]:
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return out[::-1]  # innermost first
+
+
+def _operands(frame: Any) -> list[torch.Tensor]:
+    """Tensors among a frame's locals, one container level deep."""
+    out = []
+    for v in list(frame.f_locals.values()):
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+    return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    local = getattr(t, "_local_tensor", None)
+    if local is None:
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+_CHAIN = re.compile(r"\bself((?:\.\w+|\[-?\d+\])+)")
+
+
+def _named_on_line(tb: TracebackType | None, reader: str, model: nn.Module,
+                   by_storage: dict[int, str]) -> str | None:
+    """A parameter the reader's line names as ``self.a.b[0].weight``: only attribute and
+    constant-index steps are followed (nothing is called)."""
+    frame = next((f for f in _frames(tb) if isinstance(f.f_locals.get("self"), nn.Module)
+                  and f.f_locals["self"] is model.get_submodule(reader)), None)
+    if frame is None:
+        return None
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    for chain in _CHAIN.findall(line):
+        obj: Any = frame.f_locals["self"]
+        for step in re.findall(r"\.(\w+)|\[(-?\d+)\]", chain):
+            try:
+                obj = getattr(obj, step[0]) if step[0] else obj[int(step[1])]
+            except (AttributeError, IndexError, KeyError, TypeError):
+                obj = None
+                break
+        if isinstance(obj, torch.Tensor) and (s := _storage(obj)) in by_storage:
+            return by_storage[s]
+    return None
+
+
+def _common(a: str, b: str) -> str:
+    """The deepest module name containing both dotted names ('' for the root)."""
+    out = []
+    for x, y in zip(a.split(".") if a else [], b.split(".") if b else []):
+        if x != y:
+            break
+        out.append(x)
+    return ".".join(out)
+
+
+def explain_outside_read(model: nn.Module, engine: Engine,
+                         error: RuntimeError) -> ParameterOutsideUnit | None:
+    """The error naming the parameter, its unit, the reader and the fix; None if
+    ``error`` is not DTensor's mixed-operands error over one of the model's parameters."""
+    if _RAW not in str(error) or not engine.units:
+        return None
+    by_storage = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        ptr = _storage(p)
+        if ptr:
+            by_storage.setdefault(ptr, name)
+    modules = {id(m): n for n, m in model.named_modules()}
+    param = reader = None
+    for frame in _frames(error.__traceback__):
+        if param is None:
+            param = next((by_storage[s] for t in _operands(frame)
+                          if (s := _storage(t)) in by_storage), None)
+        owner = frame.f_locals.get("self")
+        if reader is None and isinstance(owner, nn.Module) and id(owner) in modules:
+            reader = modules[id(owner)]
+    if reader is None:
+        return None
+    if param is None:  # an operand made in C++ (F.linear's transpose): read the code
+        param = _named_on_line(error.__traceback__, reader, model, by_storage)
+    if param is None:
+        return None
+    unit = next((u.name for u in engine.units
+                 if not u.is_root and param.startswith(u.name + ".")), None)
+    if unit is None:  # a root parameter: whole all step, so not the one refused
+        return None
+    owner_module = param.rpartition(".")[0]
+    both = _common(reader, owner_module)
+    said = repr(reader) if reader else f"the root ({type(model).__name__}.forward)"
+    fix = (f"keep that parameter in the root: shard with units= listing the units "
+           f"without {unit!r} (the root's parameters stay whole through forward and "
+           "backward)")
+    if both and both != owner_module:
+        fix = (f"let {both!r} (which holds both) be the unit in place of "
+               f"{unit!r}: units=[..., model.get_submodule({both!r}), ...] "
+               f"(FSDP1 kept nn.MultiheadAttention whole for this reason); or {fix}")
+    return ParameterOutsideUnit(
+        f"{param!r} was read by {said} outside its stage-3 unit {unit!r}: outside that "
+        "unit's forward and backward its parameters are shards (DTensors), so torch "
+        f"refused the operation ({error}). Fix: {fix}.")
