@@ -181,7 +181,9 @@ def test_a_parameter_read_outside_its_unit_is_named_with_the_fix() -> None:
     for out in run_ranks(_read_outside, 2, timeout=120):
         tied = out["tied"]
         assert tied.startswith("ParameterOutsideUnit") and "'blocks.0.weight'" in tied \
-            and "the root (_TiedByHand.forward)" in tied and "without 'blocks.0'" in tied, tied
+            and "the root (_TiedByHand.forward)" in tied and "without 'blocks.0'" in tied \
+            and "units=[model.get_submodule('blocks.1'), model.get_submodule('blocks.2')]" \
+            in tied, tied
         lin = out["linears"]
         assert lin.startswith("ParameterOutsideUnit") and \
             "'layers.0.self_attn.out_proj.weight'" in lin and \

@@ -5,8 +5,9 @@ from __future__ import annotations
 from . import models
 from ._version import __version__
 from .api import engine_of, full_state_dict, memory_tracker, shard
-from .comm import CommLedger, CommRecord
+from .comm import CollectiveError, CollectiveMismatch, CollectiveTimeout, CommLedger, CommRecord
 from .config import ShardConfig
+from .engine.outside_unit import ParameterOutsideUnit
 from .join import join
 
 # Checkpoints load on first use: torch.distributed.checkpoint imports DTensor (~0.7 s a
@@ -38,5 +39,9 @@ __all__ = [
     "CheckpointError",
     "ShardConfig",
     "CommLedger",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "ParameterOutsideUnit",
     "CommRecord",
 ]

@@ -73,6 +73,7 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
             elif any(True for _ in c.parameters()):
                 chosen.add(id(c))
 
+    by_size = set(chosen)
     leftovers(model)
     names = {id(m): n for n, m in model.named_modules()}
     units = [m for m in model.modules() if id(m) in chosen]
@@ -80,11 +81,12 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
         return []
     if rank == 0:
         _log.warning(
-            "stage 3: %s has no nn.ModuleList of layers; units chosen by size (each at "
-            "least 1/%d of the %s parameters, then what was left beside them): %s. Pass "
-            "units= to choose others", type(model).__name__, SHARE, f"{total:,}",
-            ", ".join(f"{names[id(u)]} ({sum(p.numel() for p in u.parameters()):,})"
-                      for u in units))
+            "stage 3: %s has no nn.ModuleList of layers; units chosen by size (at "
+            "least 1/%d of the %s parameters each, then each subtree left beside them, "
+            "marked 'left'): %s. Pass units= to choose others", type(model).__name__,
+            SHARE, f"{total:,}",
+            ", ".join(f"{names[id(u)]} ({sum(p.numel() for p in u.parameters()):,}"
+                      f"{'' if id(u) in by_size else ', left'})" for u in units))
     return units
 
 

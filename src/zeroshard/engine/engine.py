@@ -60,7 +60,7 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -103,6 +103,22 @@ __all__ = ["Engine", "ParamInit"]
 # Tests only: take the offload path's copies even when the device is the host (CPU), so
 # its logic is exercised on machines without an accelerator.
 _FORCE_HOST_COPIES = False
+
+
+def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``functools.partial(method, *args)`` holding the method's object and the
+    objects among ``args`` weakly (numbers as they are): a no-op once they are gone."""
+    target = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    refs = [(lambda a=a: a) if isinstance(a, (int, float, str)) else weakref.ref(a)
+            for a in args]
+
+    def hook(*more: Any) -> Any:
+        m, held = target(), [r() for r in refs]
+        if m is None or any(h is None for h in held):
+            return None
+        return m(*held, *more)
+
+    return hook
 
 
 class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
@@ -244,7 +260,11 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
                     self._slot_of[id(leaf)] = (b, i)
         leaves = [leaf for b in self.buckets for s in b.slots
                   for leaf in self.faces.leaves(s.param)]
-        self._handles = [leaf.register_post_accumulate_grad_hook(self._on_grad)
+        # Weakly (here and on the nodes below): autograd holds these hooks in C++, where
+        # Python's collector cannot see a cycle back to the engine; strong ones kept every
+        # sharded model, its buffers and its process group alive after the script
+        # dropped it.
+        self._handles = [leaf.register_post_accumulate_grad_hook(weakly(self._on_grad))
                          for leaf in leaves]
         # Hooks that prepare a leaf's .grad for accumulation sit on its AccumulateGrad
         # node, not on the tensor: they must not run in torch.autograd.grad(..., params),
@@ -253,10 +273,10 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         # A leaf holds its node weakly: keep them alive, or the hooks go with them.
         self._acc_nodes = {id(leaf): accumulate_node(leaf) for leaf in leaves}
         if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            self._handles += [self._acc_nodes[id(leaf)].register_prehook(self._drop_published)
-                              for leaf in leaves]
+            self._handles += [self._acc_nodes[id(leaf)].register_prehook(
+                weakly(self._drop_published)) for leaf in leaves]
         self._handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
-            functools.partial(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
+            weakly(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
         # Eager only: see [Note: compile] in stage3.py.
         eager = torch.compiler.disable
         self._handles.append(self.model.register_forward_pre_hook(eager(self._pre_forward),

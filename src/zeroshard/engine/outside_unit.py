@@ -133,9 +133,12 @@ def explain_outside_read(model: nn.Module, engine: Engine,
     owner_module = param.rpartition(".")[0]
     both = _common(reader, owner_module)
     said = repr(reader) if reader else f"the root ({type(model).__name__}.forward)"
+    others = [u.name for u in engine.units if not u.is_root and u.name != unit]
+    spelled = (", ".join(f"model.get_submodule({n!r})" for n in others) if len(others) <= 4
+               else f"... the {len(others)} others ...")
     fix = (f"keep that parameter in the root: shard with units= listing the units "
-           f"without {unit!r} (the root's parameters stay whole through forward and "
-           "backward)")
+           f"without {unit!r}, units=[{spelled}] (the root's parameters stay whole "
+           "through forward and backward)")
     if both and both != owner_module:
         fix = (f"let {both!r} (which holds both) be the unit in place of "
                f"{unit!r}: units=[..., model.get_submodule({both!r}), ...] "
