@@ -72,15 +72,26 @@ def _measure(rank: int, world: int, stage: int, mixed_precision: str | None,
 
 GRID = [{"stage": s, "mixed_precision": mp} for s in (0, 1, 2, 3) for mp in (None, "bf16")]
 GRID.append({"stage": 3, "mixed_precision": "bf16", "reshard_after_forward": False})
+# make test measures every stage, both precisions (fp32 at stages 2-3, where it has no master of
+# its own or shards it; bf16 at 0, 1 and 3) and stage 3 with and without resharding after forward;
+# make slow measures the other four points (ids "<world>-rest") with the same assertions.
+FAST = [{"stage": 0, "mixed_precision": "bf16"}, {"stage": 1, "mixed_precision": "bf16"},
+        {"stage": 2, "mixed_precision": None}, {"stage": 3, "mixed_precision": None},
+        {"stage": 3, "mixed_precision": "bf16", "reshard_after_forward": False}]
+GRIDS = {"fast": FAST, "rest": [p for p in GRID if p not in FAST]}
+assert all(p in GRID for p in FAST)
+# (world, which grid): the three tests below run on each, one spawn per pair (_results).
+WORLDS = [*(pytest.param(w, "fast", id=f"{w}") for w in (2, 3)),
+          *(pytest.param(w, "rest", id=f"{w}-rest", marks=pytest.mark.slow) for w in (2, 3))]
 
 
-def _all(rank: int, world: int) -> list:
-    return sweep(functools.partial(_measure, rank, world), GRID)
+def _all(rank: int, world: int, grid: list[dict]) -> list:
+    return sweep(functools.partial(_measure, rank, world), grid)
 
 
 @functools.cache
-def _results(world: int) -> list:
-    return run_ranks(_all, world, timeout=300)
+def _results(world: int, which: str) -> list:
+    return run_ranks(_all, world, GRIDS[which], timeout=300)
 
 
 def _expected(stage: int, mp: str | None, world: int, padded: list[int],
@@ -101,9 +112,10 @@ def _expected(stage: int, mp: str | None, world: int, padded: list[int],
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_model_state_bytes_equal_stage_formulas(world: int) -> None:
-    for point, r in zip(GRID, _results(world)[0:1][0]):
+@pytest.mark.parametrize("world,which", WORLDS)
+def test_model_state_bytes_equal_stage_formulas(world: int, which: str) -> None:
+    """Fast points at [2]/[3]; their slow twins, the other points, at [2-rest]/[3-rest]."""
+    for point, r in zip(GRIDS[which], _results(world, which)[0]):
         stage, mp = point["stage"], point["mixed_precision"]
         padded = r["padded"]
         n = 1 if stage == 0 else world
@@ -120,9 +132,10 @@ def test_model_state_bytes_equal_stage_formulas(world: int) -> None:
             k: exp[k] for k in ("params", "optim")}, (point, r["freed"])
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_communication_per_step(world: int) -> None:
-    for point, r in zip(GRID, _results(world)[0]):
+@pytest.mark.parametrize("world,which", WORLDS)
+def test_communication_per_step(world: int, which: str) -> None:
+    """Fast points at [2]/[3]; their slow twins, the other points, at [2-rest]/[3-rest]."""
+    for point, r in zip(GRIDS[which], _results(world, which)[0]):
         stage, mp = point["stage"], point["mixed_precision"]
         c = 2 if mp else 4
         padded = sum(r["padded"])
@@ -145,10 +158,12 @@ def test_communication_per_step(world: int) -> None:
             assert total == c * (2 * blocks + 2 * root), (point, total)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_stage3_unsharded_peak_is_bounded(world: int) -> None:
+@pytest.mark.parametrize("world,which", WORLDS)
+def test_stage3_unsharded_peak_is_bounded(world: int, which: str) -> None:
+    """Fast points at [2]/[3] (stage 3 with and without resharding after forward); the slow
+    twins at [2-rest]/[3-rest] (stage 3, bf16, resharding)."""
     prefetch = 1  # the default
-    for point, r in zip(GRID, _results(world)[0]):
+    for point, r in zip(GRIDS[which], _results(world, which)[0]):
         if point["stage"] != 3:
             continue
         c = 2 if point["mixed_precision"] else 4

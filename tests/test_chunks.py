@@ -13,6 +13,7 @@ import functools
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from _training import loader, loss_of, make_model
 
@@ -61,13 +62,24 @@ def _run(rank: int, world: int, root: str, stage: int, mp: str | None, chunk: in
     return out
 
 
-GRID = [{"stage": s, "mp": mp, "chunk": c} for s in (0, 1, 3) for mp in (None, "bf16")
-        for c in (1000, 2**30)]
-GRID += [{"stage": 2, "mp": None, "chunk": c, "opt": "sgd"} for c in (1000, 2**30)]
+# (stage, mixed precision, optimizer): each trained with CHUNK=1000 and with one chunk
+# per master. The default run keeps every stage, precision, optimizer and kind of master:
+# the weights themselves (stage 0 fp32), views of ``full`` (stage 2 fp32, SGD), a slice
+# master of its own (stage 1 bf16) and both of stage 3. The rest: make slow.
+PAIRS = [(s, mp, "adamw") for s in (0, 1, 3) for mp in (None, "bf16")] + [(2, None, "sgd")]
+FAST_PAIRS = [(0, None, "adamw"), (1, "bf16", "adamw"), (2, None, "sgd"),
+              (3, None, "adamw"), (3, "bf16", "adamw")]
+MORE_PAIRS = [p for p in PAIRS if p not in FAST_PAIRS]
 
 
-def _all(rank: int, world: int, root: str) -> list:
-    return sweep(functools.partial(_run, rank, world, root), GRID)
+def _grid(pairs: list[tuple]) -> list[dict]:
+    """Each pair's two runs: small chunks and one chunk per master."""
+    return [{"stage": s, "mp": mp, "chunk": c, "opt": opt}
+            for s, mp, opt in pairs for c in (1000, 2**30)]
+
+
+def _all(rank: int, world: int, root: str, grid: list[dict]) -> list:
+    return sweep(functools.partial(_run, rank, world, root), grid)
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -75,15 +87,13 @@ def _equal(a: dict, b: dict) -> bool:
         torch.equal(torch.as_tensor(a[n][k]), torch.as_tensor(b[n][k])) for n in a for k in a[n])
 
 
-def test_chunked_masters_train_and_checkpoint_bit_for_bit() -> None:
+def _check(pairs: list[tuple]) -> None:
+    grid = _grid(pairs)
     with tempfile.TemporaryDirectory() as root:
-        results = run_ranks(_all, 2, root, timeout=300)[0]
-    by = {(p["stage"], p["mp"], p["chunk"], p.get("opt", "adamw")): r
-          for p, r in zip(GRID, results)}
-    for (stage, mp, chunk, opt), small in by.items():
-        if chunk != 1000:
-            continue
-        whole = by[(stage, mp, 2**30, opt)]
+        results = run_ranks(_all, 2, root, grid, timeout=300)[0]
+    by = {tuple(p.values()): r for p, r in zip(grid, results)}
+    for stage, mp, opt in pairs:
+        small, whole = by[(stage, mp, 1000, opt)], by[(stage, mp, 2**30, opt)]
         assert small["max_chunk"] <= 1000 and small["n_opt"] > 2 * whole["n_opt"]
         for name, ref in whole["state"].items():
             assert torch.equal(small["state"][name], ref), (stage, mp, opt, name)
@@ -91,6 +101,19 @@ def test_chunked_masters_train_and_checkpoint_bit_for_bit() -> None:
         for r in (small, whole):
             assert _equal(r["reloaded"], r["optim"]), (stage, mp, opt, "checkpoint")
             assert _equal(r["torch_reloaded"], r["optim"]), (stage, mp, opt, "state_dict")
+
+
+def test_chunked_masters_train_and_checkpoint_bit_for_bit() -> None:
+    """Small chunks train, checkpoint and reload like one chunk per master (FAST_PAIRS);
+    twin: test_chunked_masters_train_and_checkpoint_bit_for_bit_more_configurations."""
+    _check(FAST_PAIRS)
+
+
+@pytest.mark.slow
+def test_chunked_masters_train_and_checkpoint_bit_for_bit_more_configurations() -> None:
+    """The same for MORE_PAIRS (stage 0 bf16, stage 1 fp32); twin:
+    test_chunked_masters_train_and_checkpoint_bit_for_bit."""
+    _check(MORE_PAIRS)
 
 
 def test_flatten_keeps_each_chunks_own_scalars() -> None:

@@ -85,8 +85,17 @@ INDUCTOR = [
     {"stage": 3, "how": "block", "backend": "inductor"},
     {"stage": 0, "how": "whole", "backend": "inductor"},
 ]
+# Points whose stage and way of compiling the default run also covers elsewhere, with
+# more on top (the option, or inductor): run by the make-slow twin.
+MORE = [
+    {"stage": 0, "how": "whole"},  # default run: with inductor
+    {"stage": 2, "how": "block"},  # with bf16
+    {"stage": 3, "how": "whole"},  # with full activation checkpointing
+    {"stage": 1, "how": "wrap"},  # stage 3's wrappers, and stage 1 by block and whole
+]
 # One run_ranks call per part: each test pays for its own compiles.
-PARTS = {"stages": STAGES, "options": OPTIONS, "inductor": INDUCTOR}
+PARTS = {"stages": [p for p in STAGES if p not in MORE],
+         "options": [p for p in OPTIONS if p not in MORE], "inductor": INDUCTOR}
 
 
 def _eager_key(point: dict) -> tuple:
@@ -116,9 +125,7 @@ def _reference() -> tuple[dict, dict]:
     return ref, yard
 
 
-@pytest.mark.parametrize("part", list(PARTS))
-def test_compiled_stages_match_eager_and_the_reference(part: str) -> None:
-    grid = PARTS[part]
+def _check(grid: list[dict]) -> None:
     compiled = run_ranks(_sweep, 2, grid, timeout=900)[0]
     eager = _eager()
     ref, yard = _reference()
@@ -147,3 +154,18 @@ def test_compiled_stages_match_eager_and_the_reference(part: str) -> None:
         elif point["how"] == "block":  # no unit hooks: a compiled block is one graph
             assert not c["breaks"], (point, c["breaks"])
         assert c["graphs"] >= 1, point
+
+
+@pytest.mark.parametrize("part", list(PARTS))
+def test_compiled_stages_match_eager_and_the_reference(part: str) -> None:
+    """Every stage, way of compiling, option and backend (PARTS: the grids less MORE)
+    against eager and the reference; twin:
+    test_compiled_stages_match_eager_and_the_reference_more_configurations."""
+    _check(PARTS[part])
+
+
+@pytest.mark.slow
+def test_compiled_stages_match_eager_and_the_reference_more_configurations() -> None:
+    """The same checks for MORE (stage 0 whole, stage 2 block, stage 3 whole, stage 1
+    wrapped); twin: test_compiled_stages_match_eager_and_the_reference."""
+    _check(MORE)

@@ -162,10 +162,19 @@ def _case(rank: int, world: int, stage: int, mixed_precision: str | None) -> dic
 
 
 GRID = [{"stage": s, "mixed_precision": mp} for s in (0, 1, 2, 3) for mp in (None, "bf16")]
+# Per world, fp32 and bf16 at two stages or more; over the worlds every point of GRID, all
+# four stages at world 3 (uneven shards).
+KEPT = {1: [{"stage": 0, "mixed_precision": None}, {"stage": 1, "mixed_precision": "bf16"}],
+        2: [{"stage": 0, "mixed_precision": "bf16"}, {"stage": 2, "mixed_precision": None}],
+        3: [{"stage": 1, "mixed_precision": None}, {"stage": 2, "mixed_precision": "bf16"},
+            {"stage": 3, "mixed_precision": None}, {"stage": 3, "mixed_precision": "bf16"}]}
+# `make slow` (README, "Tests"): the rest of GRID at each world
+# (test_torch_apis_give_ddps_answers_at_more_points; twin: test_torch_apis_give_ddps_answers).
+SLOW = {world: [p for p in GRID if p not in kept] for world, kept in KEPT.items()}
 
 
-def _all(rank: int, world: int) -> list:
-    return sweep(functools.partial(_case, rank, world), GRID)
+def _all(rank: int, world: int, grid: list[dict]) -> list:
+    return sweep(functools.partial(_case, rank, world), grid)
 
 
 def _within_yardstick(got: dict, ref: dict, what: str) -> None:
@@ -177,9 +186,25 @@ def _within_yardstick(got: dict, ref: dict, what: str) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_torch_apis_give_ddps_answers(world: int) -> None:
-    results = run_ranks(_all, world, timeout=600)[0]
+    """KEPT[world]; the rest of GRID in `make slow`:
+    test_torch_apis_give_ddps_answers_at_more_points."""
+    _check_ddps_answers(world, KEPT[world], run_ranks(_all, world, KEPT[world],
+                                                      timeout=600)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_torch_apis_give_ddps_answers_at_more_points(world: int) -> None:
+    """SLOW[world], checked as its twin test_torch_apis_give_ddps_answers checks
+    KEPT[world]."""
+    _check_ddps_answers(world, SLOW[world], run_ranks(_all, world, SLOW[world],
+                                                      timeout=600)[0])
+
+
+def _check_ddps_answers(world: int, grid: list[dict], results: list[dict]) -> None:
+    """Rank 0's results at ``grid``'s points against plain torch and themselves."""
     ref = _reference()
-    for point, r in zip(GRID, results):
+    for point, r in zip(grid, results, strict=True):
         fp32 = point["mixed_precision"] is None
         where = (world, point)
         # 5. metadata: the unsharded model's, between forwards, at every stage (a frozen

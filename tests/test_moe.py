@@ -79,8 +79,10 @@ def train_zeroshard(rank: int, world: int, *, stage: int, mp: str | None = None,
                     overlap: bool = True, **options: Any) -> dict[str, Any]:
     model = make_moe()
     names = [n for n, _ in model.named_parameters()]
-    if checkpointing:
-        zeroshard.checkpointing.apply_checkpointing(model, "full")
+    if checkpointing:  # imported here: no earlier grid point need have imported it
+        from zeroshard.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, "full")
     engine_module._FORCE_HOST_COPIES = offload is not None  # the host path on a CPU run
     try:
         model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2,
@@ -107,16 +109,27 @@ def train_ddp(rank: int, world: int, accum: int = 1) -> dict[str, Any]:
             "state": _optim_state(optim.state_dict(), names)}
 
 
-GRID_2 = (
-    [{"stage": s, "mp": mp} for s in range(4) for mp in (None, "bf16")]
-    + [{"stage": s, "accum": 2} for s in range(4)]
-    + [{"stage": s, "checkpointing": True} for s in range(4)]
-    + [{"stage": s, "offload": "optimizer"} for s in (1, 2, 3)]
-    + [{"stage": 3, "offload": "optimizer+params", "mp": "bf16"}]
-    + [{"stage": s, "overlap": False} for s in (0, 2)]
-)
-GRID_3 = [{"stage": s} for s in range(4)] + [{"stage": 3, "mp": "bf16", "accum": 2},
-                                             {"stage": 2, "accum": 2}]
+# Every stage and every option of each world's whole grid (below) at least once; at world
+# 2 bf16 both at a bucketed stage (0-2, where the ranks' bucket orders can differ) and at 3.
+GRID_2 = [{"stage": 0, "accum": 2}, {"stage": 1, "offload": "optimizer"},
+          {"stage": 2, "mp": "bf16"}, {"stage": 2, "overlap": False},
+          {"stage": 3, "checkpointing": True},
+          {"stage": 3, "offload": "optimizer+params", "mp": "bf16"}]
+GRID_3 = [{"stage": 0}, {"stage": 1}, {"stage": 2, "accum": 2},
+          {"stage": 3, "mp": "bf16", "accum": 2}]
+# `make slow` (README, "Tests"): the rest of each world's whole grid
+# (test_moe_equals_ddp_at_more_points; twin: test_moe_equals_ddp_find_unused_parameters).
+_WHOLE_2 = ([{"stage": s, "mp": mp} for s in range(4) for mp in (None, "bf16")]
+            + [{"stage": s, "accum": 2} for s in range(4)]
+            + [{"stage": s, "checkpointing": True} for s in range(4)]
+            + [{"stage": s, "offload": "optimizer"} for s in (1, 2, 3)]
+            + [{"stage": 3, "offload": "optimizer+params", "mp": "bf16"}]
+            + [{"stage": s, "overlap": False} for s in (0, 2)])
+_WHOLE_3 = [{"stage": s} for s in range(4)] + [{"stage": 3, "mp": "bf16", "accum": 2},
+                                               {"stage": 2, "accum": 2}]
+GRID_2_SLOW = [p for p in _WHOLE_2 if p not in GRID_2]
+GRID_3_SLOW = [p for p in _WHOLE_3 if p not in GRID_3]
+GRIDS = {(2, False): GRID_2, (3, False): GRID_3, (2, True): GRID_2_SLOW, (3, True): GRID_3_SLOW}
 
 
 def _all(rank: int, world: int, grid: list[dict]) -> dict[str, Any]:
@@ -126,9 +139,8 @@ def _all(rank: int, world: int, grid: list[dict]) -> dict[str, Any]:
 
 
 @functools.cache
-def _run(world: int) -> list[dict[str, Any]]:
-    grid = GRID_2 if world == 2 else GRID_3
-    return run_ranks(_all, world, grid, timeout=600)
+def _run(world: int, slow: bool = False) -> list[dict[str, Any]]:
+    return run_ranks(_all, world, GRIDS[world, slow], timeout=600)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,10 +149,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_moe_equals_ddp_find_unused_parameters(world: int) -> None:
-    grid = GRID_2 if world == 2 else GRID_3
+    """GRID_2 / GRID_3; the rest of each world's grid in `make slow`:
+    test_moe_equals_ddp_at_more_points."""
+    _check_equals_ddp(GRIDS[world, False], _run(world))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_moe_equals_ddp_at_more_points(world: int) -> None:
+    """GRID_2_SLOW / GRID_3_SLOW, checked as its twin
+    test_moe_equals_ddp_find_unused_parameters checks GRID_2 / GRID_3."""
+    _check_equals_ddp(GRIDS[world, True], _run(world, True))
+
+
+def _check_equals_ddp(grid: list[dict], per_rank: list[dict[str, Any]]) -> None:
+    """Every rank's zeroshard runs at ``grid``'s points against its DDP runs."""
     init = {k: v.float() for k, v in make_moe().state_dict().items()}
     failures = []
-    for rank, out in enumerate(_run(world)):
+    for rank, out in enumerate(per_rank):
         for point, got in zip(grid, out["got"]):
             ref = out["ref"][point.get("accum", 1)]
             exact = point.get("mp") is None

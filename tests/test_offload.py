@@ -92,59 +92,94 @@ def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload
     return out
 
 
-MODES = ((None, False), ("optimizer", False), ("optimizer", True))
-PARAM_MODES = (("optimizer+params", False), ("optimizer+params", True))
-GRID = [{"stage": s, "mp": mp, "offload": off, "force": force}
-        for s in (1, 2, 3) for mp in (None, "bf16")
-        for off, force in MODES + (PARAM_MODES if s == 3 else ())]
-GRID.append({"stage": 2, "mp": "bf16", "offload": "optimizer", "force": False,
-             "default_optim": True})
-ACCUM = [{"stage": s, "mp": "bf16", "offload": off, "force": off is not None,
-          "default_optim": False, "accum": 2}
-         for s, off in ((1, None), (1, "optimizer"), (2, None), (2, "optimizer"), (3, None),
-                        (3, "optimizer+params"))]
-GRID += ACCUM
+# (stage, mixed precision, offload mode): each is checked against the same stage and
+# precision without offload, run as is (on CPU: no copies) and with forced host copies.
+COMBOS = [(s, mp, mode) for s in (1, 2, 3) for mp in (None, "bf16")
+          for mode in (("optimizer", "optimizer+params") if s == 3 else ("optimizer",))]
+# The default run keeps every stage, precision and mode: stage 1 with the bf16 staging
+# slice, stage 2's fp32 master as its own copy, stage 3 with both modes under bf16 and
+# fp32 "optimizer+params" (the host slice is the master). The rest: make slow.
+FAST_COMBOS = [(1, "bf16", "optimizer"), (2, None, "optimizer"), (3, "bf16", "optimizer"),
+               (3, "bf16", "optimizer+params"), (3, None, "optimizer+params")]
+MORE_COMBOS = [c for c in COMBOS if c not in FAST_COMBOS]
+# Accumulation (bf16, 2 micro-batches): stage 1 sums in the whole gradient buffer and
+# copies at the step, stages 2-3 add on the host; stage 2 (the same path as 3): make slow.
+FAST_ACCUM = ((1, "optimizer"), (3, "optimizer+params"))
+MORE_ACCUM = ((2, "optimizer"),)
+# The default host optimizer (fused AdamW) is checked on one point of the default run.
+FUSED = {"stage": 2, "mp": "bf16", "offload": "optimizer", "force": False,
+         "default_optim": True}
 
 
-def _all(rank: int, world: int, root: str) -> list:
-    return sweep(functools.partial(_train, rank, world, root), GRID)
+def _grid(combos: list[tuple], accum: tuple[tuple[int, str], ...]) -> list[dict]:
+    """The points ``combos`` and ``accum`` are checked on (each once)."""
+    grid: list[dict] = []
+    for stage, mp, mode in combos:
+        for off, force in ((None, False), (mode, False), (mode, True)):
+            point = {"stage": stage, "mp": mp, "offload": off, "force": force}
+            if point not in grid:  # stage 3's two modes share one run without offload
+                grid.append(point)
+    for stage, mode in accum:
+        grid += [{"stage": stage, "mp": "bf16", "offload": off, "force": off is not None,
+                  "default_optim": False, "accum": 2} for off in (None, mode)]
+    return grid
+
+
+GRIDS = {"fast": [*_grid(FAST_COMBOS, FAST_ACCUM), FUSED],
+         "more": _grid(MORE_COMBOS, MORE_ACCUM)}
+
+
+def _all(rank: int, world: int, root: str, grid: list[dict]) -> list:
+    return sweep(functools.partial(_train, rank, world, root), grid)
 
 
 @functools.cache
-def _results() -> list:
+def _results(part: str) -> dict[tuple, dict]:
+    """The runs of ``GRIDS[part]`` (one ``run_ranks`` call, shared by that part's tests),
+    by the point's values."""
+    grid = GRIDS[part]
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(_all, 2, root, timeout=300)[0]
+        results = run_ranks(_all, 2, root, grid, timeout=300)[0]
+    return {tuple(p.values()): r for p, r in zip(grid, results)}
+
+
+def _check_parity(by: dict[tuple, dict], combos: list[tuple]) -> None:
+    for stage, mp, mode in combos:
+        base = by[(stage, mp, None, False)]
+        cpu, forced = by[(stage, mp, mode, False)], by[(stage, mp, mode, True)]
+        # CPU run: host == device, nothing is copied; fp32 masters stay views
+        assert cpu["offload"] is False and not any(cpu["host_grads"])
+        assert cpu["masters_shared"] == base["masters_shared"]
+        assert _state(cpu["where"]) == _state(base["where"]) and not cpu["where"]["host"]
+        # forced copy path: separate host masters and host gradient buffers
+        assert forced["offload"] is True and all(forced["host_grads"])
+        if stage < 3 or mp == "bf16" or mode == "optimizer":
+            assert not any(forced["masters_shared"])
+        else:  # fp32 optimizer+params: the host slice is the master, one copy
+            assert all(forced["masters_shared"])
+        # a checkpoint of offloaded state reloads exactly (into offloaded state)
+        assert forced["optim_equal"], (stage, mp, mode)
+        for name, ref in forced["state"].items():
+            assert torch.equal(forced["reloaded"][name], ref), (stage, mp, mode, name)
+        for kind, other in (("cpu", cpu), ("forced", forced)):
+            for name, ref in base["state"].items():
+                # copies are exact and the operations the same: equal bit for bit
+                assert torch.equal(other["state"][name], ref), (kind, stage, mp, mode, name)
 
 
 def test_offload_parity_and_no_needless_copies() -> None:
-    results = _results()
-    by = {tuple(p.values()): r for p, r in zip(GRID, results)}
-    assert by[(2, "bf16", "optimizer", False, True)]["fused"] is True  # fast host AdamW
-    for stage in (1, 2, 3):
-        for mp in (None, "bf16"):
-            base = by[(stage, mp, None, False)]
-            modes = ("optimizer", "optimizer+params") if stage == 3 else ("optimizer",)
-            for mode in modes:
-                cpu, forced = by[(stage, mp, mode, False)], by[(stage, mp, mode, True)]
-                # CPU run: host == device, nothing is copied; fp32 masters stay views
-                assert cpu["offload"] is False and not any(cpu["host_grads"])
-                assert cpu["masters_shared"] == base["masters_shared"]
-                assert _state(cpu["where"]) == _state(base["where"]) and not cpu["where"]["host"]
-                # forced copy path: separate host masters and host gradient buffers
-                assert forced["offload"] is True and all(forced["host_grads"])
-                if stage < 3 or mp == "bf16" or mode == "optimizer":
-                    assert not any(forced["masters_shared"])
-                else:  # fp32 optimizer+params: the host slice is the master, one copy
-                    assert all(forced["masters_shared"])
-                # a checkpoint of offloaded state reloads exactly (into offloaded state)
-                assert forced["optim_equal"], (stage, mp, mode)
-                for name, ref in forced["state"].items():
-                    assert torch.equal(forced["reloaded"][name], ref), (stage, mp, mode, name)
-                for kind, other in (("cpu", cpu), ("forced", forced)):
-                    for name, ref in base["state"].items():
-                        # copies are exact and the operations the same: equal bit for bit
-                        assert torch.equal(other["state"][name], ref), (kind, stage, mp, mode,
-                                                                        name)
+    """Parity, no copies on CPU and checkpoints for FAST_COMBOS, and the fused host step;
+    twin: test_offload_parity_and_no_needless_copies_more_configurations."""
+    by = _results("fast")
+    assert by[tuple(FUSED.values())]["fused"] is True  # fast host AdamW
+    _check_parity(by, FAST_COMBOS)
+
+
+@pytest.mark.slow
+def test_offload_parity_and_no_needless_copies_more_configurations() -> None:
+    """The same checks for MORE_COMBOS (stage 1 fp32, stage 2 bf16, stage 3 "optimizer"
+    fp32); twin: test_offload_parity_and_no_needless_copies."""
+    _check_parity(_results("more"), MORE_COMBOS)
 
 
 def test_host_step_threads_undo_torchruns_single_thread(monkeypatch) -> None:
@@ -174,14 +209,25 @@ def test_host_step_threads_undo_torchruns_single_thread(monkeypatch) -> None:
         torch.set_num_threads(before)
 
 
-def test_offload_accumulation_adds_on_the_host() -> None:
-    by = {tuple(p.values()): r for p, r in zip(GRID, _results())}
-    for stage, mode in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer+params")):
+def _check_accumulation(by: dict[tuple, dict], accum: tuple[tuple[int, str], ...]) -> None:
+    for stage, mode in accum:
         base = by[(stage, "bf16", None, False, False, 2)]
         forced = by[(stage, "bf16", mode, True, False, 2)]
         assert forced["offload"]
         for name, ref in base["state"].items():
             assert torch.equal(forced["state"][name], ref), (stage, name)
+
+
+def test_offload_accumulation_adds_on_the_host() -> None:
+    """Accumulation over 2 micro-batches at stages 1 and 3 (FAST_ACCUM) equals it without
+    offload; twin: test_offload_accumulation_adds_on_the_host_more_configurations."""
+    _check_accumulation(_results("fast"), FAST_ACCUM)
+
+
+@pytest.mark.slow
+def test_offload_accumulation_adds_on_the_host_more_configurations() -> None:
+    """The same at stage 2 (MORE_ACCUM); twin: test_offload_accumulation_adds_on_the_host."""
+    _check_accumulation(_results("more"), MORE_ACCUM)
 
 
 def _state(where: dict) -> dict:
@@ -207,15 +253,21 @@ def _expected_split(stage: int, mp: str | None, mode: str, r: dict) -> dict:
     return {"device": device, "host": host}
 
 
+def _check_tracker(by: dict[tuple, dict], combos: list[tuple]) -> None:
+    for stage, mp, mode in combos:
+        forced = by[(stage, mp, mode, True)]
+        where = _state(forced["where"])
+        assert where == _expected_split(stage, mp, mode, forced), (stage, mp, mode, where)
+
+
 def test_tracker_reports_offloaded_state_on_the_host() -> None:
-    """Exact bytes: master weights and optimizer state move from device to host."""
-    results = _results()
-    by = {tuple(p.values()): r for p, r in zip(GRID, results)}
-    for stage in (1, 2, 3):
-        for mp in (None, "bf16"):
-            modes = ("optimizer", "optimizer+params") if stage == 3 else ("optimizer",)
-            for mode in modes:
-                forced = by[(stage, mp, mode, True)]
-                where = _state(forced["where"])
-                assert where == _expected_split(stage, mp, mode, forced), (stage, mp, mode,
-                                                                           where)
+    """Exact bytes: master weights and optimizer state move from device to host
+    (FAST_COMBOS); twin: test_tracker_reports_offloaded_state_on_the_host_more_configurations."""
+    _check_tracker(_results("fast"), FAST_COMBOS)
+
+
+@pytest.mark.slow
+def test_tracker_reports_offloaded_state_on_the_host_more_configurations() -> None:
+    """The same exact bytes for MORE_COMBOS; twin:
+    test_tracker_reports_offloaded_state_on_the_host."""
+    _check_tracker(_results("more"), MORE_COMBOS)

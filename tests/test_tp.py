@@ -13,6 +13,8 @@ and compiled blocks, within the parity tolerance of fp32 training.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -31,13 +33,20 @@ import zeroshard
 from zeroshard.testing import run_ranks, sweep
 
 STEPS = 3
-EXACT = ([{"stage": s, "layout": "dp2xtp2"} for s in (1, 2, 3)]
-         + [{"stage": s, "layout": "rep2xshard1xtp2"} for s in (1, 2, 3)]
-         + [{"stage": 2, "layout": "dp2xtp2", "offload": "optimizer"},
-            # many small buckets, cut differently on the two tp ranks (their pieces of the
-            # 255-row vocabulary differ): the collectives must not depend on where
-            {"stage": 2, "layout": "dp2xtp2", "bucket_bytes": 132_000},
-            {"stage": 3, "layout": "rep2xshard1xtp2", "offload": "optimizer+params"}])
+# Every stage, both tp layouts and every option at least once: stage 1 on each layout
+# (test_tp_user_placements reads their placements), stage 2 with each option, stage 3
+# on the 3-D layout with everything offloaded.
+EXACT = [{"stage": 1, "layout": "dp2xtp2"},
+         {"stage": 1, "layout": "rep2xshard1xtp2"},
+         {"stage": 2, "layout": "dp2xtp2", "offload": "optimizer"},
+         # many small buckets, cut differently on the two tp ranks (their pieces of the
+         # 255-row vocabulary differ): the collectives must not depend on where
+         {"stage": 2, "layout": "dp2xtp2", "bucket_bytes": 132_000},
+         {"stage": 3, "layout": "rep2xshard1xtp2", "offload": "optimizer+params"}]
+# `make slow` (README, "Tests"): stages 2 and 3 without options on both layouts
+# (test_tp_matches_one_process_on_more_layouts; twin: test_tp_matches_one_process).
+EXACT_SLOW = [{"stage": s, "layout": layout} for layout in ("dp2xtp2", "rep2xshard1xtp2")
+              for s in (2, 3)]
 # SGD: AdamW's sign-like first steps turn rounding noise into whole steps
 MIXED = [{"stage": 3, "layout": "dp2xtp2", "dtype": torch.float32, "mixed_precision": "bf16",
           "policy": "full", "sgd": True},
@@ -165,15 +174,15 @@ def _steps(mesh, model, optim, steps: range, vocab: int = 255) -> list[float]:
 
 
 RESUME = [{"via": "state_dict", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
-          {"via": "checkpoint", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
           {"via": "checkpoint", "src": ("rep2xshard1xtp2", 1), "dst": ("dp2xtp2", 3)},
           # hybrid sharding without tp: replica 0 writes, and a tp layout reads it
           {"via": "checkpoint", "src": ("rep2xshard2", 3), "dst": ("dp2xtp2", 2)},
           {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)}]  # tp 2 -> 4
 # `make slow` (README, "Tests"): the same paths between other layouts and stages; each has
-# its twin above (whole state dicts / checkpoints onto another layout, no tp <-> tp, tp
+# its twin above (whole state dicts / checkpoints onto another layout, tp <-> no tp, tp
 # degree changes).
-RESUME_SLOW = [{"via": "state_dict", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
+RESUME_SLOW = [{"via": "checkpoint", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
+               {"via": "state_dict", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
                {"via": "state_dict", "src": ("dp2xtp2", 1), "dst": ("rep2xshard1xtp2", 2)},
                {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp2xtp2", 1)},
                {"via": "checkpoint", "src": ("dp4", 2), "dst": ("rep2xshard1xtp2", 2)},
@@ -373,7 +382,13 @@ def _by_op_and_phase(records) -> dict[str, int]:
     return out
 
 
-LEDGER = [{"stage": s, "policy": p} for s in (1, 2, 3) for p in ("none", "full")]
+# Every stage and both policies; stage 3 (the root kept gathered) under both.
+LEDGER = [{"stage": 1, "policy": "none"}, {"stage": 2, "policy": "full"},
+          {"stage": 3, "policy": "none"}, {"stage": 3, "policy": "full"}]
+# `make slow` (README, "Tests"): the other policy at stages 1 and 2
+# (test_tp_and_dp_volumes_equal_the_ledger_at_more_points; twin:
+# test_tp_and_dp_volumes_equal_the_ledger).
+LEDGER_SLOW = [{"stage": 1, "policy": "full"}, {"stage": 2, "policy": "none"}]
 
 
 def _join(rank: int, world: int, stage: int) -> float:
@@ -436,12 +451,39 @@ def _results(item: int) -> list:
     return [r[max(0, item - 3)] for r in _call(min(item, 3))]
 
 
-@pytest.mark.parametrize("k", range(len(EXACT)), ids=[
-    f"s{p['stage']}-{p['layout']}" + (f"-offload-{p['offload']}" if "offload" in p else "")
-    + ("-small-buckets" if "bucket_bytes" in p else "") for p in EXACT])
+def _sweep(rank: int, world: int, fn: Callable[..., Any], grid: list[dict]) -> list:
+    """``fn`` (a module-level ``fn(rank, world, **point)``) at every point of ``grid``: the
+    slow twins' one call each."""
+    return sweep(functools.partial(fn, rank, world), grid)
+
+
+def _exact_id(p: dict) -> str:
+    offload = f"-offload-{p['offload']}" if "offload" in p else ""
+    buckets = "-small-buckets" if "bucket_bytes" in p else ""
+    return f"s{p['stage']}-{p['layout']}{offload}{buckets}"
+
+
+@pytest.mark.parametrize("k", range(len(EXACT)), ids=[_exact_id(p) for p in EXACT])
 def test_tp_matches_one_process(k: int) -> None:
-    for rank, r in enumerate(_results(0)):
-        got = r[k]
+    """Every stage, both tp layouts and every option; the plain stages 2 and 3 on both
+    layouts: test_tp_matches_one_process_on_more_layouts (`make slow`)."""
+    _check_exact([r[k] for r in _results(0)])
+
+
+@pytest.mark.slow
+def test_tp_matches_one_process_on_more_layouts() -> None:
+    """EXACT_SLOW, checked as its twin test_tp_matches_one_process checks EXACT."""
+    per_rank = run_ranks(_sweep, 4, _train, EXACT_SLOW, timeout=900)
+    for k, point in enumerate(EXACT_SLOW):
+        try:
+            _check_exact([r[k] for r in per_rank])
+        except AssertionError as e:
+            raise AssertionError(f"{_exact_id(point)}: {e}") from e
+
+
+def _check_exact(per_rank: list[dict]) -> None:
+    """One EXACT point's results on every rank against one process in float64."""
+    for rank, got in enumerate(per_rank):
         for (loss, ref) in got["loss"]:
             # float64: sums re-associated across ranks differ in the last bits, which
             # three AdamW steps grow to ~2e-12 (any misplaced piece shows as > 1e-3)
@@ -455,11 +497,11 @@ def test_tp_matches_one_process(k: int) -> None:
 
 def test_tp_user_placements() -> None:
     got = _results(0)[0]
-    two_d = got[0]["placements"]  # (dp 2, tp 2), stage 1
+    two_d = got[EXACT.index({"stage": 1, "layout": "dp2xtp2"})]["placements"]
     assert two_d["lm_head.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert two_d["blocks.0.attn.out_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert two_d["blocks.0.norm1.weight"] == "(Shard(dim=0), Replicate())"
-    three_d = got[3]["placements"]
+    three_d = got[EXACT.index({"stage": 1, "layout": "rep2xshard1xtp2"})]["placements"]
     assert three_d["blocks.0.attn.q_proj.weight"] == \
         "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
 
@@ -484,16 +526,15 @@ def _resume_id(p: dict) -> str:
 
 @pytest.mark.parametrize("k", range(len(RESUME)), ids=[_resume_id(p) for p in RESUME])
 def test_tp_state_resumes_on_another_layout(k: int) -> None:
+    """Twin of test_tp_state_resumes_on_more_layouts (`make slow`)."""
     _check_resume(RESUME[k], _results(2)[0][k])
-
-
-def _resume_sweep(rank: int, world: int, grid: list[dict]) -> list:
-    return sweep(functools.partial(_resume, rank, world), grid)
 
 
 @pytest.mark.slow
 def test_tp_state_resumes_on_more_layouts() -> None:
-    for point, got in zip(RESUME_SLOW, run_ranks(_resume_sweep, 4, RESUME_SLOW,
+    """RESUME_SLOW, checked as its twin test_tp_state_resumes_on_another_layout checks
+    RESUME."""
+    for point, got in zip(RESUME_SLOW, run_ranks(_sweep, 4, _resume, RESUME_SLOW,
                                                  timeout=900)[0]):
         _check_resume(point, got)
 
@@ -527,11 +568,29 @@ def test_tp_refusals_name_the_fix() -> None:
 def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
     """tp collectives (torch's, counted at dispatch) equal ``tp_collectives_per_step`` op by
     op, the norms' gradient all-reduces included; dp ones (zeroshard's ledger) run in the
-    dp group only and equal ``collectives_per_step`` over the padded local pieces."""
+    dp group only and equal ``collectives_per_step`` over the padded local pieces. Every
+    stage and policy; the rest of the grid in `make slow`:
+    test_tp_and_dp_volumes_equal_the_ledger_at_more_points."""
+    _check_ledger(LEDGER[k], [r[k] for r in _results(4)])
+
+
+@pytest.mark.slow
+def test_tp_and_dp_volumes_equal_the_ledger_at_more_points() -> None:
+    """LEDGER_SLOW, checked as its twin test_tp_and_dp_volumes_equal_the_ledger checks
+    LEDGER."""
+    per_rank = run_ranks(_sweep, 4, _ledger, LEDGER_SLOW, timeout=900)
+    for k, point in enumerate(LEDGER_SLOW):
+        try:
+            _check_ledger(point, [r[k] for r in per_rank])
+        except AssertionError as e:
+            raise AssertionError(f"{point}: {e}") from e
+
+
+def _check_ledger(point: dict, per_rank: list[dict]) -> None:
+    """One LEDGER point's collectives on every rank against the analytic ones."""
     from zeroshard.memory import analytic
     from zeroshard.memory.tensor_parallel import tp_collectives_per_step
 
-    point = LEDGER[k]
     names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
              "all_reduce": "all_reduce"}
     want: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
@@ -549,8 +608,7 @@ def test_tp_and_dp_volumes_equal_the_ledger(k: int) -> None:
              for key, v in every.items()}
     norms = {key: v for key, v in norms.items() if v}
     assert list(norms) == ["all_reduce/backward"], norms
-    for rank, r in enumerate(_results(4)):
-        got = r[k]
+    for rank, got in enumerate(per_rank):
         assert got["tp"] == want, (rank, got["tp"], want)
         assert got["tp_ledger"] == norms, (rank, got["tp_ledger"], norms)
         assert got["groups"] == ["dp", "tp"], got["groups"]
