@@ -225,12 +225,12 @@ def test_config_names_and_sizes() -> None:
             parse_config(bad)
 
 
-def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
-    """FSDP2 + TP and zeroshard stages 1 and 3 + TP on (dp 2, tp 2) train the same sequences
-    (the same loss); the state prediction is the tp piece's over dp."""
+def _check_tp_rows(tmp_path, configs: list[str]) -> None:  # noqa: ANN001
+    """Run ``configs`` (tp 2 rows) beside the ddp baseline on (dp 2, tp 2) and check each row:
+    the same sequences as ddp's step, the prediction the tp piece's over dp."""
     code = run(_args("--model", "llama-tiny", "--seq", "32", "--micro-batch", "1",
                      "--world-size", "4", "--warmup", "0", "--steps", "1", "--configs",
-                     "fsdp2-tp2,zs-s3-tp2,zs-s1-tp2,ddp", "--baseline", "ddp", "--quiet",
+                     ",".join([*configs, "ddp"]), "--baseline", "ddp", "--quiet",
                      "--json", str(tmp_path / "r.json")))
     assert code == 0
     rows = _rows(json.loads((tmp_path / "r.json").read_text()))
@@ -239,7 +239,7 @@ def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
     from zeroshard.models import get_preset
 
     local = tp_param_count(get_preset("llama-tiny"), 2)
-    for name in ("fsdp2-tp2", "zs-s3-tp2", "zs-s1-tp2"):
+    for name in configs:
         r = rows[name]
         assert r["status"] == "ok" and r["tp"] == 2, r["error"]
         assert r["loss_rel_dev"] < 1e-5  # the same sequences as ddp's step
@@ -247,3 +247,16 @@ def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
         assert r["predicted_model_state_bytes"]["total"] == want
         assert r["comm_source"].startswith("c10d dispatch counter")  # dp and tp alike
     assert rows["ddp"]["tp"] == 1
+
+
+def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
+    """FSDP2 + TP and zeroshard stage 3 + TP on (dp 2, tp 2) train the same sequences
+    (the same loss); the state prediction is the tp piece's over dp. Stage 1 + TP (the
+    same runner, another stage) is test_tensor_parallel_rows_at_stage_1 (slow)."""
+    _check_tp_rows(tmp_path, ["fsdp2-tp2", "zs-s3-tp2"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rows_at_stage_1(tmp_path) -> None:  # noqa: ANN001
+    """test_tensor_parallel_rows's checks (its twin) on zeroshard stage 1 + TP."""
+    _check_tp_rows(tmp_path, ["zs-s1-tp2"])

@@ -5,7 +5,8 @@ The twin differs only in the wrap line, a ``--stage`` option and evaluating on e
 DDP's within 1e-5 relative; rank 0's checkpoint (``torch.save`` of ``model.state_dict()``
 and ``optimizer.state_dict()``) loads into the plain model and a plain torch AdamW; and
 resuming from it — loading before wrapping, as the script does — continues as the
-uninterrupted run does, at any stage and under DDP.
+uninterrupted run does, at any stage and under DDP (each stage's checkpoint resumed at the
+next stage here, at its own stage in ``make slow``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from zeroshard.testing import run_ranks
@@ -30,14 +32,20 @@ def _load(name: str):
     return module
 
 
-def _runs(rank: int, world: int, root: str) -> dict:
+# Resumes from stage s's checkpoint: at the next stage (every stage saves and loads once)
+# in `make test`; at the same stage in `make slow`.
+NEXT = [(s, (s + 1) % 4) for s in range(4)]
+SAME = [(s, s) for s in range(4)]
+
+
+def _runs(rank: int, world: int, root: str, resumes: list[tuple[int, int]]) -> dict:
     ddp, zs = _load("train_ddp"), _load("train_zeroshard")
     out = {"ddp": ddp.main([*ARGS, "--out", os.path.join(root, "ddp")])}
     for stage in range(4):
         d = os.path.join(root, f"zs{stage}")
         out[f"zs{stage}"] = zs.main([*ARGS, "--stage", str(stage), "--out", d])
-        # resume from this run's checkpoint at the same stage, and at another one
-        for other in (stage, (stage + 1) % 4):
+        # resume from this run's checkpoint at the stages asked for
+        for other in (o for s, o in resumes if s == stage):
             out[f"zs{stage}->zs{other}"] = zs.main(
                 [*ARGS, "--stage", str(other), "--resume", os.path.join(d, "ckpt.pt")])
     out["zs3->ddp"] = ddp.main([*ARGS, "--resume", os.path.join(root, "zs3", "ckpt.pt")])
@@ -68,7 +76,21 @@ def test_twin_differs_only_in_the_wrap_line() -> None:
 
 
 def test_ddp_script_and_its_zeroshard_twin_agree(tmp_path: Path) -> None:
-    logs = run_ranks(_runs, 2, str(tmp_path), timeout=600)[0]
+    """Every stage, each resumed at the next stage (and stage 3's under DDP); the resumes at
+    the same stage are test_ddp_script_and_its_zeroshard_twin_resume_at_the_same_stage
+    (slow, the same checks)."""
+    _check_twin_agrees(tmp_path, NEXT)
+
+
+@pytest.mark.slow
+def test_ddp_script_and_its_zeroshard_twin_resume_at_the_same_stage(tmp_path: Path) -> None:
+    """test_ddp_script_and_its_zeroshard_twin_agree's checks (its twin) with each stage's
+    checkpoint resumed at that stage."""
+    _check_twin_agrees(tmp_path, SAME)
+
+
+def _check_twin_agrees(tmp_path: Path, resumes: list[tuple[int, int]]) -> None:
+    logs = run_ranks(_runs, 2, str(tmp_path), resumes, timeout=600)[0]
     ddp = logs["ddp"]
     for stage in range(4):
         mine = logs[f"zs{stage}"]
@@ -79,7 +101,7 @@ def test_ddp_script_and_its_zeroshard_twin_agree(tmp_path: Path) -> None:
             assert a["lr"] == b["lr"]
             if b["val"] is not None:  # DDP evaluates on rank 0; zeroshard on every rank
                 assert _close(a["val"], b["val"]), (stage, a, b)
-        for other in (stage, (stage + 1) % 4):
+        for other in (o for s, o in resumes if s == stage):
             resumed = logs[f"zs{stage}->zs{other}"]
             assert [r["step"] for r in resumed] == [r["step"] for r in mine[4:]]
             for a, b in zip(resumed, mine[4:]):
