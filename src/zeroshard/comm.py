@@ -46,6 +46,7 @@ from .comm_wait import (  # noqa: F401  (_IN_FLIGHT_GLOBAL: read by the test har
     CollectiveTimeout,
     Pending,
     _waiting_in,
+    track,
 )
 from .peer_watch import WATCH
 
@@ -192,6 +193,7 @@ class Comm:
         self._unverified: list[_Check] = []  # posted checks not yet compared
         self._names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
         self._seq = (-1, 0)  # (step, index within step)
+        track(self)  # see [Note: stranded groups] in comm_wait.py
 
     def enable_check(self, mode: bool | str = True) -> None:
         """Turn on the collective check (see [Note: divergence] in comm_check.py).

@@ -7,9 +7,11 @@ verifies the collective's descriptor check first (comm_check.py), then waits (bo
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -36,16 +38,55 @@ def _waiting_in(desc: str) -> Iterator[None]:
         _IN_FLIGHT_GLOBAL.pop(threading.get_ident(), None)
 
 
-class CollectiveError(RuntimeError):
+# [Note: stranded groups]
+# After a divergence, timeout or lost peer, a collective may stay in flight forever on a
+# gloo worker thread (a broadcast whose peer issued something else). Destroying such a
+# process group blocks: ~ProcessGroupGloo waits for its work queue, so freeing the
+# group — when the script drops its sharded model and the collector takes it (the
+# engine is collectable: engine.weakly), or at exit — would hang the process. So the
+# errors below, when raised, strand every group a live Comm holds (and the default
+# group): one reference each that is never released, not even at interpreter exit. A
+# group that saw no error is freed normally.
+_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+_STRANDED: set[int] = set()
+
+
+def track(comm: Comm) -> None:
+    """Count ``comm`` among those whose groups an error strands."""
+    _COMMS.add(comm)
+
+
+def _strand() -> None:
+    import torch.distributed as dist
+
+    groups = [g for c in list(_COMMS) for g in (c.group, c._check_group)]
+    if dist.is_available() and dist.is_initialized():
+        groups.append(dist.distributed_c10d._get_default_group())
+    for g in groups:
+        if g is not None and id(g) not in _STRANDED:
+            _STRANDED.add(id(g))
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(g))
+
+
+class _CommFailure(RuntimeError):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        try:
+            _strand()
+        except Exception:  # never hide the error being raised
+            pass
+
+
+class CollectiveError(_CommFailure):
     """A collective failed because a peer is no longer running (it exited or crashed)."""
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveTimeout(_CommFailure):
     """A collective did not complete within ``ShardConfig.timeout`` (see [Note:
     divergence] in comm_check.py)."""
 
 
-class CollectiveMismatch(RuntimeError):
+class CollectiveMismatch(_CommFailure):
     """Ranks issued different collectives at the same point (see [Note: divergence] in
     comm_check.py)."""
 
