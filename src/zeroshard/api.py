@@ -56,7 +56,10 @@ class ShardedModule:
         try:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
         except RuntimeError as e:  # see [Note: reads outside a unit]
-            explained = explain_outside_read(self, self._zeroshard_engine, e)  # type: ignore[arg-type]
+            try:
+                explained = explain_outside_read(self, self._zeroshard_engine, e)  # type: ignore[arg-type]
+            except Exception:  # explaining must never hide the error itself
+                explained = None
             if explained is None:
                 raise
             raise explained from e
