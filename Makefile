@@ -4,10 +4,6 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# --no-compile: pip would byte-compile every installed module (torch's and the
-# integrations' thousands); Python compiles and caches the ones a run imports instead
-# (torch alone installs in 7 s instead of 23 s).
-PIP := $(BIN)/pip install -q --no-compile
 BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
@@ -16,16 +12,16 @@ STAMP := $(VENV)/.installed
 # torch, zeroshard and its plotting: all `zeroshard bench` imports (the demo's set-up).
 $(BASE): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(PIP) --upgrade pip
+	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned: its CPU build is on disk here; an unpinned torch pulls a multi-GB CUDA build.
-	$(PIP) "torch==2.13.0"
-	$(PIP) -e ".[plot]"
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[plot]"
 	touch $(BASE)
 
 # Everything the tests need: pytest, ruff and the integrations (transformers, peft, TRL,
 # Lightning), whose tests run in CI.
 $(STAMP): $(BASE)
-	$(PIP) -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)
