@@ -128,6 +128,16 @@ class _TiedByHand(nn.Module):
         return F.linear(x, self.blocks[0].weight)
 
 
+class _BiasByHand(_TiedByHand):
+    """The root adds the first block's bias: not the first parameter of its bucket (its
+    shard shares the bucket's storage with the weight's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x).relu()
+        return x + self.blocks[0].bias
+
+
 def _encoder() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -155,6 +165,7 @@ def _read_outside(rank: int, world: int) -> dict:
     out = {}
     cases = {
         "tied": (_TiedByHand, None, (2, 4)),
+        "bias": (_BiasByHand, None, (2, 4)),
         "linears": (_encoder, lambda m: isinstance(m, nn.Linear), (2, 3, 8)),
     }
     for case, (build, units, shape) in cases.items():
@@ -184,6 +195,8 @@ def test_a_parameter_read_outside_its_unit_is_named_with_the_fix() -> None:
             and "the root (_TiedByHand.forward)" in tied and "without 'blocks.0'" in tied \
             and "units=[model.get_submodule('blocks.1'), model.get_submodule('blocks.2')]" \
             in tied, tied
+        bias = out["bias"]
+        assert bias.startswith("ParameterOutsideUnit") and "'blocks.0.bias'" in bias, bias
         lin = out["linears"]
         assert lin.startswith("ParameterOutsideUnit") and \
             "'layers.0.self_attn.out_proj.weight'" in lin and \

@@ -564,9 +564,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     whole = nn.Module.state_dict(model, keep_vars=True)
     # Buffers as rank 0 holds them, on every rank (BatchNorm's statistics may differ by
     # rank): see rank0_copies.
+    ignored = set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
     buffers = {id(t) for t in model.buffers()}
     values.update(rank0_copies({k: t for k, t in whole.items() if id(t) in buffers
-                                and k not in values}, engine.world))
+                                and k not in values and k not in ignored}, engine.world))
     out: dict[str, torch.Tensor] = {}
     for key, tensor in whole.items():
         src = values.get(key, tensor).detach()

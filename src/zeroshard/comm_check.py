@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .comm_wait import CollectiveError, CollectiveMismatch, CollectiveTimeout, Pending
+from .comm_wait import CollectiveError, CollectiveMismatch, CollectiveTimeout, Pending, StillWaiting
 from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, CHECKS_ISSUED, WATCH
 
 if TYPE_CHECKING:
@@ -235,9 +235,9 @@ class _Check:
                 ask_at = time.monotonic() + ASK_EVERY_S
             until = min(ask_at, start + total, *(() if warned else (start + SLOW_CHECK,)))
             try:
-                Pending([self.work], self.table, self.desc, c,
+                Pending([self.work], self.table, self.desc, c, poll=True,
                         timeout=max(0.01, until - time.monotonic())).wait()
-            except CollectiveTimeout:
+            except StillWaiting:
                 continue
             except CollectiveError as e:
                 raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__

@@ -44,9 +44,10 @@ def _waiting_in(desc: str) -> Iterator[None]:
 # process group blocks: ~ProcessGroupGloo waits for its work queue, so freeing the
 # group — when the script drops its sharded model and the collector takes it (the
 # engine is collectable: engine.weakly), or at exit — would hang the process. So the
-# errors below, when raised, strand every group a live Comm holds (and the default
-# group): one reference each that is never released, not even at interpreter exit. A
-# group that saw no error is freed normally.
+# errors below, once made, strand every group a live Comm holds (and the default group):
+# one reference each that is never released, not even at interpreter exit. A process
+# that saw no error frees its groups normally (a check's poll of a slow peer raises
+# StillWaiting, which strands nothing).
 _COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
 _STRANDED: set[int] = set()
 
@@ -77,6 +78,11 @@ class _CommFailure(RuntimeError):
             pass
 
 
+class StillWaiting(Exception):
+    """One poll of a wait ran out (``Pending(poll=True)``); the caller waits on. Not a
+    failure: nothing is stranded."""
+
+
 class CollectiveError(_CommFailure):
     """A collective failed because a peer is no longer running (it exited or crashed)."""
 
@@ -98,12 +104,13 @@ class Pending:
     reported before the result is used, and before waiting on peers that will never
     issue this collective."""
 
-    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check", "_then")
+    __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check", "_then", "_poll")
 
     def __init__(self, work: list | None, out: torch.Tensor, desc: str,
                  comm: Comm | None = None, timeout: float | None = None,
                  check: _Check | None = None, then: Callable[[], None] | None = None,
-                 ) -> None:
+                 poll: bool = False) -> None:
+        self._poll = poll  # a timeout is one poll of a longer wait: StillWaiting
         self._then = then  # runs once the work is done (copying packed pieces out)
         self._work = work
         self._out = out
@@ -143,6 +150,8 @@ class Pending:
                                 "left the process group, or it crashed: see its log). "
                                 f"Underlying error: {e}"
                             ) from e
+                        if self._poll:
+                            raise StillWaiting from e
                         raise CollectiveTimeout(
                             f"rank {c.global_rank} waited {timeout:g} s in {self._desc} "
                             f"(group {c.label!r}) and gave up: a peer is not issuing the "

@@ -18,7 +18,10 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
     ``broadcast_buffers=False``) and (stages 0-2) frozen parameters, as DDP does;
     trainable weights are broadcast per bucket (materialize.py). Frozen floating
     parameters then take the compute dtype, as stage 3 keeps them (its frozen buckets)."""
+    ignored = _ignored(model)
     for name, t in model.named_buffers() if buffers else ():
+        if name in ignored:  # DDP's opt-out holds at start-up too
+            continue
         buf = t if t.is_contiguous() else t.contiguous()
         world.broadcast(buf, 0, phase="init", unit=f"buffer {name}")
         if buf is not t:
@@ -31,13 +34,19 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
             p.data = p.data.to(compute_dtype)
 
 
+def _ignored(model: nn.Module) -> set[str]:
+    """DDP's opt-out: names in ``model._ddp_params_and_buffers_to_ignore`` (set before
+    shard(); read from the instance, where the sharded class has a property)."""
+    return set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+
+
 def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
     """The buffers DDP broadcasts before a forward: every module buffer, persistent or
     not (a non-persistent running statistic updated in training forwards drifted on
     rank 1 when only persistent ones went out: the weights ended 0.4 off DDP's), except
     those named in ``_ddp_params_and_buffers_to_ignore`` (DDP's opt-out); grouped by
     dtype and device, one broadcast each."""
-    ignored = set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    ignored = _ignored(model)
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, t in model.named_buffers():
         if name in ignored or t.is_meta:
@@ -53,16 +62,15 @@ def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
     statistics are rank 0's everywhere as under DDP (under ``join()`` the highest rank
     still training, as DDP's join: rank 0 may have run out of data). Version counters
     are kept (as DDP does): a forward may have saved a buffer for a backward still to
-    come. ``strict``: the first broadcast waits for its check (one rank alone in a
-    forward at stages 0-2, or buffers of another size on each rank, must raise before
-    it is issued; see [Note: divergence] in comm_check.py)."""
+    come. ``strict``: each broadcast (one per dtype) waits for its check (one rank alone
+    in a forward at stages 0-2, or buffers of another size on each rank, must raise
+    before anything is issued; see [Note: divergence] in comm_check.py)."""
     # Not under no_grad: the check's descriptor tells a training forward from an
     # evaluation (buffers never require grad, so nothing is recorded).
     for group in _synced_buffers(model):
         tensors = [t for _, t in group]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         world.broadcast(flat, src, phase=phase, unit="buffers", strict=strict)
-        strict = False
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
             torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
                 flat.split([t.numel() for t in tensors]), tensors)])
@@ -73,14 +81,15 @@ def rank0_copies(tensors: dict[str, torch.Tensor], world: Comm) -> dict[str, tor
     """Copies of rank 0's ``tensors`` (a state dict's buffers) on every rank, the live
     ones untouched: what a DDP user saves is rank 0's ``model.module.state_dict()``, and
     broadcasting the buffers themselves would overwrite rank-local statistics kept under
-    ``broadcast_buffers=False``. One broadcast per dtype and device."""
+    ``broadcast_buffers=False``. One broadcast per dtype and device, each checked before
+    it is issued (buffers of another size on each rank raise, nothing in flight)."""
     groups: dict[tuple, list[str]] = {}
     for name, t in tensors.items():
         groups.setdefault((t.dtype, t.device), []).append(name)
     out = {}
     for names in groups.values():
         flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
-        world.broadcast(flat, 0, phase="state", unit="full_state_dict")
+        world.broadcast(flat, 0, phase="state", unit="full_state_dict", strict=True)
         for n, v in zip(names, flat.split([tensors[n].numel() for n in names])):
             out[n] = v.view_as(tensors[n])
     return out

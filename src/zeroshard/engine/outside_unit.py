@@ -9,10 +9,12 @@ elsewhere the modules hold the user parameters, DTensors sharded over the ranks
 directly) — computes with a DTensor and a plain tensor, and DTensor raises "got mixed
 torch.Tensor and DTensor", naming neither the parameter nor the fix (FSDP2 raises the
 same). ``ShardedModule.__call__`` turns exactly that error into
-:class:`ParameterOutsideUnit`, found from the exception's traceback: the frames' locals
-(DTensor's dispatch holds the operands) give the parameter — an operand's local shard
-shares its storage — and the innermost frame whose ``self`` is a module of the model
-gives the module that read it.
+:class:`ParameterOutsideUnit`, found from the exception's traceback: the innermost frame
+whose ``self`` is a module of the model is the module that read it; the parameter is a
+local of a frame (``F.multi_head_attention_forward``'s ``out_proj_weight``: the
+parameter itself, or a view starting where its shard does), or else what the reader's
+line names as ``self.a.b[0].weight`` (DTensor's dispatch runs in C++, so an operand made
+there, like F.linear's transpose, is in no frame). Nothing is found: torch's error as is.
 """
 
 from __future__ import annotations
@@ -55,23 +57,51 @@ def _operands(frame: Any) -> list[torch.Tensor]:
     return out
 
 
-def _storage(t: torch.Tensor) -> int | None:
+def _start(t: torch.Tensor) -> int | None:
+    """Where a DTensor's local shard starts: a view of a parameter (F.linear's
+    transpose) starts where it does; parameters sharing a bucket's storage do not."""
     local = getattr(t, "_local_tensor", None)
-    if local is None:
+    if local is None or local.numel() == 0:
         return None
     try:
-        return local.untyped_storage().data_ptr()
+        return local.data_ptr()
     except RuntimeError:
         return None
+
+
+def _find(t: torch.Tensor, by_id: dict[int, str], by_start: dict[int, str]) -> str | None:
+    """The sharded parameter ``t`` is, or views: only a DTensor can be the culprit (a
+    plain tensor beside it, the root's gathered parameter included, is whole)."""
+    if getattr(t, "_local_tensor", None) is None:
+        return None
+    if id(t) in by_id:
+        return by_id[id(t)]
+    start = _start(t)
+    return by_start.get(start) if start is not None else None
 
 
 _CHAIN = re.compile(r"\bself((?:\.\w+|\[-?\d+\])+)")
 
 
+def _step(obj: Any, attr: str, index: str) -> Any:
+    """One step of ``self.a.b[0].weight`` through modules' own registries only: no
+    property, parametrization or tensor indexing runs."""
+    if not isinstance(obj, nn.Module):
+        return None
+    if attr:
+        for table in (obj._modules, obj._parameters, obj._buffers):
+            if attr in table:
+                return table[attr]
+        return None
+    kids = list(obj._modules.values())
+    i = int(index)
+    return kids[i] if -len(kids) <= i < len(kids) else None
+
+
 def _named_on_line(tb: TracebackType | None, reader: str, model: nn.Module,
-                   by_storage: dict[int, str]) -> str | None:
-    """A parameter the reader's line names as ``self.a.b[0].weight``: only attribute and
-    constant-index steps are followed (nothing is called)."""
+                   by_id: dict[int, str]) -> str | None:
+    """A parameter the reader's line names as ``self.a.b[0].weight``: only module,
+    parameter and constant-index steps are followed (nothing is called)."""
     frame = next((f for f in _frames(tb) if isinstance(f.f_locals.get("self"), nn.Module)
                   and f.f_locals["self"] is model.get_submodule(reader)), None)
     if frame is None:
@@ -79,14 +109,12 @@ def _named_on_line(tb: TracebackType | None, reader: str, model: nn.Module,
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
     for chain in _CHAIN.findall(line):
         obj: Any = frame.f_locals["self"]
-        for step in re.findall(r"\.(\w+)|\[(-?\d+)\]", chain):
-            try:
-                obj = getattr(obj, step[0]) if step[0] else obj[int(step[1])]
-            except (AttributeError, IndexError, KeyError, TypeError):
-                obj = None
+        for attr, index in re.findall(r"\.(\w+)|\[(-?\d+)\]", chain):
+            obj = _step(obj, attr, index)
+            if obj is None:
                 break
-        if isinstance(obj, torch.Tensor) and (s := _storage(obj)) in by_storage:
-            return by_storage[s]
+        if hasattr(obj, "_local_tensor") and id(obj) in by_id:
+            return by_id[id(obj)]
     return None
 
 
@@ -106,24 +134,26 @@ def explain_outside_read(model: nn.Module, engine: Engine,
     ``error`` is not DTensor's mixed-operands error over one of the model's parameters."""
     if _RAW not in str(error) or not engine.units:
         return None
-    by_storage = {}
+    by_id: dict[int, str] = {}
+    by_start: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        ptr = _storage(p)
-        if ptr:
-            by_storage.setdefault(ptr, name)
+        by_id.setdefault(id(p), name)
+        start = _start(p)
+        if start is not None:
+            by_start.setdefault(start, name)
     modules = {id(m): n for n, m in model.named_modules()}
     param = reader = None
     for frame in _frames(error.__traceback__):
         if param is None:
-            param = next((by_storage[s] for t in _operands(frame)
-                          if (s := _storage(t)) in by_storage), None)
+            param = next((n for t in _operands(frame)
+                          if (n := _find(t, by_id, by_start)) is not None), None)
         owner = frame.f_locals.get("self")
         if reader is None and isinstance(owner, nn.Module) and id(owner) in modules:
             reader = modules[id(owner)]
     if reader is None:
         return None
     if param is None:  # an operand made in C++ (F.linear's transpose): read the code
-        param = _named_on_line(error.__traceback__, reader, model, by_storage)
+        param = _named_on_line(error.__traceback__, reader, model, by_id)
     if param is None:
         return None
     unit = next((u.name for u in engine.units
