@@ -16,7 +16,7 @@ from torch import nn
 
 from .comm import Comm, CommLedger
 from .config import ShardConfig, ignored_options, suggest_option
-from .engine.buffers import rank0_copies
+from .engine.buffers import ignored_buffers, rank0_copies
 from .engine.engine import Engine, ParamInit
 from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import ShardedOptimizer
@@ -564,7 +564,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     whole = nn.Module.state_dict(model, keep_vars=True)
     # Buffers as rank 0 holds them, on every rank (BatchNorm's statistics may differ by
     # rank): see rank0_copies.
-    ignored = set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    ignored = ignored_buffers(model)
     buffers = {id(t) for t in model.buffers()}
     values.update(rank0_copies({k: t for k, t in whole.items() if id(t) in buffers
                                 and k not in values and k not in ignored}, engine.world))

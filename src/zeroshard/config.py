@@ -182,11 +182,6 @@ class ShardConfig:
         return MIXED_PRECISION[self.mixed_precision]
 
     @property
-    def start_sync_buffers(self) -> bool:
-        """Rank 0's buffers to every rank at start-up (DDP's init sync)."""
-        return self.broadcast_buffers
-
-    @property
     def sync_buffers_in_forward(self) -> bool:
         """Broadcast buffers before a forward that follows a training one."""
         if self.forward_sync_buffers is not None:

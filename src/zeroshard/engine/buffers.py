@@ -8,7 +8,8 @@ from torch import nn
 
 from ..comm import Comm
 
-__all__ = ["sync_module_states", "broadcast_buffers", "rank0_copies", "materialize_buffers"]
+__all__ = ["sync_module_states", "broadcast_buffers", "rank0_copies", "ignored_buffers",
+           "materialize_buffers"]
 
 
 @torch.no_grad()
@@ -18,7 +19,7 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
     ``broadcast_buffers=False``) and (stages 0-2) frozen parameters, as DDP does;
     trainable weights are broadcast per bucket (materialize.py). Frozen floating
     parameters then take the compute dtype, as stage 3 keeps them (its frozen buckets)."""
-    ignored = _ignored(model)
+    ignored = ignored_buffers(model)
     for name, t in model.named_buffers() if buffers else ():
         if name in ignored:  # DDP's opt-out holds at start-up too
             continue
@@ -34,25 +35,37 @@ def sync_module_states(model: nn.Module, frozen: list[nn.Parameter], world: Comm
             p.data = p.data.to(compute_dtype)
 
 
-def _ignored(model: nn.Module) -> set[str]:
+def ignored_buffers(model: nn.Module) -> set[str]:
     """DDP's opt-out: names in ``model._ddp_params_and_buffers_to_ignore`` (set before
     shard(); read from the instance, where the sharded class has a property)."""
     return set(model.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
 
 
-def _synced_buffers(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+def _synced_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers DDP broadcasts before a forward: every module buffer, persistent or
     not (a non-persistent running statistic updated in training forwards drifted on
     rank 1 when only persistent ones went out: the weights ended 0.4 off DDP's), except
-    those named in ``_ddp_params_and_buffers_to_ignore`` (DDP's opt-out); grouped by
-    dtype and device, one broadcast each."""
-    ignored = _ignored(model)
+    those named in ``_ddp_params_and_buffers_to_ignore`` (DDP's opt-out). Read afresh
+    each time: a buffer may have been reassigned."""
+    ignored = ignored_buffers(model)
+    return [(n, t) for n, t in model.named_buffers() if n not in ignored and not t.is_meta]
+
+
+def _from_rank(named: list[tuple[str, torch.Tensor]], world: Comm, src: int, *,
+               phase: str, unit: str, strict: bool) -> dict[str, torch.Tensor]:
+    """Rank ``src``'s values of ``named``, as views of received flat tensors (detached:
+    nothing is recorded, whatever the grad mode): one broadcast per dtype and device
+    (``strict``: each checked before it is issued)."""
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in model.named_buffers():
-        if name in ignored or t.is_meta:
-            continue
+    for name, t in named:
         groups.setdefault((t.dtype, t.device), []).append((name, t))
-    return list(groups.values())
+    out = {}
+    for group in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for _, t in group])
+        world.broadcast(flat, src, phase=phase, unit=unit, strict=strict)
+        for (n, t), v in zip(group, flat.split([t.numel() for _, t in group])):
+            out[n] = v.view_as(t)
+    return out
 
 
 def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
@@ -65,34 +78,25 @@ def broadcast_buffers(model: nn.Module, world: Comm, src: int = 0, *,
     come. ``strict``: each broadcast (one per dtype) waits for its check (one rank alone
     in a forward at stages 0-2, or buffers of another size on each rank, must raise
     before anything is issued; see [Note: divergence] in comm_check.py)."""
-    # Not under no_grad: the check's descriptor tells a training forward from an
-    # evaluation (buffers never require grad, so nothing is recorded).
-    for group in _synced_buffers(model):
-        tensors = [t for _, t in group]
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        world.broadcast(flat, src, phase=phase, unit="buffers", strict=strict)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
-            torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(
-                flat.split([t.numel() for t in tensors]), tensors)])
+    named = _synced_buffers(model)
+    if not named:
+        return
+    # The broadcast runs in the caller's grad mode: the check's descriptor tells a
+    # training forward from an evaluation (buffers never require grad).
+    got = _from_rank(named, world, src, phase=phase, unit="buffers", strict=strict)
+    tensors = tuple(t for _, t in named)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensors):
+        torch._foreach_copy_(list(tensors), [got[n] for n, _ in named])
 
 
-@torch.no_grad()
 def rank0_copies(tensors: dict[str, torch.Tensor], world: Comm) -> dict[str, torch.Tensor]:
     """Copies of rank 0's ``tensors`` (a state dict's buffers) on every rank, the live
     ones untouched: what a DDP user saves is rank 0's ``model.module.state_dict()``, and
     broadcasting the buffers themselves would overwrite rank-local statistics kept under
-    ``broadcast_buffers=False``. One broadcast per dtype and device, each checked before
-    it is issued (buffers of another size on each rank raise, nothing in flight)."""
-    groups: dict[tuple, list[str]] = {}
-    for name, t in tensors.items():
-        groups.setdefault((t.dtype, t.device), []).append(name)
-    out = {}
-    for names in groups.values():
-        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
-        world.broadcast(flat, 0, phase="state", unit="full_state_dict", strict=True)
-        for n, v in zip(names, flat.split([tensors[n].numel() for n in names])):
-            out[n] = v.view_as(tensors[n])
-    return out
+    ``broadcast_buffers=False``. Each broadcast is checked before it is issued (buffers
+    of another size on each rank raise, nothing in flight)."""
+    return _from_rank(list(tensors.items()), world, 0, phase="state",
+                      unit="full_state_dict", strict=True)
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -227,7 +227,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             materialize_buffers(self.model, self.device)
         else:
             sync_module_states(self.model, self.frozen, self.world, self.compute_dtype,
-                               buffers=self.config.start_sync_buffers)
+                               buffers=self.config.broadcast_buffers)
         # DDP syncs buffers before a forward that follows a training forward (and before
         # the first): see broadcast_buffers in buffers.py.
         self._sync_buffers = True
