@@ -27,11 +27,14 @@ def full_optimizer_state(model: nn.Module,
 
     Per-element state (shaped like the flat master) comes back whole and shaped like the
     parameter, with the parameter's own scalar state (AdamW's ``step``); a parameter never
-    stepped has no entry, as in torch.
+    stepped has no entry, as in torch. Under tensor parallelism the whole is gathered over
+    tp too, per parameter in ``named_parameters`` order (tp ranks may cut buckets
+    differently, so their bucket orders differ).
     """
     engine = engine_of(model)
     inner = getattr(optimizer, "optim", optimizer)
     out: dict[str, dict[str, Any]] = {}
+    pieces: dict[str, list[str]] = {}  # each parameter's per-element keys
     entries = param_entries(engine)
     for b in engine.buckets:
         state = bucket_state(inner.state, b)
@@ -49,6 +52,14 @@ def full_optimizer_state(model: nn.Module,
                 continue
             out[e.name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
                            for k, v in own.items()}
-            out[e.name].update((k, e.whole(v).view(e.shape).cpu().clone())
+            s = e.slot  # this rank's tp piece (the whole parameter without tp)
+            out[e.name].update((k, v[s.offset : s.offset + s.numel].view(s.shape))
                                for k, v in flat.items())
+            pieces[e.name] = list(flat)
+    for e in entries:  # the same order on every rank
+        for k in pieces.get(e.name, ()):
+            v = out[e.name][k]
+            if engine.tp is not None:
+                v = engine.tp.whole(e.slot.param, v)
+            out[e.name][k] = v.cpu().clone()
     return out
