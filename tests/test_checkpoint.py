@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,13 @@ def _world2(rank: int, world: int, root: str) -> dict[str, list]:
         straight = _state(model, optim)
         model, optim, data = _setup(rank, world, stage, mp)
         _steps(model, optim, data, HALF)
-        save_checkpoint(Path(root) / f"s{stage}{mp}", model, optim,
-                        extra={"data": data.state_dict(), "marker": torch.arange(3)})
-        return straight, torch.get_rng_state()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            save_checkpoint(Path(root) / f"s{stage}{mp}", model, optim,
+                            extra={"data": data.state_dict(), "marker": torch.arange(3)})
+        deprecated = [str(w.message) for w in warned
+                      if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+        return straight, torch.get_rng_state(), deprecated
 
     def source(name: str, stage: int, **kw: Any) -> Any:
         model, optim, data = _setup(rank, world, stage, **kw)
@@ -116,8 +121,8 @@ def _second_half(rank: int, world: int, root: str, rng_by_rank: list) -> list:
 
 def test_resume_is_bitwise_exact(world2) -> None:
     root, ranks = world2
-    straight = [s for s, _ in ranks[0]["resume"]]
-    rngs = [[r for _, r in out["resume"]] for out in ranks]
+    straight = [s for s, _, _ in ranks[0]["resume"]]
+    rngs = [[r for _, r, _ in out["resume"]] for out in ranks]
     resumed = run_ranks(_second_half, 2, str(root), rngs, timeout=300)[0]
     for point, a, b in zip(RESUME, straight, resumed):
         _assert_equal(b, a, f"{point}: {HALF}+{HALF} steps in a new group vs {2 * HALF} straight")
@@ -194,6 +199,32 @@ def test_consolidate_equals_full_state_dict(world2, tmp_path: Path) -> None:
     assert all(torch.equal(half[k], weights[k].bfloat16()) for k in weights)
     reader = CheckpointReader(root / "s3")
     assert reader.optimizer_state("lm_head.weight", "exp_avg").shape == weights["lm_head.weight"].shape
+
+
+def test_checkpoint_holds_each_tensor_in_its_shape_as_dtensor_pieces(world2) -> None:
+    """Format version 2: every weight and optimizer state in the parameter's own shape,
+    stored as the DTensor ``Shard(0)`` pieces of the ranks that owned them (``torch.chunk``'s
+    rows, FSDP2's layout); written without deprecated APIs (no ShardedTensor)."""
+    import json
+
+    from zeroshard.state.reader import load_metadata
+
+    root, ranks = world2
+    assert not [w for out in ranks for _, _, w in out["resume"] for w in w]
+    for src in ("s3fp16", "s0None"):
+        manifest = json.loads((root / src / "zeroshard.json").read_text())
+        assert manifest["version"] == 2
+        meta = load_metadata(root / src, manifest).state_dict_metadata
+        for p in manifest["params"]:
+            shape = p["shape"]
+            for key in (f"model.{p['name']}", f"optim.{p['name']}.exp_avg"):
+                md = meta[key]
+                assert list(md.size) == shape, (src, key)
+                starts = sorted(c.offsets[0] for c in md.chunks)
+                if src == "s3fp16":  # world 2: rows [0, c) and [c, R), c = ceil(R / 2)
+                    assert starts == sorted({0, min(-(-shape[0] // 2), shape[0])}), (key, starts)
+                else:  # stage 0: whole, written once
+                    assert starts == [0] and list(md.chunks[0].sizes) == shape, (key, md.chunks)
 
 
 # -- crashes and damage --------------------------------------------------------------------

@@ -46,7 +46,7 @@ its input from them (``Engine.refresh_weights``). This saves 4Ψ/N bytes per ran
 Gradients and optimizer state keep the shard layout (``master_grad``, ``flat_state``);
 code that reads or writes a range of the masters goes through ``master_range`` (one
 parameter's chunk at a time: the shard as a whole is not contiguous in ``full``), and
-checkpoints through ``state/layout.py: weights_views``.
+checkpoints through ``state/layout.py: weights_view``.
 """
 
 from __future__ import annotations

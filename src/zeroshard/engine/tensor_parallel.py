@@ -125,8 +125,8 @@ class TensorParallel:
         self.rank = self.tp_mesh.get_local_rank()
         self.specs = specs  # id(compute parameter) -> TpSpec
         self.comm = tp_comm  # a Comm over the tp group (norms, flags)
-        # Checkpoints (state/tp_views.py) are written and read by the (shard, tp) ranks of
-        # one replica together: group rank q * tp + t is shard rank q, tp rank t.
+        # Checkpoints (state/layout.py) are written and read by the (shard, tp) ranks of
+        # one replica together.
         # (Not DeviceMesh._flatten: flattening meshes of the same dimension names twice in a
         # process broke later DTensor collectives.) Every rank creates every replica's group.
         hybrid = len(mesh.mesh_dim_names) == 3

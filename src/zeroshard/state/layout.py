@@ -1,72 +1,87 @@
-"""From flat buckets to per-parameter 1-D ranges: what a rank owns, in checkpoint terms.
+"""From flat buckets to per-parameter DTensors: what a rank owns, in checkpoint terms.
 
 [Note: checkpoint layout]
 Inside the engine a rank owns a dim-0 chunk of every parameter of a bucket (see
 [Note: flat buckets]); which parameters share a bucket depends on the stage (stages 0-2
-cut buckets by bytes, stage 3 by unit) and the chunks and padding on the world size. None of that may leak into the file, or a checkpoint
-could only be read back by the layout that wrote it. So every parameter is stored on its
-own, *flattened*, under its canonical name (the first name ``named_parameters`` gives
-it; tied names are recorded as aliases):
+cut buckets by bytes, stage 3 by unit) and the chunks and padding on the world size. None
+of that may leak into the file, or a checkpoint could only be read back by the layout
+that wrote it. So every parameter is stored on its own, in its own shape, under its
+canonical name (the first name ``named_parameters`` gives it; tied names are recorded as
+aliases):
 
-* ``model.<name>`` — its fp32 master weights (the values the optimizer steps), 1-D;
+* ``model.<name>`` — its fp32 master weights (the values the optimizer steps);
 * ``optim.<name>.<key>`` — each per-element optimizer state (AdamW's ``exp_avg``,
-  ``exp_avg_sq``), 1-D, same ranges.
+  ``exp_avg_sq``), shaped like the parameter.
 
-A rank's chunk of a parameter is one 1-D range ``[lo, hi)`` of the flattened
-parameter, written by that rank only as a ``ShardedTensor`` shard
-with its global offset. Loading at another world size or stage asks the checkpoint
-(torch.distributed.checkpoint, "DCP") for exactly the 1-D ranges the *new* layout owns,
-and DCP reads the overlapping parts of whichever stored chunks hold them. The 16-bit
-weights a mixed-precision run computes with are a cast of the master weights, so they
-are not stored: loading re-derives them bit for bit.
+A rank's chunk of a parameter is ``torch.chunk``'s, so it *is* the local tensor of a
+DTensor ``Shard(0)`` (the user parameters are those DTensors, see [Note: parameters the
+user sees] in engine/params.py): DCP writes each rank's piece at its offset, as it does
+FSDP2's. Under tensor parallelism the placements are the user parameter's on the whole
+mesh — zeroshard's dp placements, then the tp placement (``_StridedShard(0)`` where both
+split dim 0, see [Note: tensor-parallel parameters]) — and with hybrid sharding
+``Replicate`` on the replica dimension; DCP computes every piece's offsets, writes a
+replicated piece once, and reads any overlap, so no tp collective runs here. Loading at
+another world size, stage or tp degree asks for exactly the pieces the *new* layout owns,
+viewing this rank's current buffers, and DCP reads the overlapping parts of whichever
+stored chunks hold them. The 16-bit weights a mixed-precision run computes with are a
+cast of the master weights, so they are not stored: loading re-derives them bit for bit.
 
-Stage 0 keeps everything whole on every rank; it still *writes* by the same ranges, so
-saving is split across ranks, and reads whole tensors back.
+Stage 0 keeps everything whole on every rank: whole tensors (DCP writes each once,
+spreading the writing over the ranks), read back whole; a tensor-parallel one is a DTensor
+on the tp mesh. Frozen parameters kept out of buckets likewise.
+
+Version 1 of the format (zeroshard before this layout) stored every tensor flattened, in
+arbitrary 1-D ranges (torch's deprecated sharded-tensor class); :func:`read_v1` loads it.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 
 from ..engine.engine import Engine
 from ..engine.flat import FlatBucket, ParamSlot
+from ..engine.params import dtensor, make_spec
 
-__all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_tensor_views",
-           "weights_views", "sharded_1d", "sharded_tensor", "quiet", "global_ranks"]
+__all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
+           "weights_view", "frozen_view", "read_v1", "quiet", "global_ranks",
+           "checkpoint_group", "rng_table"]
 
 
 def global_ranks(group) -> list[int]:
-    """Global rank of each rank of ``group`` (``None``: the world), for shard placements."""
+    """Global rank of each rank of ``group`` (``None``: the world)."""
     size = dist.get_world_size(group)
     return [r if group is None else dist.get_global_rank(group, r) for r in range(size)]
 
 
+def checkpoint_group(engine: Engine) -> tuple[Any, int, int, list[int], bool]:
+    """(group, rank in it, size, global rank of each member, whether it writes): who saves
+    and loads a checkpoint together — the sharding group, or under tensor parallelism a
+    replica's (shard, tp) ranks — and whether this rank's group is the one that writes
+    (replica 0: replicas hold the same pieces)."""
+    writes = engine.replicate is None or engine.replicate.rank == 0
+    tp = engine.tp
+    if tp is None:
+        c = engine.comm
+        return c.group, c.rank, c.size, global_ranks(c.group), writes
+    group = tp.ckpt_group
+    return group, dist.get_rank(group), len(tp.ckpt_peers), tp.ckpt_peers, writes
+
+
 @contextmanager
 def quiet() -> Iterator[None]:
-    """Silence DCP's "we are deprecating ShardedTensor" FutureWarning.
+    """Silence DCP's "assuming the intent is to load in a single process" UserWarning,
+    which a single-process read (``no_dist=True``, consolidate.py, :func:`read_v1`) is."""
+    import warnings
 
-    DTensor, its successor, shards a dimension in equal ``ceil(n/N)`` chunks; a
-    parameter's pieces here are arbitrary 1-D ranges (wherever bucket slices cut it),
-    which is what ``ShardedTensor`` describes and DCP still reads and writes (FSDP1's
-    sharded state dicts use it too). Should it go, DTensor over torch's
-    ``LocalShardsWrapper`` describes the same ranges.
-    """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         yield
 
@@ -90,43 +105,10 @@ class ParamEntry:
     bucket: FlatBucket | None  # None: a frozen parameter kept whole on every rank
     slot: ParamSlot | None
     trainable: bool
-    world: int  # ranks of the sharding group (who writes which piece)
-    rank: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def offset(self) -> int:
         return self.slot.offset if self.slot is not None else 0
-
-    def ranges(self) -> list[tuple[int, int, int]]:
-        """``(rank, lo, hi)``: every rank's piece, in this parameter's flat coordinates
-        (its dim-0 chunk; see [Note: flat buckets]). Stage 0 keeps everything whole on
-        every rank and splits only the writing, by the same rule over its ranks."""
-        s = self.slot
-        assert s is not None
-        if s.world == 1 and self.world > 1:
-            s = replace(s, world=self.world)
-        return [(q, *s.piece(q)) for q in range(s.world) if s.rows_of(q)]
-
-    def piece(self, t: torch.Tensor) -> torch.Tensor | None:
-        """This rank's piece of the parameter inside a per-bucket tensor ``t`` — the
-        rank's shard (stages >= 1) or the whole bucket (stage 0) — or None."""
-        s = self.slot
-        assert s is not None
-        mine = [(lo, hi) for q, lo, hi in self.ranges() if q == self.rank]
-        if not mine:
-            return None
-        lo, hi = mine[0]
-        if s.world == 1:  # a whole bucket
-            return t[s.offset + lo : s.offset + hi]
-        return t[s.shard_offset : s.shard_offset + hi - lo]
-
-    def whole(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole flattened parameter inside a full-layout tensor ``t``."""
-        return t[self.offset : self.offset + self.numel]
 
 
 def param_entries(engine: Engine) -> list[ParamEntry]:
@@ -148,82 +130,105 @@ def param_entries(engine: Engine) -> list[ParamEntry]:
     for p in params:
         b, s = slots.get(id(p), (None, None))
         shape = tuple(s.shape) if s is not None else tuple(p.shape)
-        if s is not None and engine.tp is not None:  # the whole parameter's (tp_views.py)
+        if s is not None and engine.tp is not None:  # the whole parameter's, not the tp piece's
             shape = tuple(engine.tp.global_shape(s.param))
         out.append(ParamEntry(
             name=names[id(p)][0], aliases=tuple(names[id(p)][1:]), shape=shape,
             param=s.param if s is not None else p, bucket=b, slot=s,
             trainable=b.requires_grad if b is not None else p.requires_grad,
-            world=engine.comm.size, rank=engine.comm.rank,
         ))
     return out
 
 
-def bucket_tensor_views(entry: ParamEntry, t: torch.Tensor, *, for_load: bool, group,
-                        peers: list[int]) -> torch.Tensor:
-    """What DCP should see for ``entry`` given its bucket's tensor ``t`` (master, a state
-    tensor, or stage 3's frozen ``shard16``).
+def bucket_view(engine: Engine, entry: ParamEntry, t: torch.Tensor) -> torch.Tensor:
+    """What DCP writes and reads for ``entry`` given its bucket's tensor ``t`` (master, a
+    state tensor, stage 3's frozen ``shard16``): a view of ``t``, so a load lands in place.
 
-    Whole buckets (stage 0) load as plain whole tensors (every rank needs everything);
-    everything else is a 1-D ``ShardedTensor`` over the current layout's ranges.
+    A DTensor of the parameter's global shape over this rank's ``Shard(0)`` piece (stages
+    >= 1), or the whole parameter (stage 0; a DTensor on the tp mesh under tensor
+    parallelism). See [Note: checkpoint layout].
     """
-    b = entry.bucket
-    assert b is not None
-    if for_load and b.world == 1:
-        return entry.whole(t)
-    return sharded_1d(entry.numel, entry.ranges(), entry.piece(t), entry.rank, peers, group,
-                      t.dtype, t.device)
+    b, s = entry.bucket, entry.slot
+    assert b is not None and s is not None
+    i = b.slots.index(s)
+    if b.world == 1:
+        return _on_tp_mesh(engine, s, b.slot_view(t, i))
+    return _piece_dtensor(engine, s, b.local(t, i))
 
 
-def weights_views(entry: ParamEntry, *, for_load: bool, group, peers: list[int]) -> torch.Tensor:
-    """:func:`bucket_tensor_views` of the bucket's master weights (stage 3's frozen
-    ``shard16``), which may live inside ``full`` (see [Note: masters inside the weights]
-    in engine/chunks.py): each rank's piece is contiguous there, so DCP reads and writes
-    them in place."""
-    b = entry.bucket
-    assert b is not None
+def weights_view(engine: Engine, entry: ParamEntry) -> torch.Tensor:
+    """:func:`bucket_view` of the bucket's master weights (stage 3's frozen ``shard16``),
+    which may live inside ``full`` (see [Note: masters inside the weights] in
+    engine/chunks.py): each rank's piece is contiguous there, so DCP reads and writes it
+    in place."""
+    b, s = entry.bucket, entry.slot
+    assert b is not None and s is not None
     if not b.master_in_full:
-        src = b.master.detach() if b.master is not None else b.shard16
-        return bucket_tensor_views(entry, src, for_load=for_load, group=group, peers=peers)
-    if for_load and b.world == 1:
-        return entry.whole(b.full)
-    s = entry.slot
-    assert s is not None
-    mine = [(lo, hi) for q, lo, hi in entry.ranges() if q == entry.rank]
-    local = b.master_range(s.shard_offset, s.shard_offset + mine[0][1] - mine[0][0]) \
-        if mine else None
-    return sharded_1d(entry.numel, entry.ranges(), local, entry.rank, peers, group,
-                      b.full.dtype, b.full.device)
+        return bucket_view(engine, entry, b.master.detach() if b.master is not None else b.shard16)
+    if b.world == 1:
+        return _on_tp_mesh(engine, s, b.slot_view(b.full, b.slots.index(s)))
+    n = s.rows_of(b.rank) * s.row
+    local = b.master_range(s.shard_offset, s.shard_offset + n).view(s.local_shape(b.rank))
+    return _piece_dtensor(engine, s, local)
 
 
-def sharded_1d(numel: int, ranges: list[tuple[int, int, int]], local: torch.Tensor | None,
-               rank: int, peers: list[int], group, dtype: torch.dtype,
-               device: torch.device) -> ShardedTensor:
-    """A 1-D ``ShardedTensor`` of ``numel`` elements whose rank ``q`` holds ``[lo, hi)``."""
-    shards = [(q, [lo], [hi - lo]) for q, lo, hi in ranges]
-    return sharded_tensor([numel], shards, local, rank, peers, group, dtype, device)
+def frozen_view(entry: ParamEntry) -> torch.Tensor:
+    """A frozen parameter kept whole outside buckets (stages 0-2): itself (a DTensor on
+    the tp mesh if tensor-parallel), detached; DCP writes it once and loads in place."""
+    return entry.param.detach()
 
 
-def sharded_tensor(size: list[int], shards: list[tuple[int, list[int], list[int]]],
-                   local: torch.Tensor | None, rank: int, peers: list[int], group,
-                   dtype: torch.dtype, device: torch.device) -> ShardedTensor:
-    """A ``ShardedTensor`` whose rank ``q`` holds the block at ``offsets`` of ``sizes``
-    (``shards``: ``(q, offsets, sizes)``; ``local``: this rank's block, if any).
+def _piece_dtensor(engine: Engine, s: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's piece) as the DTensor the user parameter is, in its dtype."""
+    spec = engine.faces.specs[id(s.param)]
+    return dtensor(local, make_spec(spec.mesh, spec.placements, spec.shape, local.dtype))
 
-    Built from the global layout every rank computes identically, so no collective is
-    needed (torch FSDP's ``_create_chunk_sharded_tensor`` does the same).
-    """
-    where = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
-    mds = [ShardMetadata(shard_offsets=list(off), shard_sizes=list(sz),
-                         placement=f"rank:{peers[q]}/{where}") for q, off, sz in shards]
-    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=mds, size=torch.Size(size),
-                                 tensor_properties=props)
-    local_shards = []
-    for (q, _, sz), md in zip(shards, mds):
-        if q == rank:
-            assert local is not None and list(local.shape) == list(sz)
-            local_shards.append(Shard(local.detach(), md))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, meta, process_group=group)
+
+def _on_tp_mesh(engine: Engine, s: ParamSlot, whole: torch.Tensor) -> torch.Tensor:
+    """A whole (stage 0) parameter: under tensor parallelism this rank's tp piece is a
+    DTensor on the tp mesh; otherwise the tensor itself (the same on every rank)."""
+    spec = engine.tp.spec(s.param) if engine.tp is not None else None
+    if spec is None or not spec.sharded:
+        return whole
+    return dtensor(whole, make_spec(spec.mesh, (spec.placement,), spec.shape, whole.dtype))
+
+
+def rng_table(engine: Engine, row: torch.Tensor) -> torch.Tensor:
+    """This rank's row of a ``[size, L]`` table over the checkpoint group (rng.py): a
+    DTensor ``Shard(0)`` whose piece on group rank r is row r."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    group, _, size, _, _ = checkpoint_group(engine)
+    with unset_fake_temporarily():
+        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                     engine.device.type)
+    local = row.reshape(1, -1)
+    return dtensor(local, make_spec(mesh, (Shard(0),), torch.Size([size, local.shape[1]]),
+                                    local.dtype))
+
+
+def read_v1(reader, metadata, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> None:
+    """Load version-1 tensors (flattened whole, stored in 1-D pieces) into ``targets``
+    (this layout's views, above): each rank reads each whole tensor on its own
+    (``no_dist``: DCP in one process, reading only that key's chunks), one at a time, and
+    copies its piece. Memory: the largest tensor, once. ``shapes``: each key's global
+    shape."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for key, target in targets.items():
+        md = metadata.state_dict_metadata[key]
+        whole = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        with quiet():
+            dcp.load({key: whole}, storage_reader=reader, no_dist=True)
+        whole = whole.view(shapes[key])
+        if isinstance(target, DTensor):
+            # the piece DCP itself would place there (its planner calls the same function)
+            sizes, offsets = compute_local_shape_and_global_offset(
+                target.shape, target.device_mesh, target.placements)
+            piece = whole[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            target.to_local().copy_(piece)
+        else:
+            target.copy_(whole.view(target.shape))

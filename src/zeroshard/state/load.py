@@ -1,9 +1,10 @@
-"""``load_checkpoint``: each rank asks the checkpoint for exactly the ranges it owns now.
+"""``load_checkpoint``: each rank asks the checkpoint for exactly the pieces it owns now.
 
 Any world size and any stage can load any checkpoint (see [Note: checkpoint layout]):
-the targets handed to DCP are views into this rank's *current* buffers — its slice of
-each master bucket and of each optimizer state tensor (stages >= 1) or the whole buffers
-(stage 0) — so bytes land in place, with no whole-model staging copy. Afterwards the
+the targets handed to DCP are views into this rank's *current* buffers — DTensors over
+its slice of each master bucket and of each optimizer state tensor (stages >= 1) or the
+whole buffers (stage 0) — so bytes land in place, with no whole-model staging copy.
+Version-1 checkpoints (flattened pieces) load through ``layout.read_v1``. Afterwards the
 compute weights are re-derived from the masters (cast; stages 1-2 all-gather them, as
 after an optimizer step), then scalar optimizer state, hyperparameters, the loss scaler
 and RNG states are restored, and the caller's ``extra`` is returned.
@@ -27,17 +28,17 @@ from . import rng
 from .compat import check_model, check_optimizer
 from .layout import (
     ParamEntry,
-    bucket_tensor_views,
-    global_ranks,
+    bucket_view,
+    checkpoint_group,
+    frozen_view,
     model_key,
     optim_key,
     param_entries,
-    quiet,
-    weights_views,
+    read_v1,
+    weights_view,
 )
 from .manifest import CheckpointError, read_manifest
 from .reader import SafeReader, dcp_errors
-from .tp_views import TpViews, checkpoint_group
 
 __all__ = ["load_checkpoint"]
 
@@ -49,23 +50,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _weights_target(engine: Engine, e: ParamEntry, views: TpViews | None) -> Any:
-    comm = engine.comm
+def _weights_target(engine: Engine, e: ParamEntry) -> torch.Tensor:
     if e.bucket is None:  # frozen, stages 0-2: the parameter itself
-        if views is not None and hasattr(e.param, "full_tensor"):  # a frozen tp DTensor
-            return views.frozen_load(e.param)
-        return e.param.data.view(-1)
-    if views is not None:
-        b = e.bucket
-        return views.load(e, b.master if b.master is not None else b.shard16)
-    return weights_views(e, for_load=True, group=comm.group, peers=global_ranks(comm.group))
+        return frozen_view(e)
+    return weights_view(engine, e)
 
 
 def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim.Optimizer,
-                   info: dict[str, Any], path: Path, views: TpViews | None,
-                   ) -> tuple[dict[str, Any], list]:
+                   info: dict[str, Any], path: Path) -> tuple[dict[str, Any], list]:
     """Create/keep each bucket's state tensors; return DCP targets and scalar fix-ups."""
-    comm = engine.comm
     states = info["params"]
     by_bucket: dict[int, list[ParamEntry]] = {}
     for e in entries:
@@ -92,9 +85,7 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
         scalars.append((state, per_slot, b, group))
         for e in mine:
             for k in states[e.name]["per_element"]:
-                targets[optim_key(e.name, k)] = views.load(e, state[k]) if views else \
-                    bucket_tensor_views(e, state[k], for_load=True, group=comm.group,
-                                        peers=global_ranks(comm.group))
+                targets[optim_key(e.name, k)] = bucket_view(engine, e, state[k])
     return targets, scalars
 
 
@@ -158,18 +149,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
             if inner is not None else None)
     reader = SafeReader(path, manifest, verify=verify)
     metadata = reader.read_metadata()
-    views = TpViews(engine) if engine.tp is not None else None
-    with quiet():
-        sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e, views)
-                              for e in entries}
+    sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e) for e in entries}
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for k, t in nn.Module.state_dict(model, keep_vars=True).items():
         if k not in pnames:
             sd[model_key(k)] = t.detach()
     fixups: list = []
     if info is not None:
-        with quiet():
-            targets, fixups = _prepare_optim(engine, entries, inner, info, path, views)
+        targets, fixups = _prepare_optim(engine, entries, inner, info, path)
         sd.update(targets)
     extra_keys = [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
     rng_keys = [k for k in manifest["rng"]["rows"] if k in metadata.state_dict_metadata]
@@ -183,10 +170,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata lacks {missing[:8]} "
                               "which the manifest promises; the checkpoint is damaged")
     group, rank = checkpoint_group(engine)[:2]
-    with quiet(), dcp_errors(f"loading {str(path)!r} failed"):
+    what = f"loading {str(path)!r} failed"
+    if manifest["version"] == 1:  # flattened pieces: each parameter's whole, then its piece
+        shapes = {model_key(e.name): e.shape for e in entries}
+        shapes.update((optim_key(e.name, k), e.shape) for e in entries if info is not None
+                      for k in info["params"].get(e.name, {}).get("per_element", ()))
+        with dcp_errors(what):
+            read_v1(reader, metadata, {k: sd.pop(k) for k in list(sd) if k in shapes}, shapes)
+    with dcp_errors(what):
         dcp.load(sd, storage_reader=reader, process_group=group)
-    if views is not None:  # pieces read elsewhere: broadcasts, column gathers
-        views.finish()
     engine.refresh_weights(phase="state")
     if info is not None:
         _set_scalars(inner, fixups)

@@ -34,7 +34,10 @@ __all__ = [
 
 MANIFEST = "zeroshard.json"
 FORMAT = "zeroshard.checkpoint"
-VERSION = 1
+# 2: every tensor in its own shape, pieces as DTensors (layout.py); 1: flattened 1-D
+# pieces (torch's deprecated sharded tensors), still read (layout.read_v1).
+VERSION = 2
+READS = (1, 2)
 _STEP = re.compile(r"step-(\d+)")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -100,10 +103,11 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
                               "damaged, load an earlier one") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{str(path)!r} is not a zeroshard checkpoint manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS:
         raise CheckpointError(
             f"{str(path)!r} has format version {manifest.get('version')!r}; this zeroshard "
-            f"reads version {VERSION}. Use the zeroshard release that wrote it")
+            f"reads versions {', '.join(map(str, READS))}. Use the zeroshard release that "
+            "wrote it")
     for name in manifest.get("files", {}):
         check_name(directory, name)
     return manifest

@@ -1,7 +1,7 @@
 """Random-number-generator states, one row per rank, as tensors a checkpoint can hold.
 
 Each rank has its own generators (dropout masks usually differ per rank), so the states
-form a ``[world, L]`` table: rank r writes row r (a 1-row shard of a ``ShardedTensor``)
+form a ``[world, L]`` table: rank r writes row r (its ``Shard(0)`` piece of a DTensor)
 and on loading every rank reads the whole small table and restores row r — or, when the
 world size changed, row ``r % saved_world`` (exact continuation of random streams is
 impossible across world sizes; data order is not affected, see zeroshard.data).

@@ -3,10 +3,11 @@
 What goes where (see [Note: checkpoint layout] in layout.py):
 
 ========================  ==============================================================
-DCP tensors               ``model.<name>`` fp32 master weights, 1-D, sharded by owner;
-                          ``optim.<name>.<key>`` per-element optimizer state, same
-                          ranges; ``model.<buffer>`` buffers and frozen parameters kept
-                          whole (written once); ``rng.*`` one row per rank;
+DCP tensors               ``model.<name>`` fp32 master weights, DTensors of the
+                          parameter's shape, sharded by owner; ``optim.<name>.<key>``
+                          per-element optimizer state, the same pieces;
+                          ``model.<buffer>`` buffers and frozen parameters kept whole
+                          (written once); ``rng.*`` one row per rank;
                           ``extra.<path>`` tensors found in ``extra``
 ``zeroshard.json``        names, shapes, dtypes, flat layout; optimizer class,
                           hyperparameters and scalar state (AdamW's ``step``) per
@@ -34,14 +35,14 @@ from ..engine.engine import Engine
 from . import rng
 from .layout import (
     ParamEntry,
-    bucket_tensor_views,
-    global_ranks,
+    bucket_view,
+    checkpoint_group,
+    frozen_view,
     model_key,
     optim_key,
     param_entries,
-    quiet,
-    sharded_tensor,
-    weights_views,
+    rng_table,
+    weights_view,
 )
 from .manifest import (
     FORMAT,
@@ -53,7 +54,6 @@ from .manifest import (
     write_manifest,
 )
 from .reader import dcp_errors
-from .tp_views import TpViews, checkpoint_group
 
 __all__ = ["save_checkpoint"]
 
@@ -140,9 +140,6 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | None,
              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(DCP state dict of what this rank writes, the layout part of the manifest)."""
-    comm = engine.comm
-    group, peers = comm.group, global_ranks(comm.group)
-    views = TpViews(engine) if engine.tp is not None else None
     sd: dict[str, Any] = {}
     params, optim_params, unstepped = [], {}, []
     inner = _inner(optim) if optim is not None else None
@@ -150,7 +147,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         info: dict[str, Any] = {"name": e.name, "aliases": list(e.aliases), "shape": list(e.shape),
                                 "trainable": e.trainable, "offset": e.offset,
                                 "bucket": e.bucket.name if e.bucket is not None else None}
-        sd[model_key(e.name)], info["dtype"] = _weights(engine, e, group, peers, views)
+        sd[model_key(e.name)], info["dtype"] = _weights(engine, e)
         params.append(info)
         if inner is None or not e.trainable:
             continue
@@ -164,9 +161,7 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
         optim_params[e.name] = {"state_keys": [*own, *keys], "per_element": keys,
                                 "scalars": _scalars(own, numel, e.name)}
         for k in keys:
-            sd[optim_key(e.name, k)] = (views.save(e, state[k]) if views is not None else
-                                        bucket_tensor_views(e, state[k], for_load=False,
-                                                            group=group, peers=peers))
+            sd[optim_key(e.name, k)] = bucket_view(engine, e, state[k])
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = []
     # Buffers may differ across ranks (BatchNorm without SyncBatchNorm, between two
@@ -202,31 +197,21 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
     return sd, layout
 
 
-def _weights(engine: Engine, e: ParamEntry, group, peers,
-             views: TpViews | None = None) -> tuple[Any, str]:
+def _weights(engine: Engine, e: ParamEntry) -> tuple[Any, str]:
     """What DCP writes for a parameter's weights, and its dtype name."""
     if e.bucket is None:  # frozen, stages 0-2: whole on every rank, written once
-        t = (views.frozen_save(e.param) if views is not None and hasattr(e.param, "full_tensor")
-             else e.param.detach().reshape(-1))
+        t = frozen_view(e)
         return t, _dtype_name(t.dtype)
     b = e.bucket
     dtype = b.master_dtype if b.requires_grad else b.shard16.dtype
-    if views is not None:
-        return views.save(e, b.master if b.master is not None else b.shard16), _dtype_name(dtype)
-    return weights_views(e, for_load=False, group=group, peers=peers), _dtype_name(dtype)
+    return weights_view(engine, e), _dtype_name(dtype)
 
 
 def _rng_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, list]]:
     """Each generator state as a ``[world, L]`` table whose row r is rank r's (rng.py);
-    r is the rank in the checkpoint group (tp_views.checkpoint_group)."""
-    group, rank, size, peers, _ = checkpoint_group(engine)
+    r is the rank in the checkpoint group (layout.checkpoint_group)."""
     states = rng.capture()
-    out = {}
-    for k, v in states.items():
-        rows = [(q, [q, 0], [1, v.numel()]) for q in range(size)]
-        out[k] = sharded_tensor([size, v.numel()], rows, v.reshape(1, -1), rank, peers, group,
-                                v.dtype, v.device)
-    return out, rng.row_lengths(states)
+    return ({k: rng_table(engine, v) for k, v in states.items()}, rng.row_lengths(states))
 
 
 def _agree_tmp(path: Path, engine: Engine) -> Path:
@@ -247,8 +232,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                     extra: dict[str, Any] | None = None) -> Path:
     """Save a sharded checkpoint to the directory ``path``; collective (every rank calls).
 
-    Each rank writes only what it owns: its 1-D pieces of the fp32 master weights and of
-    the per-element optimizer state, its RNG states; buffers and frozen parameters are
+    Each rank writes only what it owns: its pieces of the fp32 master weights and of the
+    per-element optimizer state (DTensors, as FSDP2's), its RNG states; buffers and frozen parameters are
     written once. ``extra`` is a JSON-like dict (tensors allowed) that must be the same on
     every rank — typically ``{"step": step, "data": loader.state_dict()}`` — and is what
     :func:`load_checkpoint` returns. The checkpoint appears at ``path`` only once complete
@@ -291,15 +276,14 @@ def _write(path: Path, engine: Engine, model: nn.Module,
            extra_tensors: dict[str, torch.Tensor], t0: float) -> None:
     """One replica's ranks write the checkpoint together and rank 0 of them commits it."""
     group, rank, size, _, _ = checkpoint_group(engine)
-    with quiet():
-        sd, layout = _collect(engine, model, optimizer)
-        rng_sd, rng_rows = _rng_tables(engine)
+    sd, layout = _collect(engine, model, optimizer)
+    rng_sd, rng_rows = _rng_tables(engine)
     sd.update(rng_sd)
     sd.update(extra_tensors)
     tmp = _agree_tmp(path, engine)
     what = (f"saving {str(path)!r} failed, nothing was committed (the previous "
             "checkpoints are intact)")
-    with quiet(), dcp_errors(what):
+    with dcp_errors(what):
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                  process_group=group)
     mine = {p.name: file_record(p) for p in tmp.iterdir()
