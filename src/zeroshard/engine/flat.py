@@ -134,9 +134,6 @@ class FlatBucket:
         # Filled in by the engine.
         self.full: torch.Tensor | None = None  # compute-dtype weights, parameter-major
         self.grad: torch.Tensor | None = None  # compute-dtype gradients, gathered layout
-        # stages 0-1: the last step's ``grad``, kept for the next backward (reduction.py:
-        # retire_grad); holds no gradient — ``grad is None`` still means "none yet"
-        self.spare_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
         self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)

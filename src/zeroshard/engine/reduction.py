@@ -32,17 +32,6 @@ _MAX_PENDING = 2
 _MAX_PENDING_UNITS = 1
 
 
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Does no other tensor (no view) share ``t``'s storage? References to a storage are
-    counted by torch (its caching allocator's graph trees ask the same); 2: ``t`` and the
-    ``untyped_storage()`` object made to ask."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # not this torch: never reuse
-        return False
-    st = t.untyped_storage()
-    return use_count(st._cdata) == 2
-
-
 class Reducer:
     """Launches, tracks and completes the reduction of each bucket's gradient."""
 
@@ -85,16 +74,10 @@ class Reducer:
 
     # -- whole buffers ----------------------------------------------------------------------
     def new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
-        """Give the bucket a whole gradient buffer (compute dtype, gathered layout): the
-        spare one of the last step (stages 0-1, see :meth:`retire_grad`), else a new
-        one, counting the most alive at once (``peak_grad_buffer_bytes``)."""
+        """Allocate the bucket's whole gradient buffer (compute dtype, gathered layout),
+        counting the most alive at once (``peak_grad_buffer_bytes``)."""
         self.complete_done()
         self.drop_grad(b)
-        if b.spare_grad is not None:
-            b.grad, b.spare_grad = b.spare_grad, None
-            if zeros:
-                b.grad.zero_()
-            return
         make = torch.zeros if zeros else torch.empty
         b.grad = make(b.padded_numel, dtype=self.compute_dtype or b.dtype, device=b.device)
         self.grad_buffer_bytes += b.grad.untyped_storage().nbytes()
@@ -104,20 +87,6 @@ class Reducer:
         if b.grad is not None:
             self.grad_buffer_bytes -= b.grad.untyped_storage().nbytes()
             b.grad = None
-
-    def retire_grad(self, b: FlatBucket) -> None:
-        """``zero_grad``: the bucket holds no gradient any more. Stages 0-1 keep the
-        buffer for the next backward, as DDP keeps its buckets and ZeroRedundancyOptimizer
-        DDP's: a new one each step cost a page fault per 4 KiB page of it, every step
-        (measured on gpt2-small: ~17,000 minor faults per step and rank, DDP 8). Kept
-        only if nothing outside the engine views it (a ``.grad`` the user held on to
-        keeps its values, as under DDP's default ``gradient_as_bucket_view=False``);
-        called once the engine has dropped its own views."""
-        g = b.grad
-        if g is None or not self.policy.keep_full_grads or not _sole_owner(g):
-            self.drop_grad(b)
-            return
-        b.grad, b.spare_grad = None, g
 
     # -- launch -----------------------------------------------------------------------------
     def launch_in_order(self) -> None:

@@ -262,12 +262,12 @@ class StepGrads:
         backward allocates them again."""
         for b in self.buckets:
             b.grad_shard = None
+            self.reducer.drop_grad(b)
             b.reduced = False
             b.host_fresh = False
             set_master_grad(b, None)
             b.used.zero_()
             b.valid = [False] * len(b.slots)
             self.faces.clear_grads(b)
-            self.reducer.retire_grad(b)  # after the engine's own views are dropped
         self.tied.earlier.clear()
         self.prepared = False
