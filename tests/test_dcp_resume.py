@@ -215,3 +215,41 @@ def test_dcp_state_dict_resume_under_tensor_parallelism_dp_submesh(tmp_path) -> 
 def test_dcp_state_dict_resume_under_tensor_parallelism(tmp_path) -> None:
     """The same with the whole mesh, at stages 1 and 3."""
     _check_tp(tmp_path, [(1, False), (3, False)])
+
+
+def _into_fsdp2(rank: int, world: int, root: str) -> list[float]:
+    """zeroshard's own checkpoint (save_checkpoint) read by FSDP2 with plain DCP: its
+    tensors are the DTensor pieces FSDP2 holds, under ``model.<name>`` and
+    ``optim.<name>.<state>`` (docs/checkpoints.md)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from zeroshard.state import full_optimizer_state, save_checkpoint
+
+    worst = []
+    for stage in (1, 3):
+        model, optim = _zeroshard(stage)
+        data = loader("gpt2-tiny", rank, world)
+        _train(model, optim, [next(data) for _ in range(2)])
+        path = os.path.join(root, f"own-s{stage}")
+        save_checkpoint(path, model, optim)
+        weights = zeroshard.full_state_dict(model)
+        moments = full_optimizer_state(model, optim)
+        fsdp, fopt = _fsdp2()
+        _train(fsdp, fopt, [next(data)])  # moments to overwrite
+        msd, osd = get_state_dict(fsdp, fopt)
+        names = {k for k in msd if not k.startswith("lm_head")}  # tied: stored once
+        target = {f"model.{k}": msd[k] for k in names}
+        target.update({f"optim.{k}.{s}": osd["state"][k][s] for k in names
+                       for s in ("exp_avg", "exp_avg_sq")})
+        dcp.load(target, checkpoint_id=path)
+        worst.append(max([(msd[k].full_tensor() - weights[k]).abs().max().item()
+                          for k in names]
+                         + [(osd["state"][k][s].full_tensor() - moments[k][s]).abs().max()
+                            .item() for k in names for s in ("exp_avg", "exp_avg_sq")]))
+    return worst
+
+
+def test_own_checkpoints_load_into_fsdp2_with_plain_dcp(tmp_path) -> None:
+    for rank in run_ranks(_into_fsdp2, 2, str(tmp_path), timeout=240):
+        assert rank == [0.0, 0.0], rank
