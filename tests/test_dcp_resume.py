@@ -222,7 +222,7 @@ def _into_fsdp2(rank: int, world: int, root: str) -> list[float]:
     tensors are the DTensor pieces FSDP2 holds, under ``model.<name>`` and
     ``optim.<name>.<state>`` (docs/checkpoints.md)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from zeroshard.state import full_optimizer_state, save_checkpoint
 
@@ -243,6 +243,8 @@ def _into_fsdp2(rank: int, world: int, root: str) -> list[float]:
         target.update({f"optim.{k}.{s}": osd["state"][k][s] for k in names
                        for s in ("exp_avg", "exp_avg_sq")})
         dcp.load(target, checkpoint_id=path)
+        set_state_dict(fsdp, fopt, model_state_dict=msd, optim_state_dict=osd)
+        msd, osd = get_state_dict(fsdp, fopt)  # what FSDP2 holds now
         worst.append(max([(msd[k].full_tensor() - weights[k]).abs().max().item()
                           for k in names]
                          + [(osd["state"][k][s].full_tensor() - moments[k][s]).abs().max()
