@@ -26,6 +26,12 @@ Llama (exact on the CPU in fp32; the tests check every policy to the byte). Diff
   dropout is 0) stores no scores, only its output and a fp32 logsumexp (4*a*s*b bytes).
   Its output is laid out [b, s, a, hd], so the out-proj input is a view of it (1 term).
 * LayerNorm also keeps fp32 mean and rstd (2 * 4 bytes per token); the paper ignores them.
+* 16-bit activations (d = 2) keep some fp32 tensors, counted at 4 bytes whatever d is:
+  torch's composite RMSNorm upcasts its input and saves the fp32 copy and x*rstd; the
+  loss runs on fp32 logits (``logits.float()``), so its log-softmax output is fp32; the
+  attention logsumexp and LayerNorm's mean/rstd are fp32 statistics (CUDA's kernels; the
+  CPU's keeps LayerNorm's in the input dtype, a few bytes per token). Measured on
+  llama-tiny and gpt2-tiny under zeroshard's bf16 (tests/test_traced.py).
 * Llama: RMSNorm run as torch's composite also keeps x*rstd (+1 sbh per norm); RoPE keeps
   the rotated q (k, v after the GQA repeat are h wide too), so q/k/v stay 3sbh; SwiGLU
   keeps gate, up, silu(gate) and their product: 4*s*b*f instead of GELU's 8sbh (4h wide).
@@ -82,6 +88,7 @@ __all__ = [
 
 ID_BYTES = 8  # int64 token ids / targets
 STAT_BYTES = 4  # norm statistics and attention logsumexp are fp32 whatever d is
+UPCAST_BYTES = 4  # what torch computes in fp32 under 16-bit activations (module notes)
 
 
 def paper_layer_bytes(s: int, b: int, h: int, a: int) -> int:
@@ -122,8 +129,10 @@ def block_terms(
     ts = b * s // tp  # tokens of one sequence shard
     ha = a // tp  # a rank's heads (tp divides them)
     ah = h // tp  # their width
+    llama = isinstance(config, LlamaConfig)
+    nd = UPCAST_BYTES if llama else d  # RMSNorm saves fp32 copies (see the module notes)
     terms = {
-        "norm inputs (2 norms)": 2 * ts * h * d,
+        "norm inputs (2 norms)": 2 * ts * h * nd,
         "attention input (norm1 output)": t * h * d,
         "q, k, v (attention core inputs)": 3 * t * ah * d,
         "attention output (out-proj input)": t * ah * d,
@@ -145,7 +154,7 @@ def block_terms(
     else:
         f = math.ceil(config.ffn_dim / tp)
         terms["norm rstd (fp32)"] = 2 * ts * STAT_BYTES
-        terms["norm x*rstd (composite RMSNorm)"] = 2 * ts * h * d
+        terms["norm x*rstd (composite RMSNorm)"] = 2 * ts * h * nd
         terms["mlp gate and up outputs (SwiGLU, f)"] = 2 * t * f * d
         terms["mlp silu(gate) (f)"] = t * f * d
         terms["mlp silu(gate)*up (out-proj input, f)"] = t * f * d
@@ -188,16 +197,18 @@ def outside_terms(
         terms["final norm mean + rstd (fp32)"] = 2 * t * STAT_BYTES
     else:
         # The whole [seq_len_max, head_dim] fp32 tables: a slice keeps its storage.
-        terms["RoPE cos/sin tables (whole buffers, fp32)"] = (
-            2 * config.seq_len * config.head_dim * 4
-        )
-        terms["final norm input"] = ts * h * d
-        terms["final norm x*rstd"] = ts * h * d
+        # (buffers: cast with the weights under zeroshard's mixed precision)
+        terms["RoPE cos/sin tables (whole buffers)"] = 2 * config.seq_len * config.head_dim * d
+        terms["final norm input (fp32)"] = ts * h * UPCAST_BYTES
+        terms["final norm x*rstd (fp32)"] = ts * h * UPCAST_BYTES
         terms["final norm rstd (fp32)"] = ts * STAT_BYTES
     terms["LM head input (final norm output)"] = t * h * d
-    terms["cross-entropy log-softmax output (b*s*V)"] = t * math.ceil(config.vocab / tp) * d
+    # the loss runs on fp32 logits (``logits.float()``, as the bench, the trace and the
+    # examples compute it), so its log-softmax is fp32 whatever d is
+    terms["cross-entropy log-softmax output (b*s*V, fp32)"] = (
+        t * math.ceil(config.vocab / tp) * UPCAST_BYTES)
     terms["cross-entropy targets"] = t * ID_BYTES
-    terms["cross-entropy total weight (scalar)"] = d
+    terms["cross-entropy total weight (scalar, fp32)"] = UPCAST_BYTES
     return terms
 
 

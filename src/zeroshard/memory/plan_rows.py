@@ -101,6 +101,14 @@ class Setup:
     act_late: dict[str, int]
     """Per policy, those still alive at the end of stage 3's blocks' backward (see
     [Note: stage-3 peak] in stage3_buffers.py)."""
+    act_head: dict[str, int]
+    """Per policy, the head's saved activations (the final norm's, the LM head's input,
+    the loss's), freed by the head's backward before the first block's."""
+    act_saved: dict[str, int]
+    """Per policy, what forward saved (``act`` less backward's recompute working set)."""
+    loss_grads: dict[str, int]
+    """Per policy, the two fp32 gradients the loss's backward makes (see [Note: stage-3
+    peak])."""
     layer_bytes: int
     """One block's 16-bit weights + gradients + activations at micro-batch 1."""
     stage3: analytic.Stage3Buffers
@@ -136,20 +144,40 @@ class Setup:
             state = replace(state, params=0)
         return state
 
+    def stage3_moments(self, *, n: int, policy: str, offload: bool = False,
+                       prefetch: int | None = None) -> tuple[analytic.Stage3Moment, ...]:
+        """Stage 3's moments of a step sharded over ``n`` devices (see [Note: stage-3
+        peak] in stage3_buffers.py); ``prefetch``: another than the plan's."""
+        cfg = self.cfg
+        block, root, head = self._parts()
+        return analytic.stage3_moments(
+            block=block, blocks=cfg.n_layers, root=root, head=head, n=self.dp(n),
+            activations=self.act[policy], late_activations=self.act_late[policy],
+            head_activations=self.act_head[policy], saved_activations=self.act_saved[policy],
+            loss_gradients=self.loss_grads[policy],
+            prefetch=self.prefetch if prefetch is None else prefetch, recipe=self.recipe,
+            offload=offload)
+
     def stage3_peak(self, *, n: int, policy: str, offload: bool = False,
                     offload_params: bool = False) -> tuple[int, analytic.Stage3Moment]:
         """A stage-3 step's peak on the device, sharded over ``n``, and the moment that
         sets it (see [Note: stage-3 peak] in stage3_buffers.py): the weight and optimizer-state
         shards (those not offloaded) beside that moment's gradient slices, activations and
         buffers."""
-        cfg, r = self.cfg, self.recipe
         state = self.device_state(n=n, stage=3, offload=offload, offload_params=offload_params)
-        block, root, head = self._parts()
-        peak = max(analytic.stage3_moments(
-            block=block, blocks=cfg.n_layers, root=root, head=head, n=self.dp(n),
-            activations=self.act[policy], late_activations=self.act_late[policy],
-            prefetch=self.prefetch, recipe=r, offload=offload), key=lambda m: m.total)
+        peak = max(self.stage3_moments(n=n, policy=policy, offload=offload),
+                   key=lambda m: m.total)
         return state.params + state.optim + peak.total, peak
+
+    def stage3_floor(self, *, policy: str, prefetch: int | None = None,
+                     ) -> tuple[int, analytic.Stage3Moment]:
+        """What a stage-3 peak falls towards as N grows, and never reaches, and the moment
+        that holds it: the largest moment's activations and buffers, which no N shrinks
+        (shards and gradient slices go to 0; the optimizer step's fp32 copies are 1/N)."""
+        fixed = [m for m in self.stage3_moments(n=1, policy=policy, prefetch=prefetch)
+                 if m.name != "optimizer step"]
+        m = max(fixed, key=lambda m: m.activations + m.buffers)
+        return m.activations + m.buffers, m
 
     @property
     def unit(self) -> int:

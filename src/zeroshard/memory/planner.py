@@ -69,9 +69,13 @@ def config_from_params(
 
 
 def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, policy: str,
-                      dtype_bytes: int, prefetch: int = 1, tp: int = 1) -> tuple[int, int, int]:
+                      dtype_bytes: int, prefetch: int = 1, tp: int = 1,
+                      ) -> tuple[int, int, int, int, int, int]:
     """(peak activation bytes, those still alive at the end of stage 3's blocks' backward,
-    one block's un-checkpointed bytes) from
+    one block's un-checkpointed bytes, the head's: what the head's backward frees before
+    the first block's — the final norm's, the LM head's input, the loss's —, all that
+    forward saved (no recompute working set), and the two fp32 gradients the loss's
+    backward makes, each as large as its log-softmax output) from
     :func:`zeroshard.memory.activations.estimate_activation_bytes`.
 
     That estimate is what forward leaves saved for backward, with a fused (flash) attention
@@ -99,7 +103,12 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
             saved.update(dict.fromkeys(r, 0))
             saved[r[0]] = est.input_bytes
     late = sum(saved[i] for i in layers[: prefetch + 1]) + transient
-    return est.total + transient, late, est.block_bytes
+    kept = ("token ids", "position ids", "RoPE")  # the embedding's, alive to the end
+    head = sum(v for k, v in est.outside.items() if not k.startswith(kept))
+    # The loss's backward: nll_loss's gradient and log-softmax's, both fp32 and as large
+    # as its saved output, beside everything forward saved (no recompute yet).
+    lsm = next(v for k, v in est.outside.items() if k.startswith("cross-entropy log-softmax"))
+    return est.total + transient, late, est.block_bytes, head, est.total, 2 * lsm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +324,7 @@ def plan(
     block, root, head = (tp_parts(cfg, tp) if tp > 1 else (
         analytic.block_params(cfg), analytic.root_params(cfg), analytic.head_params(cfg)))
 
-    def act(p: str, b: int = micro_batch) -> tuple[int, int, int]:
+    def act(p: str, b: int = micro_batch) -> tuple[int, int, int, int, int, int]:
         return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
                                  dtype_bytes=r.act_bytes, prefetch=prefetch, tp=tp)
 
@@ -330,6 +339,9 @@ def plan(
         bucket_bytes=bucket_bytes or auto_bucket_bytes(psi * r.grad_bytes),
         act={p: act(p)[0] for p in policies},
         act_late={p: act(p)[1] for p in policies},
+        act_head={p: act(p)[3] for p in policies},
+        act_saved={p: act(p)[4] for p in policies},
+        loss_grads={p: act(p)[5] for p in policies},
         layer_bytes=block * (r.param_bytes + r.grad_bytes) + act("none", 1)[2],
         stage3=analytic.stage3_buffer_bytes(block=block, root=root, head=head,
                                             prefetch=prefetch, recipe=r),

@@ -118,12 +118,9 @@ def _tp_hint(su: Setup, lead: str = " (") -> str:
 
 
 def _floor(su: Setup, x: PlanRow) -> int:
-    """What stage-3 row ``x``'s peak falls towards as N grows, and never reaches: the
-    largest moment's activations and buffers, which no N shrinks. Its shards and gradient
-    slices go to 0, the late activations are fewer than their peak and the optimizer
-    step's fp32 copies are 1/N, so that is backward's start (activations A beside the
-    backward window) or the root's reduction ([Note: stage-3 peak] in stage3_buffers.py)."""
-    return x.activation_bytes + su.stage3.beside(x.activation_bytes)
+    """What stage-3 row ``x``'s peak falls towards as N grows, and never reaches
+    (``Setup.stage3_floor``)."""
+    return su.stage3_floor(policy=x.activation_checkpointing)[0]
 
 
 def _stage3_devices(su: Setup, x: PlanRow, n: int) -> int:
@@ -151,7 +148,8 @@ def _stage3_devices(su: Setup, x: PlanRow, n: int) -> int:
     return hi
 
 
-_AT = {"backward begins": "when backward begins",
+_AT = {"loss's backward": "at the loss's backward, only the root gathered",
+       "backward begins": "when backward begins",
        "end of the blocks' backward": "at the end of the blocks' backward",
        "root's reduction": "at the root's reduction, the activations freed",
        "optimizer step": "at the optimizer step, the activations freed"}
@@ -183,18 +181,25 @@ def _fits_from(su: Setup, x: PlanRow, n: int, need: int) -> str:
     unreduced = state.grads - m.grad_slices
     if unreduced:
         which = {"backward begins": f"({r.grad_bytes}Ψ/N, none reduced yet)",
+                 "loss's backward": f"({r.grad_bytes}Ψ/N, none reduced yet)",
                  "root's reduction": "not reduced yet (the root's)"}.get(
                      m.name, f"not reduced yet (the {su.prefetch + 1} lowest blocks' and the "
                      "root's)")
         parts.append(f"− {g(unreduced)} of gradient slices {which}")
     if m.activations:
         act = f"activations ({'no' if pol == 'none' else pol} checkpointing)"
-        parts.append(f"+ {act} {g(m.activations)}" if m.activations == x.activation_bytes else
-                     f"+ the {su.prefetch + 1} lowest blocks' {act} and recompute working "
-                     f"set {g(m.activations)} (of {g(x.activation_bytes)} at their peak)")
+        peak = f"(of {g(x.activation_bytes)} at their peak)"
+        parts.append({
+            "loss's backward": f"+ the {act} forward saved {g(m.activations)} {peak}",
+            "backward begins": f"+ the blocks' {act} and recompute working set, the head's "
+                               f"freed by its backward, {g(m.activations)} {peak}",
+        }.get(m.name, f"+ the {su.prefetch + 1} lowest blocks' {act} and recompute working "
+                      f"set {g(m.activations)} {peak}"))
     if m.buffers:
         buf = {"root's reduction": "the root's gradients, twice, and a block's reduction in "
                                    "flight",
+               "loss's backward": "the root's gathered weights and the loss's two fp32 "
+                                  "gradients",
                "optimizer step": "the gradient slices' fp32 copies (4Ψ/N)"}.get(
                    m.name, "stage-3 gathered units and unit gradients")
         parts.append(f"+ {buf} {g(m.buffers)}")
@@ -219,17 +224,22 @@ def _never_fits(su: Setup, x: PlanRow, n: int) -> str:
     micro-batch if above 1, full checkpointing if not planned, activations kept on the
     host, prefetch 0), and say that optimizer offload does not."""
     pol = x.activation_checkpointing
-    act_b, b3, floor = x.activation_bytes, su.stage3.backward, _floor(su, x)
+    act_b = x.activation_bytes
+    floor, m = su.stage3_floor(policy=pol)
+    b3 = m.buffers  # what sits beside the activations at the floor's moment
     act = f"activations ({'no' if pol == 'none' else pol} checkpointing) {gb(act_b)}"
-    buf = f"stage-3 gathered units and unit gradients {gb(b3)}"
-    at_root = su.stage3.root_reduce > act_b + b3
+    buf = {"loss's backward": "the root's gathered weights and the loss's two fp32 "
+                              "gradients"}.get(
+        m.name, "stage-3 gathered units and unit gradients") + f" {gb(b3)}"
+    at_root = m.name == "root's reduction"
     if at_root:
         held = (f"{gb(floor)} at the root's reduction (the root's gradients, twice, and a "
                 "block's reduction in flight; no activation is left by then)")
     elif act_b > su.usable:
         held = f"{act} by themselves (before {buf} and any model state)"
     else:
-        held = f"{act} + {buf} = {gb(floor)} when backward begins, before any model state"
+        held = (f"activations at that moment {gb(m.activations)} + {buf} = {gb(floor)} "
+                f"{_AT[m.name]}, before any model state")
     why = (f"Nothing fits on {devices(n)}, and no device count will: even {describe(x)} "
            f"holds {held}, more than the {gb(su.usable)} usable, and more devices shrink "
            "only the model state. " + (
@@ -267,7 +277,7 @@ def _never_fits(su: Setup, x: PlanRow, n: int) -> str:
         b0 = analytic.stage3_buffer_bytes(
             block=analytic.block_params(cfg), root=analytic.root_params(cfg),
             head=analytic.head_params(cfg), prefetch=0, recipe=su.recipe)
-        floor0 = act_b + b0.beside(act_b)
+        floor0 = su.stage3_floor(policy=pol, prefetch=0)[0]
         verdict = "under" if floor0 < su.usable else "still over"
         why += (f" Gathering no block ahead (ShardConfig(prefetch=0)) cuts the buffers to "
                 f"{gb(b0.backward)}: {gb(floor0)}, {verdict} the usable memory.")

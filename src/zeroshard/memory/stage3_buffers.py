@@ -148,6 +148,9 @@ def stage3_moments(
     n: int,
     activations: int,
     late_activations: int,
+    head_activations: int = 0,
+    saved_activations: int = 0,
+    loss_gradients: int = 0,
     prefetch: int = 1,
     recipe: str | Recipe = "bf16-adamw",
     offload: bool = False,
@@ -161,11 +164,16 @@ def stage3_moments(
     ``zero_grad`` frees every slice before the next forward; backward frees each block's
     activations as it passes it. So the step's peak is the largest of four moments, each
     beside the weight and optimizer-state shards ((P + K)·Ψ/N), with ``blocks`` = L
-    blocks of B parameters, k = ``prefetch``, A = ``activations`` (their peak, all alive)
-    and A' = ``late_activations`` (those of the k+1 lowest blocks, with the recompute
-    working set):
+    blocks of B parameters, k = ``prefetch``, A = ``activations`` (their peak, all alive),
+    A_h = ``head_activations`` (the head's share of A: the final norm's, the LM head's
+    input, the loss's log-softmax), A_s = ``saved_activations`` (what forward saved: A
+    without backward's recompute working set), L = ``loss_gradients`` (the two fp32
+    gradients the loss's backward makes — of the log-softmax output and of its input, each
+    as large as that output: 8·b·s·V bytes) and A' = ``late_activations`` (those of the
+    k+1 lowest blocks, with the recompute working set):
 
-        backward begins      A  + backward                      no slice yet
+        loss's backward      A_s + P·R + L                      only the root gathered
+        backward begins      A - A_h + backward                 no slice yet
         end of the blocks'   A' + backward + G·⌈(L-k-1)·B/N⌉   every block above block k
           backward                                              issued its reduction
         root's reduction          root_reduce + G·⌈L·B/N⌉       every block's slice, not
@@ -180,9 +188,11 @@ def stage3_moments(
     at llama-3-8B's shape, seq 2048, N = 8, bf16). The end is block k's backward, the
     last with k blocks to prefetch below it: past it the gathers stop, and k·P·B falls
     faster than slices grow. The head's saved activations (the final norm's, the LM
-    head's input, the loss's log-softmax) are freed by the head's backward, before it:
-    A' leaves them out, with the embedding's token ids and the RoPE tables (kilobytes to
-    megabytes). At the optimizer step the engine has cast each slice to an fp32 copy for
+    head's input, the loss's log-softmax) are freed by the head's backward, before the
+    first block's: "backward begins" (the first block's backward) and A' leave them out
+    (A' also the embedding's token ids and the RoPE tables, kilobytes to megabytes). The
+    loss's backward comes first, with only the root gathered: at a large vocabulary its
+    two fp32 gradients (2·4·b·s·V bytes) make it the peak. At the optimizer step the engine has cast each slice to an fp32 copy for
     the fp32 masters (engine/step_grads.py ``StepGrads.prepare``; a view of the slice under the fp32
     recipe, where G = 4 already is the masters' dtype) and freed every buffer; the
     activations are gone. ``offload``: the slices and their copies live on the host.
@@ -192,11 +202,10 @@ def stage3_moments(
     2's in flight, two block inputs and block 1's recompute; this prices it at 21.02 GB,
     +0.5% (tests/test_traced.py). Counting every slice beside every activation and the
     backward window gave 22.48 GB (+7.5%); leaving the slices out of the start of
-    backward alone, 20.47 GB (-2.1%, and not the moment of the peak). "backward begins"
-    counts the head's saved activations beside the blocks' window, a little more than
-    any one moment holds: the head's backward frees them before the first block's (the
-    loss's own transients there are the activation estimate's to price). Stages 0-2 do
-    not count the step's fp32 copies (docs/planning.md, "Traced estimates").
+    backward alone, 20.47 GB (-2.1%, and not the moment of the peak). At seq 4096 the same
+    shape peaks at the loss's backward: 23.71 GB traced, 23.75 GB priced (+0.2%).
+    Stages 0-2 do not count the step's fp32 copies (docs/planning.md, "Traced
+    estimates").
     """
     b = stage3_buffer_bytes(block=block, root=root, head=head, prefetch=prefetch,
                             recipe=recipe)
@@ -211,8 +220,10 @@ def stage3_moments(
         return g * math.ceil(elems / n)
 
     return (
-        Stage3Moment(name="backward begins", grad_slices=0, activations=activations,
-                     buffers=b.backward),
+        Stage3Moment(name="loss's backward", grad_slices=0, activations=saved_activations,
+                     buffers=r.param_bytes * root + loss_gradients),
+        Stage3Moment(name="backward begins", grad_slices=0,
+                     activations=activations - head_activations, buffers=b.backward),
         Stage3Moment(name="end of the blocks' backward", grad_slices=slices(done * block),
                      activations=late_activations, buffers=b.backward),
         Stage3Moment(name="root's reduction", grad_slices=slices(blocks * block),
