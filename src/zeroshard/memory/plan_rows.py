@@ -52,9 +52,10 @@ class PlanRow:
     """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
     ``step_time_s`` (not overlapped)."""
     peak_moment: str | None = None
-    """Stage 3: the moment of the step whose bytes are ``total_bytes`` ("backward begins",
-    "end of the blocks' backward", "root's reduction" or "optimizer step"; [Note: stage-3
-    peak] in analytic.py), with ``buffer_bytes`` its buffers then. None at stages 0-2,
+    """Stage 3: the moment of the step whose bytes are ``total_bytes`` ("loss's backward",
+    "backward begins", "end of the blocks' backward", "root's reduction" or "optimizer
+    step"; [Note: stage-3 peak] in stage3_buffers.py), with ``buffer_bytes`` its buffers
+    then. None at stages 0-2,
     whose total is model state + activations + buffers."""
     traced_model_state_bytes: int | None = None
     """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
