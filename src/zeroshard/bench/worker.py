@@ -101,27 +101,23 @@ class _Config:
 
 
 class _Progress:
+    """The bench's progress bar: tqdm's, on stderr, rank 0 only. Without a terminal (a
+    log, CI) tqdm redraws at most every 30 s instead of ten times a second."""
+
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = max(total, 1), 0, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self._last = ""
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=max(total, 1), disable=not enabled, file=sys.stderr,
+                        leave=True, dynamic_ncols=tty, mininterval=0.1 if tty else 30.0,
+                        bar_format="{l_bar}{bar:30}| {n_fmt}/{total_fmt} [{elapsed}]")
 
     def update(self, what: str, n: int = 1) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // self.total
-        bar = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {what}"
-        if self.tty:
-            print("\r" + bar.ljust(100)[:120], end="", file=sys.stderr, flush=True)
-        elif what.split(" ")[0] != self._last:  # no tty: one line per phase
-            print(bar, file=sys.stderr, flush=True)
-        self._last = what.split(" ")[0]
+        self.bar.set_description_str(what, refresh=False)
+        self.bar.update(n)
 
     def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)
+        self.bar.close()
 
 
 def _exchange(ctrl: dist.ProcessGroup, failed: bool, err: str, secs: float = 0.0,
