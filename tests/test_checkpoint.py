@@ -461,3 +461,19 @@ def test_resume_under_an_lr_schedule_uses_the_saved_lr(stage: int, tmp_path: Pat
     for r in run_ranks(_scheduled, 2, str(tmp_path), stage, timeout=120):
         assert r["lr"][0] == r["lr"][1] == pytest.approx(1e-2 / 4), r
         assert r["equal"], r
+
+
+def _differing_extra(rank: int, world: int, root: str) -> str:
+    model, optim, _ = _setup(rank, world, 1)
+    try:
+        save_checkpoint(Path(root) / "odd", model, optim, extra={"step": 3, "rank": rank})
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_extra_that_differs_across_ranks_is_refused_before_writing(tmp_path: Path) -> None:
+    """It would come back as rank 0's on every rank, silently."""
+    for msg in run_ranks(_differing_extra, 2, str(tmp_path), timeout=120):
+        assert "extra differs across ranks (rank(s) [1]" in msg, msg
+    assert not any(tmp_path.iterdir())  # nothing written

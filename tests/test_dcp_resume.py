@@ -9,6 +9,7 @@ FSDP2 and zeroshard (the keys are the FQNs and torch's state names)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,37 +219,57 @@ def test_dcp_state_dict_resume_under_tensor_parallelism(tmp_path) -> None:
 
 
 def _into_fsdp2(rank: int, world: int, root: str) -> list[float]:
-    """zeroshard's own checkpoint (save_checkpoint) read by FSDP2 with plain DCP: its
-    tensors are the DTensor pieces FSDP2 holds, under ``model.<name>`` and
-    ``optim.<name>.<state>`` (docs/checkpoints.md)."""
+    """zeroshard's own checkpoint (save_checkpoint) read by FSDP2 with plain DCP, as
+    docs/checkpoints.md shows: its tensors are the DTensor pieces FSDP2 holds, under
+    ``model.<name>`` and ``optim.<name>.<state>``, the scalars in the manifest. gpt2-tiny
+    (tied: the head stored once) at stage 1, llama-tiny (untied) at stage 3."""
+    import json
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
 
+    from zeroshard.checkpointing import find_blocks
     from zeroshard.state import full_optimizer_state, save_checkpoint
 
     worst = []
-    for stage in (1, 3):
-        model, optim = _zeroshard(stage)
-        data = loader("gpt2-tiny", rank, world)
+    for stage, preset in ((1, "gpt2-tiny"), (3, "llama-tiny")):
+        model, optim = zeroshard.shard(make_model(preset), torch.optim.AdamW, stage=stage,
+                                       lr=LR, weight_decay=0.1)
+        data = loader(preset, rank, world)
         _train(model, optim, [next(data) for _ in range(2)])
-        path = os.path.join(root, f"own-s{stage}")
-        save_checkpoint(path, model, optim)
+        ckpt = Path(root) / f"own-s{stage}"
+        save_checkpoint(ckpt, model, optim)
         weights = zeroshard.full_state_dict(model)
         moments = full_optimizer_state(model, optim)
-        fsdp, fopt = _fsdp2()
-        _train(fsdp, fopt, [next(data)])  # moments to overwrite
-        msd, osd = get_state_dict(fsdp, fopt)
-        names = {k for k in msd if not k.startswith("lm_head")}  # tied: stored once
-        target = {f"model.{k}": msd[k] for k in names}
-        target.update({f"optim.{k}.{s}": osd["state"][k][s] for k in names
-                       for s in ("exp_avg", "exp_avg_sq")})
-        dcp.load(target, checkpoint_id=path)
-        set_state_dict(fsdp, fopt, model_state_dict=msd, optim_state_dict=osd)
-        msd, osd = get_state_dict(fsdp, fopt)  # what FSDP2 holds now
+        fsdp_model = make_model(preset, seed=3)
+        for block in find_blocks(fsdp_model):
+            fully_shard(block)
+        fully_shard(fsdp_model)
+        fsdp_optim = torch.optim.AdamW(fsdp_model.parameters(), lr=LR, weight_decay=0.1)
+        _train(fsdp_model, fsdp_optim, [next(data)])  # state to overwrite
+        # -- docs/checkpoints.md's snippet ---------------------------------------------
+        manifest = json.loads((ckpt / "zeroshard.json").read_text())
+        stored = {p["name"] for p in manifest["params"]}
+        msd, osd = get_state_dict(fsdp_model, fsdp_optim)
+        target = {f"model.{k}": v for k, v in msd.items() if k in stored}
+        saved = manifest["optimizer"]["params"]
+        target |= {f"optim.{k}.{s}": osd["state"][k][s] for k in stored if k in saved
+                   for s in saved[k]["per_element"]}
+        dcp.load(target, checkpoint_id=ckpt)
+        for k in stored & saved.keys():
+            osd["state"][k]["step"].fill_(saved[k]["scalars"]["step"]["value"])
+        set_state_dict(fsdp_model, fsdp_optim, model_state_dict=msd, optim_state_dict=osd)
+        # ------------------------------------------------------------------------------
+        msd, osd = get_state_dict(fsdp_model, fsdp_optim)  # what FSDP2 holds now
+        assert stored == set(weights) - {"lm_head.weight"} if preset == "gpt2-tiny" else \
+            stored == set(weights), (preset, stored)
         worst.append(max([(msd[k].full_tensor() - weights[k]).abs().max().item()
-                          for k in names]
+                          for k in stored]
                          + [(osd["state"][k][s].full_tensor() - moments[k][s]).abs().max()
-                            .item() for k in names for s in ("exp_avg", "exp_avg_sq")]))
+                            .item() for k in stored for s in ("exp_avg", "exp_avg_sq")]
+                         + [abs(float(osd["state"][k]["step"]) - float(moments[k]["step"]))
+                            for k in stored]))
     return worst
 
 

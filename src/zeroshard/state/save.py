@@ -17,9 +17,11 @@ DCP tensors               ``model.<name>`` fp32 master weights, DTensors of the
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
+    _check_same_extra(engine, extra_json, extra_tensors)
     writes = checkpoint_group(engine)[4]
     failed: BaseException | None = None
     if writes:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
@@ -260,6 +263,36 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     if failed is not None:
         raise failed
     return path
+
+
+def _digest(extra_json: Any, tensors: dict[str, torch.Tensor]) -> int:
+    crc = zlib.crc32(json.dumps(extra_json, sort_keys=True).encode())
+    for k in sorted(tensors):
+        t = tensors[k]
+        crc = zlib.crc32(f"{k}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def _check_same_extra(engine: Engine, extra_json: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """``extra`` is written once (rank 0's) and every rank gets it back: one that differs
+    across ranks would come back as rank 0's everywhere, silently. Checked before anything
+    is written (one small all-gather of a CRC per save), on every rank alike."""
+    tp = engine.tp  # every rank of the model: with tp, its replicas' (shard, tp) ranks
+    group = engine.world.group if tp is None else (
+        tp.span_group if tp.span_group is not None else tp.ckpt_group)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    digests: list[Any] = [None] * size
+    dist.all_gather_object(digests, _digest(extra_json, tensors), group=group)
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise CheckpointError(
+            f"save_checkpoint: extra differs across ranks (rank(s) {odd} hold another value "
+            "than rank 0); it is written once and every rank would load rank 0's. Pass what "
+            "is the same everywhere (step, the data loader's global state), and keep "
+            "per-rank values out of extra (RNG states are saved per rank already)")
 
 
 def _replica_span(engine: Engine):
