@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 from zeroshard.config import auto_bucket_bytes
 from zeroshard.memory import analytic
@@ -68,14 +69,19 @@ def config_from_params(
     return min(shapes, key=lambda c: abs(math.log(c.param_count() / n_params)))
 
 
+class _Acts(NamedTuple):
+    peak: int  # saved activations + backward's recompute working set
+    late: int  # alive at the end of stage 3's blocks' backward
+    block: int  # one block's un-checkpointed bytes
+    head: int  # what the head's backward frees before the first block's: the final
+    #            norm's, the LM head's input, the loss's
+    saved: int  # all that forward saved (no recompute working set)
+    loss_grads: int  # the loss's backward's two fp32 gradients, each its log-softmax's size
+
+
 def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, policy: str,
-                      dtype_bytes: int, prefetch: int = 1, tp: int = 1,
-                      ) -> tuple[int, int, int, int, int, int]:
-    """(peak activation bytes, those still alive at the end of stage 3's blocks' backward,
-    one block's un-checkpointed bytes, the head's: what the head's backward frees before
-    the first block's — the final norm's, the LM head's input, the loss's —, all that
-    forward saved (no recompute working set), and the two fp32 gradients the loss's
-    backward makes, each as large as its log-softmax output) from
+                      dtype_bytes: int, prefetch: int = 1, tp: int = 1) -> _Acts:
+    """Activation bytes at the moments the plan prices (:class:`_Acts`), from
     :func:`zeroshard.memory.activations.estimate_activation_bytes`.
 
     That estimate is what forward leaves saved for backward, with a fused (flash) attention
@@ -108,7 +114,7 @@ def _activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, po
     # The loss's backward: nll_loss's gradient and log-softmax's, both fp32 and as large
     # as its saved output, beside everything forward saved (no recompute yet).
     lsm = next(v for k, v in est.outside.items() if k.startswith("cross-entropy log-softmax"))
-    return est.total + transient, late, est.block_bytes, head, est.total, 2 * lsm
+    return _Acts(est.total + transient, late, est.block_bytes, head, est.total, 2 * lsm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,10 +330,11 @@ def plan(
     block, root, head = (tp_parts(cfg, tp) if tp > 1 else (
         analytic.block_params(cfg), analytic.root_params(cfg), analytic.head_params(cfg)))
 
-    def act(p: str, b: int = micro_batch) -> tuple[int, int, int, int, int, int]:
+    def act(p: str, b: int = micro_batch) -> _Acts:
         return _activation_bytes(cfg, micro_batch=b, seq_len=seq_len, policy=p,
                                  dtype_bytes=r.act_bytes, prefetch=prefetch, tp=tp)
 
+    acts = {p: act(p) for p in policies}
     multi = gpus_per_node is not None and counts[-1] > gpus_per_node
     su = Setup(
         cfg=cfg, recipe=r, psi=psi, seq_len=seq_len, micro_batch=micro_batch,
@@ -337,12 +344,12 @@ def plan(
         offload_params=mode == "optimizer+params", pcie_GBps=pcie_GBps, host_GBps=host_GBps,
         host_mem=host_mem_bytes, prefetch=prefetch,
         bucket_bytes=bucket_bytes or auto_bucket_bytes(psi * r.grad_bytes),
-        act={p: act(p)[0] for p in policies},
-        act_late={p: act(p)[1] for p in policies},
-        act_head={p: act(p)[3] for p in policies},
-        act_saved={p: act(p)[4] for p in policies},
-        loss_grads={p: act(p)[5] for p in policies},
-        layer_bytes=block * (r.param_bytes + r.grad_bytes) + act("none", 1)[2],
+        act={p: a.peak for p, a in acts.items()},
+        act_late={p: a.late for p, a in acts.items()},
+        act_head={p: a.head for p, a in acts.items()},
+        act_saved={p: a.saved for p, a in acts.items()},
+        loss_grads={p: a.loss_grads for p, a in acts.items()},
+        layer_bytes=block * (r.param_bytes + r.grad_bytes) + act("none", 1).block,
         stage3=analytic.stage3_buffer_bytes(block=block, root=root, head=head,
                                             prefetch=prefetch, recipe=r),
         tp=tp, parts=(block, root, head) if tp > 1 else None,

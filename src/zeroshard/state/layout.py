@@ -36,6 +36,7 @@ arbitrary 1-D ranges (torch's deprecated sharded-tensor class); :func:`read_v1` 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from ..engine.flat import FlatBucket, ParamSlot
 from ..engine.params import dtensor, make_spec
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
-           "weights_view", "frozen_view", "read_v1", "quiet", "global_ranks",
+           "weights_view", "read_v1", "quiet", "global_ranks",
            "checkpoint_group", "rng_table"]
 
 
@@ -79,8 +80,6 @@ def checkpoint_group(engine: Engine) -> tuple[Any, int, int, list[int], bool]:
 def quiet() -> Iterator[None]:
     """Silence DCP's "assuming the intent is to load in a single process" UserWarning,
     which a single-process read (``no_dist=True``, consolidate.py, :func:`read_v1`) is."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         yield
@@ -157,25 +156,22 @@ def bucket_view(engine: Engine, entry: ParamEntry, t: torch.Tensor) -> torch.Ten
 
 
 def weights_view(engine: Engine, entry: ParamEntry) -> torch.Tensor:
-    """:func:`bucket_view` of the bucket's master weights (stage 3's frozen ``shard16``),
-    which may live inside ``full`` (see [Note: masters inside the weights] in
-    engine/chunks.py): each rank's piece is contiguous there, so DCP reads and writes it
-    in place."""
+    """What DCP writes and reads for ``entry``'s weights: :func:`bucket_view` of the
+    bucket's master weights (stage 3's frozen ``shard16``), which may live inside ``full``
+    (see [Note: masters inside the weights] in engine/chunks.py; each rank's piece is
+    contiguous there, so DCP reads and writes it in place). A frozen parameter kept whole
+    outside buckets (stages 0-2): the parameter itself (a DTensor on the tp mesh if
+    tensor-parallel), written once."""
     b, s = entry.bucket, entry.slot
-    assert b is not None and s is not None
+    if b is None or s is None:
+        return entry.param.detach()
     if not b.master_in_full:
         return bucket_view(engine, entry, b.master.detach() if b.master is not None else b.shard16)
     if b.world == 1:
-        return _on_tp_mesh(engine, s, b.slot_view(b.full, b.slots.index(s)))
+        return bucket_view(engine, entry, b.full)
     n = s.rows_of(b.rank) * s.row
     local = b.master_range(s.shard_offset, s.shard_offset + n).view(s.local_shape(b.rank))
     return _piece_dtensor(engine, s, local)
-
-
-def frozen_view(entry: ParamEntry) -> torch.Tensor:
-    """A frozen parameter kept whole outside buckets (stages 0-2): itself (a DTensor on
-    the tp mesh if tensor-parallel), detached; DCP writes it once and loads in place."""
-    return entry.param.detach()
 
 
 def _piece_dtensor(engine: Engine, s: ParamSlot, local: torch.Tensor) -> torch.Tensor:
@@ -196,14 +192,12 @@ def _on_tp_mesh(engine: Engine, s: ParamSlot, whole: torch.Tensor) -> torch.Tens
 def rng_table(engine: Engine, row: torch.Tensor) -> torch.Tensor:
     """This rank's row of a ``[size, L]`` table over the checkpoint group (rng.py): a
     DTensor ``Shard(0)`` whose piece on group rank r is row r."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
     group, _, size, _, _ = checkpoint_group(engine)
-    with unset_fake_temporarily():
-        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
-                                     engine.device.type)
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                 engine.device.type)
     local = row.reshape(1, -1)
     return dtensor(local, make_spec(mesh, (Shard(0),), torch.Size([size, local.shape[1]]),
                                     local.dtype))

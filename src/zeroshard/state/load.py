@@ -30,7 +30,6 @@ from .layout import (
     ParamEntry,
     bucket_view,
     checkpoint_group,
-    frozen_view,
     model_key,
     optim_key,
     param_entries,
@@ -48,12 +47,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in checkpoint manifest")
     return dtype
-
-
-def _weights_target(engine: Engine, e: ParamEntry) -> torch.Tensor:
-    if e.bucket is None:  # frozen, stages 0-2: the parameter itself
-        return frozen_view(e)
-    return weights_view(engine, e)
 
 
 def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim.Optimizer,
@@ -149,7 +142,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
             if inner is not None else None)
     reader = SafeReader(path, manifest, verify=verify)
     metadata = reader.read_metadata()
-    sd: dict[str, Any] = {model_key(e.name): _weights_target(engine, e) for e in entries}
+    sd: dict[str, Any] = {model_key(e.name): weights_view(engine, e) for e in entries}
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for k, t in nn.Module.state_dict(model, keep_vars=True).items():
         if k not in pnames:

@@ -39,7 +39,6 @@ from .layout import (
     ParamEntry,
     bucket_view,
     checkpoint_group,
-    frozen_view,
     model_key,
     optim_key,
     param_entries,
@@ -201,12 +200,8 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
 
 def _weights(engine: Engine, e: ParamEntry) -> tuple[Any, str]:
     """What DCP writes for a parameter's weights, and its dtype name."""
-    if e.bucket is None:  # frozen, stages 0-2: whole on every rank, written once
-        t = frozen_view(e)
-        return t, _dtype_name(t.dtype)
-    b = e.bucket
-    dtype = b.master_dtype if b.requires_grad else b.shard16.dtype
-    return weights_view(engine, e), _dtype_name(dtype)
+    t = weights_view(engine, e)
+    return t, _dtype_name(t.dtype)
 
 
 def _rng_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, list]]:
@@ -256,7 +251,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             failed = exc
     if engine.replicate is not None:  # the other replicas learn how replica 0's save went
         flag = torch.tensor([float(failed is not None)], device=engine.device)
-        dist.all_reduce(flag, group=_replica_span(engine))
+        dist.all_reduce(flag, group=_model_group(engine))
         if failed is None and flag.item() > 0:
             raise CheckpointError(f"saving {str(path)!r} failed on replica 0 (its ranks raised "
                                   "the cause); nothing was committed")
@@ -278,9 +273,7 @@ def _check_same_extra(engine: Engine, extra_json: Any, tensors: dict[str, torch.
     """``extra`` is written once (rank 0's) and every rank gets it back: one that differs
     across ranks would come back as rank 0's everywhere, silently. Checked before anything
     is written (one small all-gather of a CRC per save), on every rank alike."""
-    tp = engine.tp  # every rank of the model: with tp, its replicas' (shard, tp) ranks
-    group = engine.world.group if tp is None else (
-        tp.span_group if tp.span_group is not None else tp.ckpt_group)
+    group = _model_group(engine)
     size = dist.get_world_size(group)
     if size == 1:
         return
@@ -295,12 +288,14 @@ def _check_same_extra(engine: Engine, extra_json: Any, tensors: dict[str, torch.
             "per-rank values out of extra (RNG states are saved per rank already)")
 
 
-def _replica_span(engine: Engine):
-    """The group of every rank of a hybrid-sharded model (None: the default group, which
-    ``engine.world`` often is; so None does not mean "no replicas")."""
-    if engine.tp is not None:
-        return engine.tp.span_group
-    return engine.world.group
+def _model_group(engine: Engine):
+    """The group of every rank of the model: with hybrid sharding its replicas too, under
+    tensor parallelism its (shard, tp) ranks (None: the default group, which
+    ``engine.world`` often is)."""
+    tp = engine.tp
+    if tp is None:
+        return engine.world.group
+    return tp.span_group if tp.span_group is not None else tp.ckpt_group
 
 
 
