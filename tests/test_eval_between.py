@@ -5,7 +5,7 @@ opt.step()`` clips and steps the training gradients. On main before this test, s
 1-2 (fp32, where the user parameters are the compute ones) dropped the parameters'
 ``.grad`` at every forward, so that evaluation made ``clip_grad_norm_`` return 0 and
 clip nothing: silently not DDP's training. They are now dropped when the next backward
-reaches its first parameter (engine._drop_published). With gradients enabled and no
+reaches its first parameter (BackwardPass.drop_published). With gradients enabled and no
 backward after it, stage 3 (and mixed precision at stages 0-2) left the modules holding
 the compute parameters (no gradients: the same zero norm) and stage 3 kept the root
 unit's weights gathered through the step, so the next forward computed with the old

@@ -47,11 +47,11 @@ class _ShadowHook(JoinHook):
         self.joinable = joinable
 
     def main_hook(self) -> None:
-        self.joinable.engine.shadow_iteration(self.joinable.optimizer)
+        self.joinable.engine.replay.shadow_iteration(self.joinable.optimizer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.joinable.engine.active_ranks = None
-        self.joinable.engine.sync_final_buffers(is_last_joiner)
+        self.joinable.engine.replay.sync_final_buffers(is_last_joiner)
 
 
 class ZeroJoinable(Joinable):
@@ -87,7 +87,8 @@ def join(model: nn.Module, optimizer: ShardedOptimizer, *, enable: bool = True,
     from .api import engine_of
 
     engine = engine_of(model)
-    if engine._joinable is None or engine._joinable.optimizer is not optimizer:
-        engine._joinable = ZeroJoinable(engine, optimizer)
-    return Join([engine._joinable], enable=enable,
+    replay = engine.replay
+    if replay.joinable is None or replay.joinable.optimizer is not optimizer:
+        replay.joinable = ZeroJoinable(engine, optimizer)
+    return Join([replay.joinable], enable=enable,
                 throw_on_early_termination=throw_on_early_termination)

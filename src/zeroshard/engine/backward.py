@@ -1,7 +1,8 @@
 """The backward hooks: each gradient's arrival, its bucket's turn to be reduced, and the
 end of backward.
 
-A parameter's gradient reaches ``_on_grad`` (a post-accumulate hook on each of its leaves;
+One :class:`BackwardPass` per engine owns this: a parameter's gradient reaches
+``on_grad`` (a post-accumulate hook on each of its leaves;
 a tied parameter's parts are summed by tied.py first). Stage 0 keeps it in the bucket's
 buffer as a view; stages 1-2 copy it in; stage 3 leaves it on the parameter until the
 unit's post-backward folds the unit into one buffer. Complete buckets go to the reducer
@@ -41,7 +42,7 @@ used on some ranks gets DDP's gradient: the others contribute zeros. An MoE step
 exactly the collectives of a dense step of the same buckets.
 
 [Note: end of backward]
-The first gradient hook of a backward queues ``_finish_backward`` on the
+The first gradient hook of a backward queues ``finish`` on the
 autograd engine; it runs once backward is done, launches reductions of buckets that
 never became complete (parameters unused in this step), waits for all in flight and,
 after a synchronised backward, agrees with the other ranks on which parameters were
@@ -58,19 +59,25 @@ the fix (tests/test_backward_edges.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..comm import Comm
+from ..config import ShardConfig
 from .flat import FlatBucket
+from .params import Faces
+from .policy import StagePolicy
+from .precision import LossScaler
+from .reduction import Reducer
+from .stage3 import UnitSchedule
+from .step_grads import StepGrads
 from .storage import same_memory
+from .tensor_parallel import TensorParallel
+from .tied import TiedGrads
 from .units import Unit
+from .weak import weakly
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["BackwardHooks", "accumulate_node"]
+__all__ = ["BackwardPass", "accumulate_node"]
 
 
 def accumulate_node(leaf: torch.Tensor):
@@ -79,14 +86,65 @@ def accumulate_node(leaf: torch.Tensor):
         return leaf.view_as(leaf).grad_fn.next_functions[0][0]
 
 
-class BackwardHooks:
-    """Mixin of :class:`~zeroshard.engine.engine.Engine`: the hooks decide, per gradient,
-    what every other phase does next (stage-3 prefetch and free, tied parts, the
-    reducer's launches, the faces at the end of backward, publication), so they read the
-    engine's whole state. What they own lives on the buckets (``ready``, ``arrived``,
-    ``launched``, ``used``) and in the collaborators they drive."""
+class BackwardPass:
+    """The gradient hooks and the end of backward: per gradient, what happens next
+    (stage-3 prefetch, tied parts, the reducer's launches), and at the end the
+    launches left, the usage agreement and publication. Its per-backward state is its
+    own (``queued``, ``ended``, ``sync``) and the buckets' arrival fields (``ready``,
+    ``arrived``, ``launched``, ``used``)."""
 
-    def _drop_published(self: Engine, grads: tuple) -> None:
+    def __init__(self, *, policy: StagePolicy, config: ShardConfig, faces: Faces,
+                 buckets: list[FlatBucket], reducer: Reducer, tied: TiedGrads,
+                 grads: StepGrads, scaler: LossScaler, tp: TensorParallel | None,
+                 world: Comm, device: torch.device, schedule: UnitSchedule) -> None:
+        self.policy = policy
+        self.config = config
+        self.faces = faces
+        self.buckets = buckets
+        self.reducer = reducer
+        self.tied = tied
+        self.grads = grads
+        self.scaler = scaler
+        self.tp = tp
+        self.world = world
+        self.device = device
+        self.schedule = schedule
+        self.by_unit = bool(schedule.units)  # stage 3
+        self.sync = True  # False inside no_sync(): accumulate locally, no communication
+        self.queued = False  # the end of backward is queued on the autograd engine
+        self.ended = False  # a backward ended since the last forward
+        self._flags: torch.Tensor | None = None  # see _agree_on_usage
+        self._slot_of: dict[int, tuple[FlatBucket, int]] = {}  # id(leaf) -> its slot
+        self._acc_nodes: dict[int, object] = {}  # id(leaf) -> its AccumulateGrad node
+
+    def install(self) -> list:
+        """The gradient hooks on every leaf (and tied.py's on their nodes); the handles."""
+        leaves = []
+        for b in self.buckets:
+            for i, s in enumerate(b.slots):
+                for leaf in self.faces.leaves(s.param):
+                    self._slot_of[id(leaf)] = (b, i)
+                    leaves.append(leaf)
+        # Weakly (here and on the nodes below): autograd holds these hooks in C++, where
+        # Python's collector cannot see a cycle back to the engine; strong ones kept every
+        # sharded model, its buffers and its process group alive after the script
+        # dropped it.
+        handles = [leaf.register_post_accumulate_grad_hook(weakly(self.on_grad))
+                   for leaf in leaves]
+        # Hooks that prepare a leaf's .grad for accumulation sit on its AccumulateGrad
+        # node, not on the tensor: they must not run in torch.autograd.grad(..., params),
+        # which reads the gradients without accumulating (a tensor hook runs there too,
+        # and dropping the published gradients then left clip_grad_norm_ a norm of 0).
+        # A leaf holds its node weakly: keep them alive, or the hooks go with them.
+        self._acc_nodes = {id(leaf): accumulate_node(leaf) for leaf in leaves}
+        if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
+            handles += [self._acc_nodes[id(leaf)].register_prehook(
+                weakly(self.drop_published)) for leaf in leaves]
+        handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
+            weakly(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
+        return handles
+
+    def drop_published(self, grads: tuple) -> None:
         """Stages 1-2 without mixed precision or offload: the user parameters are the
         compute ones, and their ``.grad`` are DTensor views of the reduced slices. Drop
         them as the next backward reaches its first parameter, before autograd would add
@@ -97,13 +155,13 @@ class BackwardHooks:
         if self.faces.published:
             self.faces.unpublish(self.buckets)
 
-    def _queue_finish(self: Engine) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+    def queue_finish(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
-    def _on_grad(self: Engine, p: torch.Tensor) -> None:
-        self._queue_finish()
+    def on_grad(self, p: torch.Tensor) -> None:
+        self.queue_finish()
         b, i = self._slot_of[id(p)]
         b.used[i] = 1.0
         self.grads.prepared = False
@@ -118,7 +176,7 @@ class BackwardHooks:
         was_complete = len(leaves) == len(tied := self.faces.leaves(b.slots[i].param))
         leaves.add(id(p))
         completes = first and len(leaves) == len(tied)
-        if self.sync and b.launched and not self.units:
+        if self.sync and b.launched and not self.by_unit:
             raise RuntimeError(
                 f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
                 "backward after its bucket's reduction started. Reentrant activation "
@@ -134,8 +192,8 @@ class BackwardHooks:
             else:
                 held = self.tied.merge_parts(tied, p, leaves)
                 if len(leaves) < len(tied):  # other uses still to deliver
-                    if self.units:
-                        self.prefetch_backward()
+                    if self.by_unit:
+                        self.schedule.prefetch_backward()
                     return
                 p = self.tied.settle(tied[0], held, leaves)
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
@@ -146,8 +204,8 @@ class BackwardHooks:
                 self._stage0_put(b, i, view, p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
             b.valid[i] = True
-        elif self.units:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
-            self.prefetch_backward()
+        elif self.by_unit:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
+            self.schedule.prefetch_backward()
         elif self.policy.keep_full_grads or self.sync:
             if self.policy.keep_full_grads:
                 self.reducer.stash(b)
@@ -164,10 +222,10 @@ class BackwardHooks:
         b.ready += 1
         # Stage 3 reduces a unit at its post-backward, or at the end of backward (see
         # [Note: collective order in backward]); stages 0-2 in bucket order.
-        if b.ready == len(b.slots) and self.config.overlap and not self.units:
+        if b.ready == len(b.slots) and self.config.overlap and not self.by_unit:
             self.reducer.launch_in_order()
 
-    def _grads_of(self: Engine, leaves: list[torch.Tensor], unit: str
+    def _grads_of(self, leaves: list[torch.Tensor], unit: str
                   ) -> list[torch.Tensor | None]:
         """Leaves' gradients as the engine reduces them (a tensor-parallel face's: its
         local piece's, see TensorParallel.local_grads)."""
@@ -175,7 +233,7 @@ class BackwardHooks:
             return [leaf.grad for leaf in leaves]
         return self.tp.local_grads(leaves, unit)
 
-    def _stage0_put(self: Engine, b: FlatBucket, i: int, view: torch.Tensor,
+    def _stage0_put(self, b: FlatBucket, i: int, view: torch.Tensor,
                     grad: torch.Tensor) -> None:
         """Stage 0: a fresh gradient into the parameter's view of the buffer. Without
         mixed precision a fresh ``.grad`` means it was None (zero_grad, or the user):
@@ -190,20 +248,18 @@ class BackwardHooks:
         view.copy_(base * self.scaler.scale if self.scaler.enabled else base)
         view.add_(grad)
 
-    def _post_backward(self: Engine, u: Unit) -> None:
-        """Stage 3: every node that read the unit's weights has run (see _PostBackward):
-        free the weights, then reduce the buckets whose gradients have all arrived, so the
-        whole gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
-        u.backward_done = True
-        self._reshard(u)
+    def unit_done(self, u: Unit) -> None:
+        """Stage 3: the unit's backward is done and its weights freed (stage3.py): reduce
+        its buckets, whatever their parameters received (see [Note: collective order in
+        backward]; a missing gradient counts as zeros)."""
         if not self.sync:
             return
-        for b in u.trainable:  # whatever its parameters received: see [Note: collective
-            if not b.launched:  # order in backward]; a missing gradient counts as zeros
+        for b in u.trainable:
+            if not b.launched:
                 self._fold(b)
                 self.reducer.launch(b)
 
-    def _fold(self: Engine, b: FlatBucket) -> None:
+    def _fold(self, b: FlatBucket) -> None:
         """Stage 3: move a unit's gradients, as autograd left them on its parameters, into
         one whole buffer for its reduce-scatter. A unit's buffer is allocated only once its
         last gradient has arrived, as FSDP2 does: early in a unit's backward, where its
@@ -213,13 +269,13 @@ class BackwardHooks:
         self.reducer.new_grad(b)
         self._take_param_grads(b)
 
-    def _take_param_grads(self: Engine, b: FlatBucket) -> None:
+    def _take_param_grads(self, b: FlatBucket) -> None:
         """Move gradients autograd left on the bucket's parameters into its buffer, for
         slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
         unused in a synchronised backward that still holds gradients from no_sync()."""
         leaves = [(i, leaf) for i, s in enumerate(b.slots)
                   for leaf in self.faces.leaves(s.param)]
-        if self.units:  # a unit's: the same on every tp rank (see local_grads)
+        if self.by_unit:  # a unit's: the same on every tp rank (see local_grads)
             grads = self._grads_of([leaf for _, leaf in leaves], b.name)
         else:
             grads = [self._grads_of([leaf], b.slots[i].names[0])[0] for i, leaf in leaves]
@@ -236,7 +292,7 @@ class BackwardHooks:
             b.valid[i] = True
             leaf.grad = None
 
-    def _finish_backward(self: Engine) -> None:
+    def finish(self) -> None:
         """See [Note: end of backward]."""
         outer = torch._C._current_autograd_node()
         if outer is not None:
@@ -244,27 +300,37 @@ class BackwardHooks:
             # per region, from inside the outer backward's node) has ended, not the
             # backward: finish when the outer node is done, in the outer backward.
             outer.register_hook(lambda *_: torch.autograd.Variable._execution_engine
-                                .queue_callback(self._finish_backward))
+                                .queue_callback(self.finish))
             return
         self.tied.settle_unfinished()
-        self._backward_queued = False
-        self._backward_ended = True  # see _backward_begins in forward.py
-        self._bwd_cursor = 0
-        self._prefetch_due = False
-        for u in self.units:
-            u.in_backward = False
-            self._reshard(u)
-        self._show_user()
+        self.queued = False
+        self.ended = True  # see _backward_begins in forward.py
+        self.schedule.end_backward()
+        self.faces.hold(compute=False)
         if not self.sync:
             for b in self.buckets:
                 b.ready = 0
                 b.launched = False
                 b.arrived = [set() for _ in b.slots]
             return
+        self._launch_rest()
+        late = self._agree_on_usage()
         reducer = self.reducer
-        for b in self.buckets:  # in order: see [Note: collective order in backward]
+        for b in late:  # parts of gradients that arrived after their unit's reduction
+            self._fold(b)  # zeros where this rank has none: every rank reduces it
+            reducer.launch(b, phase="late")  # its reduced slice adds to the first one's
+        reducer.drain()
+        for b in self.buckets:
+            b.launched = False
+        self.grads.publish()
+
+    def _launch_rest(self) -> None:
+        """End of a synchronised backward: launch every bucket not launched yet, in
+        order ([Note: collective order in backward]), and wait for all of them."""
+        reducer = self.reducer
+        for b in self.buckets:
             if not b.launched:
-                if self.units:
+                if self.by_unit:
                     self._fold(b)  # some parameters got no gradient in this backward
                 else:
                     if b.grad is None:  # stage 2, no gradient at all for this bucket
@@ -275,16 +341,8 @@ class BackwardHooks:
             b.arrived = [set() for _ in b.slots]
         reducer.next_launch = 0
         reducer.drain()
-        late = self._agree_on_usage()
-        for b in late:  # parts of gradients that arrived after their unit's reduction
-            self._fold(b)  # zeros where this rank has none: every rank reduces it
-            reducer.launch(b, phase="late")  # its reduced slice adds to the first one's
-        reducer.drain()
-        for b in self.buckets:
-            b.launched = False
-        self.publish_grads()
 
-    def _agree_on_usage(self: Engine) -> list[FlatBucket]:
+    def _agree_on_usage(self) -> list[FlatBucket]:
         """End of a synchronised backward: every rank learns which parameters some rank
         produced a gradient for (the others keep ``grad = None``, as under DDP, and the
         step skips them) and, at stage 3, which buckets some rank holds a late gradient
@@ -292,12 +350,11 @@ class BackwardHooks:
         never depends on one rank's data). One small all-reduce per synchronised
         backward, as DDP's ``find_unused_parameters``. Returns the late buckets."""
         n = sum(len(b.slots) for b in self.buckets)
-        flags = self._backward_flags
+        flags = self._flags
         if flags is None:
-            flags = self._backward_flags = torch.empty(n + len(self.buckets),
-                                                       device=self.device)
+            flags = self._flags = torch.empty(n + len(self.buckets), device=self.device)
         torch.cat([b.used for b in self.buckets], out=flags[:n])
-        if self.units:
+        if self.by_unit:
             late = [float(any(leaf.grad is not None for s in b.slots
                               for leaf in self.faces.leaves(s.param))) for b in self.buckets]
             flags[n:].copy_(torch.tensor(late))

@@ -6,17 +6,21 @@ One training step, by file (docs/architecture.md draws it):
 * set-up, once — materialize.py cuts the parameters into flat buckets (flat.py; stage 3:
   per unit, units.py) and allocates their buffers; buffers.py syncs the model's buffers;
   params.py gives each parameter the face the user sees;
-* forward — forward.py's root hooks (stage 3: stage3.py's unit hooks gather each unit);
-* backward — backward.py's gradient hooks (tied.py sums a tied parameter's parts) hand
-  complete buckets to reduction.py's :class:`Reducer` in a fixed order; the end of
-  backward agrees on usage and publishes the gradients;
+* forward — forward.py's :class:`RootHooks` around the model (stage 3: stage3.py's
+  :class:`UnitSchedule` gathers each unit from its module's hooks);
+* backward — backward.py's :class:`BackwardPass` takes each gradient (tied.py sums a
+  tied parameter's parts) and hands complete buckets to reduction.py's :class:`Reducer`
+  in a fixed order; at the end of backward it agrees on usage and publishes the
+  gradients;
 * step — step_grads.py forms the masters' gradients, the optimizer (optimizer.py) steps
   the chunks (chunks.py), refresh.py re-derives the compute weights;
 * anywhere — sources.py reads the engine's tensors out (memory tracker, state dicts);
-  replay.py serves a rank out of data inside ``join()``.
+  replay.py's :class:`JoinReplay` serves a rank out of data inside ``join()``.
 
-The engine keeps what every phase reads (config, policy, communicators, buckets, faces)
-and the per-backward flags the hooks share; each collaborator keeps its own state.
+The engine builds these objects, wires them (each is given the ones it calls; calls run
+one way: root hooks -> schedule, backward pass, replay; replay -> backward pass ->
+schedule, reducer) and registers their hooks. It keeps what every phase reads (config,
+policy, communicators, buckets, faces) and no phase logic of its own.
 
 [Note: buffer lifetimes]
 Per bucket (see [Note: flat buckets] in flat.py), on every rank:
@@ -67,7 +71,6 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -77,11 +80,12 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import ShardConfig
-from .backward import BackwardHooks, accumulate_node
+from .backward import BackwardPass
 from .buffers import materialize_buffers, sync_module_states
 from .flat import FlatBucket
-from .forward import ForwardHooks
+from .forward import RootHooks
 from .materialize import (
+    Build,
     ParamInit,
     check_shardable,
     cut_layout,
@@ -98,7 +102,7 @@ from .reduction import Reducer
 from .refresh import WeightRefresh
 from .replay import JoinReplay
 from .sources import full_master, gather_shard, memory_sources
-from .stage3 import Stage3Hooks, in_backward
+from .stage3 import UnitSchedule, in_backward
 from .step_grads import StepGrads
 from .storage import same_memory, shares
 from .tensor_parallel import TensorParallel
@@ -112,30 +116,15 @@ __all__ = ["Engine", "ParamInit"]
 _FORCE_HOST_COPIES = False
 
 
-def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
-    """``functools.partial(method, *args)`` holding the method's object and the
-    objects among ``args`` weakly (numbers as they are): a no-op once they are gone."""
-    target = weakref.WeakMethod(method)  # type: ignore[arg-type]
-    refs = [(lambda a=a: a) if isinstance(a, (int, float, str)) else weakref.ref(a)
-            for a in args]
-
-    def hook(*more: Any) -> Any:
-        m, held = target(), [r() for r in refs]
-        if m is None or any(h is None for h in held):
-            return None
-        return m(*held, *more)
-
-    return hook
-
-
-class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
+class Engine:
     """Drives buckets through forward, backward and step according to a StagePolicy.
 
-    The hooks are mixins, since each reads every phase's state: the root's forward hooks
-    (forward.py), the gradient hooks and end of backward (backward.py), stage 3's unit
-    hooks (stage3.py) and the replay for uneven inputs (replay.py). The phases that own
-    their data are collaborators: ``reducer`` (reduction.py), ``tied`` (tied.py),
-    ``grads`` (step_grads.py) and ``weights`` (refresh.py).
+    Each phase is an object that owns its state: ``root`` (the root module's forward
+    hooks, forward.py), ``schedule`` (stage 3's units, stage3.py), ``backward`` (the
+    gradient hooks and the end of backward, backward.py), ``replay`` (uneven inputs,
+    replay.py), ``reducer`` (reduction.py), ``tied`` (tied.py), ``grads``
+    (step_grads.py) and ``weights`` (refresh.py). The engine builds and wires them; its
+    methods are the API the optimizer, state dicts and the public functions call.
     """
 
     def __init__(
@@ -167,7 +156,6 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
                 c.enable_check(config.check_collectives)
         self.policy = StagePolicy(config.stage)
         self.compute_dtype = config.compute_dtype
-        self.sync = True  # False inside no_sync(): accumulate locally, no communication
         self.scaler = LossScaler(
             config.init_scale, config.growth_factor, config.backoff_factor,
             config.growth_interval, enabled=config.mixed_precision == "fp16",
@@ -179,27 +167,6 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         self.units, self.all_buckets, self.frozen = cut_layout(
             model, named, config=config, policy=self.policy, comm=comm, units=units)
         self.buckets = [b for b in self.all_buckets if b.requires_grad]
-        self._backward_flags: torch.Tensor | None = None  # see _agree_on_usage
-        self._backward_queued = False
-        self._backward_ended = False  # a backward ended since the last forward
-        self._root_kept = False  # stage 3: the root was gathered when this forward began
-        self._callers_checked = False  # see wrapping.refuse_wrapping_caller
-        # Stage 3 schedule (see [Note: prefetch] in units.py) and its accounting.
-        self._order: list = []
-        self._recording = True
-        self._fwd_cursor = 0
-        self._bwd_cursor = 0
-        self._prefetch_due = False
-        self.unsharded_bytes = 0
-        self.peak_unsharded_bytes = 0
-        # Uneven inputs (see [Note: join] in join.py).
-        self._joinable: Any = None
-        self._buffer_src = 0  # the rank buffers are broadcast from (join: see replay.py)
-        self._iter_start = 0
-        self._last_iter: list = []
-        self._clip_this_iter: tuple[float, float] | None = None
-        self._last_clip: tuple[float, float] | None = None
-        self._replaying = False
         self.device = device or next(model.parameters()).device
         # ZeRO-Offload (see [Note: offload] in offload.py). Where the device *is* the
         # host (a CPU run) nothing moves and nothing is copied.
@@ -218,14 +185,9 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             policy=self.policy, comm=comm, world=self.world, device=self.device,
             buckets=self.buckets, faces=self.faces, reducer=self.reducer,
             offloader=self.offloader, scaler=self.scaler, tied=self.tied, tp=self.tp)
-        # After materialising: a meta model's parameters are new objects by now.
-        self._known_params = {id(p) for p in model.parameters()} | self.faces.known() | {
-            id(s.param) for b in self.all_buckets for s in b.slots}
-        # requires_grad as sharded, per parameter the user holds (see _check_params).
-        self._grad_flags = {id(u): u.requires_grad for u in self.faces.user.values()}
-        self._grad_flags.update((id(p), False) for p in self.frozen)
-        self._install_hooks()
+        self._wire()
 
+    # -- set-up -----------------------------------------------------------------------------
     # -- set-up -----------------------------------------------------------------------------
     def _materialize(self, param_init: ParamInit | None, mesh: Any) -> None:
         """Real buffers and weights for every bucket (materialize.py), then the faces."""
@@ -235,11 +197,12 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         else:
             sync_module_states(self.model, self.frozen, self.world, self.compute_dtype,
                                buffers=self.config.broadcast_buffers)
-        # DDP syncs buffers before a forward that follows a training forward (and before
-        # the first): see broadcast_buffers in buffers.py.
-        self._sync_buffers = True
+        build = Build(model=self.model, world=self.world, device=self.device,
+                      policy=self.policy, compute_dtype=self.compute_dtype,
+                      offloader=self.offloader, tensor_parallel=self.tp is not None,
+                      group_of=self.group_of)
         for b in self.all_buckets:
-            materialize(self, b, param_init if meta else None)
+            materialize(build, b, param_init if meta else None)
         if self.tp is not None:  # the faces view the compute parameters' memory
             self.tp.make_faces([s.param for b in self.all_buckets for s in b.slots])
         # See [Note: parameters the user sees] in params.py.
@@ -255,41 +218,34 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
             placements=placements(self.replicate), tp=self.tp,
         )
         self.faces.show(self.all_buckets, compute=False)
-        self._shown_compute = False  # stages 0-2: the modules hold the compute params
 
-    def _install_hooks(self) -> None:
-        """The gradient hooks on every leaf (backward.py, tied.py), the root's forward
-        hooks (forward.py) and each unit's (stage3.py)."""
-        self._slot_of: dict[int, tuple[FlatBucket, int]] = {}
-        for b in self.buckets:
-            for i, s in enumerate(b.slots):
-                for leaf in self.faces.leaves(s.param):
-                    self._slot_of[id(leaf)] = (b, i)
-        leaves = [leaf for b in self.buckets for s in b.slots
-                  for leaf in self.faces.leaves(s.param)]
-        # Weakly (here and on the nodes below): autograd holds these hooks in C++, where
-        # Python's collector cannot see a cycle back to the engine; strong ones kept every
-        # sharded model, its buffers and its process group alive after the script
-        # dropped it.
-        self._handles = [leaf.register_post_accumulate_grad_hook(weakly(self._on_grad))
-                         for leaf in leaves]
-        # Hooks that prepare a leaf's .grad for accumulation sit on its AccumulateGrad
-        # node, not on the tensor: they must not run in torch.autograd.grad(..., params),
-        # which reads the gradients without accumulating (a tensor hook runs there too,
-        # and dropping the published gradients then left clip_grad_norm_ a norm of 0).
-        # A leaf holds its node weakly: keep them alive, or the hooks go with them.
-        self._acc_nodes = {id(leaf): accumulate_node(leaf) for leaf in leaves}
-        if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            self._handles += [self._acc_nodes[id(leaf)].register_prehook(
-                weakly(self._drop_published)) for leaf in leaves]
-        self._handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
-            weakly(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
+    def _wire(self) -> None:
+        """The phase objects, each given what it calls, and their hooks."""
+        self.schedule = UnitSchedule(self.units, self.comm, self.config, self.faces)
+        self.backward = BackwardPass(
+            policy=self.policy, config=self.config, faces=self.faces, buckets=self.buckets,
+            reducer=self.reducer, tied=self.tied, grads=self.grads, scaler=self.scaler,
+            tp=self.tp, world=self.world, device=self.device, schedule=self.schedule)
+        self.schedule.connect(backward_reached=self.backward.queue_finish,
+                              unit_done=self.backward.unit_done)
+        self.replay = JoinReplay(
+            model=self.model, config=self.config, comm=self.comm, world=self.world,
+            reducer=self.reducer, schedule=self.schedule, backward=self.backward,
+            buckets=self.buckets, device=self.device)
+        self.root = RootHooks(
+            model=self.model, config=self.config, comm=self.comm, world=self.world,
+            faces=self.faces, weights=self.weights, schedule=self.schedule,
+            backward=self.backward, replay=self.replay, scaler=self.scaler,
+            frozen=self.frozen,
+            compute=[s.param for b in self.all_buckets for s in b.slots])
+        self._handles = self.backward.install()
         # Eager only: see [Note: compile] in stage3.py.
         eager = torch.compiler.disable
-        self._handles.append(self.model.register_forward_pre_hook(eager(self._pre_forward),
-                                                                  with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(eager(self._post_forward)))
-        unit_pre, unit_post = eager(self._unit_pre_forward), eager(self._unit_post_forward)
+        self._handles.append(self.model.register_forward_pre_hook(
+            eager(self.root.pre_forward), with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(eager(self.root.post_forward)))
+        unit_pre = eager(self.schedule.pre_forward)
+        unit_post = eager(self.schedule.post_forward)
         for u in self.units:
             if not u.is_root:
                 self._handles.append(u.module.register_forward_pre_hook(
@@ -324,6 +280,29 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
     @peak_grad_buffer_bytes.setter
     def peak_grad_buffer_bytes(self, n: int) -> None:
         self.reducer.peak_grad_buffer_bytes = n
+
+    @property
+    def sync(self) -> bool:
+        """False inside ``no_sync()``: gradients accumulate locally (backward.py)."""
+        return self.backward.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.backward.sync = value
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Stage 3: gathered weight bytes alive now (stage3.py)."""
+        return self.schedule.unsharded_bytes
+
+    @property
+    def peak_unsharded_bytes(self) -> int:
+        """Stage 3: the most gathered weight bytes alive at once (stage3.py)."""
+        return self.schedule.peak_unsharded_bytes
+
+    @peak_unsharded_bytes.setter
+    def peak_unsharded_bytes(self, n: int) -> None:
+        self.schedule.peak_unsharded_bytes = n
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -393,12 +372,10 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
 
     def reshard_all(self) -> None:
         """Free every gathered stage-3 unit (between steps; see ShardedModule.reshard)."""
-        if in_backward() or self._backward_queued:
+        if in_backward() or self.backward.queued:
             raise RuntimeError("reshard() during a backward: zeroshard frees each unit once its "
                                "backward is done; call it between steps")
-        for u in self.units:
-            u.wait()
-            self._reshard(u)
+        self.schedule.reshard_all()
 
     def settle_gathers(self) -> None:
         """Finish stage-3 gathers still in flight (a forward that raised after a
@@ -406,18 +383,15 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
         rank's slice is sent from ``shard16``, the masters themselves in fp32; see
         Comm.all_gather_from). The values gathered are dropped by ``after_step``, but
         a broadcast of device tensors over gloo may write its input back when done."""
-        for u in self.units:
-            if u.pending:
-                u.wait()
+        self.schedule.settle()
 
     def after_step(self) -> None:
         """Return updated weights to the compute buffers (and to every rank)."""
-        for u in self.units:  # gathered by a forward no backward followed: now stale
-            self._reshard(u)  # (see [Note: between forward and backward] in forward.py)
+        # Units gathered by a forward no backward followed are now stale (see [Note:
+        # between forward and backward] in forward.py).
+        self.schedule.reshard_all()
         self.weights.refresh(phase="step")
-        if self._joinable is not None and not self._replaying:
-            self._last_iter = self.comm.ledger.records[self._iter_start :]
-            self._last_clip, self._clip_this_iter = self._clip_this_iter, None
+        self.replay.step_done()
         self.comm.ledger.mark_step()
 
     def refresh_weights(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
@@ -427,7 +401,7 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
     # -- state -----------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole master-precision weights of a bucket, every rank (sources.py)."""
-        return full_master(self, b)
+        return full_master(self.policy, self.comm, b)
 
     def gather_shard(self, b: FlatBucket, shard: torch.Tensor, *, phase: str) -> torch.Tensor:
         """Every rank's ``shard`` (shard layout, any dtype) as one full-layout tensor."""
@@ -435,7 +409,8 @@ class Engine(ForwardHooks, BackwardHooks, Stage3Hooks, JoinReplay):
 
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
         """Tensors by category, for the memory tracker (sources.py)."""
-        return memory_sources(self)
+        return memory_sources(self.all_buckets, self.frozen, self.tied, self.grads,
+                              by_unit=bool(self.units))
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Engine tensors in host memory by design (offload); see [Note: device and host]."""

@@ -11,28 +11,60 @@ hooks). After: hand the modules back the user parameters until a backward starts
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..comm import Comm
+from ..config import ShardConfig
 from ..wrapping import REPLACED_HINT, refuse_active_ddp, refuse_wrapping_caller
+from .backward import BackwardPass
 from .buffers import broadcast_buffers
-from .stage3 import in_backward
-from .units import UnitState
+from .params import Faces
+from .precision import LossScaler
+from .refresh import WeightRefresh
+from .replay import JoinReplay
+from .stage3 import UnitSchedule, in_backward
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["ForwardHooks"]
+__all__ = ["RootHooks"]
 
 
-class ForwardHooks:
-    """Mixin of :class:`~zeroshard.engine.engine.Engine`: the root hooks read and drive
-    every phase's state (stage-3 units, faces, join counting, buffers, loss scale)."""
+class RootHooks:
+    """The root module's forward pre- and post-hooks. Before the model runs they check
+    the parameters, refresh edited weights, count ranks inside ``join()``, sync buffers
+    and put the compute parameters in place; after it, they hand the modules back the
+    user parameters until a backward starts and scale the gradient entering the model."""
 
-    def _pre_forward(self: Engine, module: nn.Module, args: tuple, kwargs: dict):
+    def __init__(self, *, model: nn.Module, config: ShardConfig, comm: Comm, world: Comm,
+                 faces: Faces, weights: WeightRefresh, schedule: UnitSchedule,
+                 backward: BackwardPass, replay: JoinReplay, scaler: LossScaler,
+                 frozen: list[nn.Parameter], compute: list[nn.Parameter]) -> None:
+        self.model = model
+        self.config = config
+        self.comm = comm
+        self.world = world
+        self.faces = faces
+        self.weights = weights
+        self.schedule = schedule
+        self.by_unit = bool(schedule.units)  # stage 3
+        self.backward = backward
+        self.replay = replay
+        self.scaler = scaler
+        self.compute_dtype = config.compute_dtype
+        # DDP syncs buffers before a forward that follows a training forward (and before
+        # the first): see broadcast_buffers in buffers.py.
+        self.sync_buffers = True
+        self._callers_checked = False  # see wrapping.refuse_wrapping_caller
+        # After materialising: a meta model's parameters are new objects by now.
+        self._known_params = {id(p) for p in model.parameters()} | faces.known() | {
+            id(p) for p in compute}
+        # requires_grad as sharded, per parameter the user holds (see _check_params).
+        self._grad_flags = {id(u): u.requires_grad for u in faces.user.values()}
+        self._grad_flags.update((id(p), False) for p in frozen)
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
         if not in_backward():
             refuse_active_ddp(self.model)
@@ -40,63 +72,38 @@ class ForwardHooks:
                 refuse_wrapping_caller(self.model)
                 self._callers_checked = True
             self.weights.refresh_edited()
-            self._backward_ended = False
-        if self._joinable is not None and not in_backward():
-            from torch.distributed.algorithms.join import Join
-
-            if Join.notify_join_context(self._joinable) is not None:  # join() is active
-                self._count_active(True)
-                self._iter_start = len(self.comm.ledger.records)
-            else:
-                self._buffer_src = 0
-        if self.units:
+            self.backward.ended = False
+            self.replay.forward_begins()
+        if self.by_unit:
             # One rank alone in a forward (evaluation on rank 0 only) is refused here,
             # before any gather; see [Note: divergence] in comm_check.py.
             self.comm.sync_point("forward", phase="forward")
-        if self.config.sync_buffers_in_forward and self._sync_buffers and not in_backward():
+        if self.config.sync_buffers_in_forward and self.sync_buffers and not in_backward():
             # Checked before it is issued: one rank alone in it (stages 0-2: no check
             # point above), or buffers whose sizes differ by rank, must raise with
             # nothing in flight.
-            broadcast_buffers(self.model, self.world, self._buffer_src, strict=True)
-        if self.units:
-            root = self.units[-1]
-            self._fwd_cursor = 0
-            # Gathered before this forward: kept from a forward with gradients whose
-            # backward has not run yet (see _post_forward).
-            self._root_kept = root.state is not UnitState.SHARDED
-            self._unshard(root, "forward")
-            root.wait()
-            self._prefetch(self._order, 0)
+            broadcast_buffers(self.model, self.world, self.replay.buffer_src, strict=True)
+        if self.by_unit:
+            self.schedule.root_pre_forward()
         else:
-            self._show_compute()
+            self.faces.hold(compute=True)
         if self.compute_dtype is None:
             return None
         cast = self._cast_floating
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
-    def _cast_floating(self: Engine, x):
+    def _cast_floating(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x.to(self.compute_dtype)
         return x
 
-    def _post_forward(self: Engine, module: nn.Module, args, output):
+    def post_forward(self, module: nn.Module, args, output):
         if not in_backward():  # as DDP: the next forward syncs buffers after a training one
-            self._sync_buffers = torch.is_grad_enabled() and self.sync
-        if self.units:
-            self._recording = False
-            if not torch.is_grad_enabled():
-                root = self.units[-1]
-                if self._root_kept and not in_backward():
-                    # A forward without gradients between a forward with gradients and
-                    # its backward (TRL DPO's reference pass with the adapters disabled):
-                    # that graph saved views of the root's gathered weights, which the
-                    # backward reads before any unit hook could gather them again; keep
-                    # them, and hand the modules back the user parameters.
-                    self.faces.show(root.buckets, compute=False)
-                else:
-                    self._reshard(root)
-        elif self._shown_compute and not torch.is_grad_enabled():
-            self._show_user()  # no backward follows
+            self.sync_buffers = torch.is_grad_enabled() and self.backward.sync
+        if self.by_unit:
+            self.schedule.root_post_forward()
+        elif not torch.is_grad_enabled():
+            self.faces.hold(compute=False)  # no backward follows
         if torch.is_grad_enabled() and not in_backward():
             self._between_forward_and_backward(output)
         if self.scaler.enabled and torch.is_grad_enabled():
@@ -111,7 +118,7 @@ class ForwardHooks:
                 t.register_hook(self._scale_grad)
         return output
 
-    def _between_forward_and_backward(self: Engine, output: Any) -> None:
+    def _between_forward_and_backward(self, output: Any) -> None:
         """[Note: between forward and backward]
         A forward with gradients may have no backward after it (a validation loss computed
         without ``torch.no_grad()``). Until a backward starts, the modules must hold the
@@ -122,19 +129,19 @@ class ForwardHooks:
         (activation checkpointing): the first gradient reaching an output shows them again
         (_backward_begins). Gathered stage-3 units stay gathered for that backward; a
         step frees them (after_step), so no forward uses weights gathered before it."""
-        if not (self.units or self.faces.swaps):
+        if not (self.by_unit or self.faces.swaps):
             return  # the modules hold the user parameters throughout
-        if self.units:
-            self._show_gathered(compute=False)
+        if self.by_unit:
+            self.schedule.show_gathered(compute=False)
         else:
-            self._show_user()
+            self.faces.hold(compute=False)
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._backward_begins)
 
-    def _backward_begins(self: Engine, grad: torch.Tensor) -> None:
+    def _backward_begins(self, grad: torch.Tensor) -> None:
         """See [Note: between forward and backward]."""
-        if self.units and self._backward_ended:
+        if self.by_unit and self.backward.ended:
             # The units were freed at the end of the last backward, and the graph's saved
             # tensors view their (now empty) storage: refuse before autograd reads them.
             raise RuntimeError(
@@ -143,34 +150,15 @@ class ForwardHooks:
                 "through a second forward's graph after the first one's backward. Sum the "
                 "losses and call backward once ((loss_a + loss_b).backward()), run a "
                 "forward before each backward, or use stage 2")
-        if self.units:
-            self._show_gathered(compute=True)
+        if self.by_unit:
+            self.schedule.show_gathered(compute=True)
         else:
-            self._show_compute()
+            self.faces.hold(compute=True)
 
-    def _show_gathered(self: Engine, compute: bool) -> None:
-        """Stage 3: which face the modules of the gathered units hold."""
-        for u in self.units:
-            if u.state is not UnitState.SHARDED:
-                self.faces.show(u.buckets, compute=compute)
-
-    def _show_compute(self: Engine) -> None:
-        """Stages 0-2: the modules hold the compute parameters (forward and backward)."""
-        if self.faces.swaps and not self._shown_compute:
-            self.faces.show(self.all_buckets, compute=True)
-            self._shown_compute = True
-
-    def _scale_grad(self: Engine, grad: torch.Tensor) -> torch.Tensor:
+    def _scale_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.scaler.scale
 
-    def _show_user(self: Engine) -> None:
-        """Stages 0-2: the modules hold the user parameters again (end of backward, or of
-        a forward without gradients)."""
-        if self._shown_compute:
-            self.faces.show(self.all_buckets, compute=False)
-            self._shown_compute = False
-
-    def _check_params(self: Engine) -> None:
+    def _check_params(self) -> None:
         for name, p in self.model.named_parameters():
             if id(p) not in self._known_params:
                 raise RuntimeError(

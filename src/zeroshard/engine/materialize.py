@@ -10,26 +10,39 @@ chunks — and the compute parameters pointing into ``full``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import Comm
 from ..config import ShardConfig, auto_bucket_bytes
 from .chunks import make_chunks
 from .flat import FlatBucket, cut_buckets
+from .offload import Offload
 from .policy import StagePolicy
 from .units import Unit, UnitSpec, build_units, iter_buckets
 
-if TYPE_CHECKING:
-    from ..comm import Comm
-    from .engine import Engine
-
 ParamInit = Callable[[nn.Module, list[str]], None]
 
-__all__ = ["ParamInit", "named_params", "check_shardable", "cut_layout", "materialize",
-           "user_mesh", "placements"]
+__all__ = ["ParamInit", "Build", "named_params", "check_shardable", "cut_layout",
+           "materialize", "user_mesh", "placements"]
+
+
+@dataclass(frozen=True)
+class Build:
+    """What allocating a bucket's buffers reads of the engine's configuration."""
+
+    model: nn.Module
+    world: Comm  # rank 0's weights are broadcast over it
+    device: torch.device
+    policy: StagePolicy
+    compute_dtype: torch.dtype | None
+    offloader: Offload
+    tensor_parallel: bool
+    group_of: dict[str, int]  # optimizer parameter group by parameter name
 
 
 def named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
@@ -78,7 +91,7 @@ def cut_layout(model: nn.Module, named: list[tuple[tuple[str, ...], nn.Parameter
     return [], cut_buckets(list(reversed(trainable)), bucket, world, rank), frozen
 
 
-def materialize(e: Engine, b: FlatBucket, param_init: ParamInit | None) -> None:
+def materialize(e: Build, b: FlatBucket, param_init: ParamInit | None) -> None:
     """Allocate a bucket's buffers (see [Note: buffer lifetimes] in engine.py).
 
     Every rank starts from rank 0's weights, as DDP does, except for a model built on
@@ -105,8 +118,8 @@ def materialize(e: Engine, b: FlatBucket, param_init: ParamInit | None) -> None:
         return
     # Under tensor parallelism the user parameters are DTensors on the whole mesh over
     # a master of their own (params.py), so the masters are not the weights' chunks.
-    if (e.policy.shard_optimizer and not e.offload and e.compute_dtype is None
-            and e.tp is None):
+    if (e.policy.shard_optimizer and not e.offloader.enabled and e.compute_dtype is None
+            and not e.tensor_parallel):
         b.master_in_full = True  # see [Note: masters inside the weights] in chunks.py
         make_chunks(b, e.group_of)
         return
@@ -122,12 +135,12 @@ def materialize(e: Engine, b: FlatBucket, param_init: ParamInit | None) -> None:
     # zero_grad(set_to_none=True): see [Note: buffer lifetimes] in engine.py.
 
 
-def _on_host(e: Engine, t: torch.Tensor) -> torch.Tensor:
+def _on_host(e: Build, t: torch.Tensor) -> torch.Tensor:
     """With offload, a pinned host copy of ``t``; otherwise ``t`` itself."""
-    return e.offloader.to_host(t) if e.offload else t
+    return e.offloader.to_host(t) if e.offloader.enabled else t
 
 
-def _materialize_sharded(e: Engine, b: FlatBucket, flat: torch.Tensor) -> None:
+def _materialize_sharded(e: Build, b: FlatBucket, flat: torch.Tensor) -> None:
     """Stage 3: keep the slices; free the whole buffer's storage."""
     if b.requires_grad:
         src = b.shard_from_full(flat)
@@ -136,7 +149,7 @@ def _materialize_sharded(e: Engine, b: FlatBucket, flat: torch.Tensor) -> None:
         make_chunks(b, e.group_of)
     params_on_host = e.offloader.params
     if b.master is not None and b.master.dtype == b.full.dtype and (
-        params_on_host or not e.offload
+        params_on_host or not e.offloader.enabled
     ):
         b.shard16 = b.master.detach()  # fp32 without mixed precision: one copy only
     elif params_on_host:

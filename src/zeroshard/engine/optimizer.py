@@ -114,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type not in (2.0, float("inf")) and norm_type <= 0:
             raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
-        self.engine._clip_this_iter = (max_norm, norm_type)  # replayed by join()
+        self.engine.replay.clip_this_iter = (max_norm, norm_type)  # replayed by join()
         total = self.engine.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self.engine.scale_grads(coef)

@@ -44,7 +44,7 @@ gpt2-124m 3 x 147 MiB, the peak of DDP, FSDP2 and every stage). So each home aft
 first holds its own compute parameter during forward and backward, an *alias*: another
 autograd leaf over the same memory (``alias.data`` is the compute parameter's, set again
 whenever the modules are shown the compute parameters). Each leaf's part arrives at its
-own gradient hook (``_on_grad`` in backward.py): later parts are added into the one held from this
+own gradient hook (``BackwardPass.on_grad`` in backward.py): later parts are added into the one held from this
 backward, in place, in arrival order (autograd's own order), so one part lives through
 backward, as under torch, and the last use costs one more part, not two plus a sum.
 When every leaf has delivered, the sum is added to what earlier backwards left
@@ -132,6 +132,8 @@ class Faces:
         self.user: dict[int, nn.Parameter] = {}  # id(compute parameter) -> user parameter
         self.specs: dict[int, object] = {}  # id(compute parameter) -> DTensorSpec
         self.published = False  # user .grad point at the masters' gradients
+        self.buckets = buckets
+        self.holds_compute = False  # stages 0-2: the modules hold the compute parameters
         self._pairs: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
         for b in buckets:
             self._build(model, b)
@@ -201,6 +203,13 @@ class Faces:
             homes = self._pairs[id(b)] if self.swap else self._alias_homes[id(b)]
             for module, attr, c, u in homes:
                 module._parameters[attr] = c if compute else u
+
+    def hold(self, compute: bool) -> None:
+        """Stages 0-2: the modules hold every bucket's compute (or user) parameters, from
+        a forward to the end of its backward (or of a forward without gradients)."""
+        if self.swaps and self.holds_compute != compute:
+            self.show(self.buckets, compute=compute)
+            self.holds_compute = compute
 
     def edits(self, b: FlatBucket) -> int:
         """The sum of the bucket's user parameters' version counters: it changes when

@@ -108,7 +108,7 @@ class Reducer:
         assert src is not None
         if not self.policy.shard_optimizer:
             # Stage 0's .grad are views of the buffer being reduced: detach them, so a late
-            # part of a gradient (see _on_grad) arrives as a new tensor and is refused
+            # part of a gradient (see BackwardPass.on_grad) arrives as a new tensor and is refused
             # instead of being added into the buffer in flight. publish_grads restores them.
             for s in b.slots:
                 s.param.grad = None

@@ -4,67 +4,69 @@ and the whole master weights of a bucket (state dicts, checkpoints)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from ..comm import Comm
 from .flat import FlatBucket
+from .policy import StagePolicy
+from .step_grads import StepGrads
 from .storage import shares
-
-if TYPE_CHECKING:
-    from ..comm import Comm
-    from .engine import Engine
+from .tied import TiedGrads
 
 __all__ = ["memory_sources", "full_master", "gather_shard"]
 
 
-def memory_sources(e: Engine) -> Callable[[], dict[str, list[torch.Tensor]]]:
+def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
+                   tied: TiedGrads, grads: StepGrads, by_unit: bool
+                   ) -> Callable[[], dict[str, list[torch.Tensor]]]:
     """Tensors by category, for the memory tracker (names match memory.Category)."""
 
     def sources() -> dict[str, list[torch.Tensor]]:
-        params, grads, optim = [], [], []
-        for b in e.all_buckets:
+        params, grad, optim = [], [], []
+        for b in all_buckets:
             params += [t for t in (b.full, b.shard16, b.host_weights) if t is not None]
-            grads += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
+            grad += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
             if b.master_grad is not None:
-                grads.append(b.master_grad)
+                grad.append(b.master_grad)
             if b.master is None:
                 continue
             if not shares(b.master, b.full) and not (
                 b.shard16 is not None and shares(b.master, b.shard16)
             ):
                 optim.append(b.master)
-        params += e.frozen
-        if e.units:  # stage 3: gradients autograd left on a unit until its _fold
-            grads += [s.param.grad for b in e.buckets for s in b.slots
-                      if s.param.grad is not None]
+        params += frozen
+        if by_unit:  # stage 3: gradients autograd left on a unit until its _fold
+            grad += [s.param.grad for b in all_buckets if b.requires_grad for s in b.slots
+                     if s.param.grad is not None]
         # A tied parameter's parts held until its other uses deliver (tied.py).
-        grads += e.tied.held_grads()
+        grad += tied.held_grads()
         # Stage 3's all-gathers in flight (gathered layout, before the copy-out; on gloo
         # the other ranks' slices only, see Comm.all_gather_from).
-        comm = [b.gathering for b in e.all_buckets if b.gathering is not None]
+        comm = [b.gathering for b in all_buckets if b.gathering is not None]
         # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
-        other = [b.used for b in e.all_buckets if b.used is not None]
-        used = e.grads.used_flags
+        other = [b.used for b in all_buckets if b.used is not None]
+        used = grads.used_flags
         other += [used] if used is not None else []
-        return {"params": params, "grads": grads, "optim": optim, "comm": comm,
+        return {"params": params, "grads": grad, "optim": optim, "comm": comm,
                 "other": other}
 
     return sources
 
 
-def full_master(e: Engine, b: FlatBucket) -> torch.Tensor:
+def full_master(policy: StagePolicy, comm: Comm, b: FlatBucket) -> torch.Tensor:
     """The whole master-precision weights of a bucket in the full layout, every rank.
 
     Collective at stages >= 1 unless the compute weights are the master values
     (stages 1-2 without mixed precision).
     """
-    if not e.policy.shard_optimizer:
+    if not policy.shard_optimizer:
         return b.master.detach()
     if b.master_in_full:
         return b.full  # the masters are the weights' own chunks: whole and current
     src = (b.master if b.master is not None else b.shard16).detach()
-    return gather_shard(e.comm, b, src, phase="state")
+    return gather_shard(comm, b, src, phase="state")
 
 
 def gather_shard(comm: Comm, b: FlatBucket, shard: torch.Tensor, *, phase: str

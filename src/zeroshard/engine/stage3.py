@@ -1,8 +1,7 @@
 """Stage 3's hooks: gather and free each unit around its forward and backward.
 
 The lifecycle itself is [Note: unit lifecycle] and the schedule [Note: prefetch], both in
-units.py; this mixin is the part of the :class:`~zeroshard.engine.engine.Engine` that
-runs them from module hooks.
+units.py; :class:`UnitSchedule` runs them from module hooks.
 
 [Note: compile]
 The engine's forward hooks (root and unit, pre and post) are excluded from
@@ -22,19 +21,16 @@ would otherwise pay in every process, compiled or not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..comm import Comm
+from ..config import ShardConfig
+from .params import Faces
 from .units import Unit, UnitState
 
-if TYPE_CHECKING:
-    from ..comm import Comm
-    from ..config import ShardConfig
-    from .params import Faces
-
-__all__ = ["Stage3Hooks", "in_backward"]
+__all__ = ["UnitSchedule", "in_backward"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -62,25 +58,44 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class UnitSchedule:
+    """Stage 3's schedule over all units: which are gathered, the order they ran in
+    (recorded by the first forward), the prefetch cursors, and the gathered bytes.
 
-class Stage3Hooks:
-    """Mixin of :class:`~zeroshard.engine.engine.Engine` (its attributes: ``comm``,
-    ``config``, ``units``, ``unsharded_bytes`` ...)."""
+    Module hooks call it (the engine registers them); it tells its listener two things
+    through callables given to :meth:`connect`: a backward has reached a unit (the
+    backward pass queues its end), and a unit's backward is done (the backward pass
+    reduces its buckets). It calls nothing else outside the units and the faces.
+    """
 
-    comm: Comm
-    config: ShardConfig
-    faces: Faces
-    units: list[Unit]
-    unsharded_bytes: int
-    peak_unsharded_bytes: int
-    _order: list[Unit]
-    _recording: bool
-    _fwd_cursor: int
-    _bwd_cursor: int
-    _prefetch_due: bool
-    _post_backward: Callable[[Unit], None]
+    def __init__(self, units: list[Unit], comm: Comm, config: ShardConfig,
+                 faces: Faces) -> None:
+        self.units = units
+        self.comm = comm
+        self.config = config
+        self.faces = faces
+        self.order: list[Unit] = []  # the units in the order the first forward ran them
+        self.recording = True
+        self.fwd_cursor = 0
+        self.bwd_cursor = 0
+        self.prefetch_due = False
+        self.root_kept = False  # the root was gathered when this forward began
+        self.unsharded_bytes = 0
+        self.peak_unsharded_bytes = 0
+        self._backward_reached: Callable[[], None] = lambda: None
+        self._unit_done: Callable[[Unit], None] = lambda u: None
 
-    def _unshard(self, u: Unit, phase: str) -> None:
+    def connect(self, backward_reached: Callable[[], None],
+                unit_done: Callable[[Unit], None]) -> None:
+        self._backward_reached = backward_reached
+        self._unit_done = unit_done
+
+    @property
+    def root(self) -> Unit:
+        return self.units[-1]
+
+    # -- gather and free --------------------------------------------------------------------
+    def unshard(self, u: Unit, phase: str) -> None:
         if u.state is not UnitState.SHARDED:
             # Gathered already (the root from forward to backward), but after a forward
             # with gradients its modules hold the user parameters ([Note: between forward
@@ -93,29 +108,71 @@ class Stage3Hooks:
         self.unsharded_bytes += u.unsharded_bytes
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
 
-    def _reshard(self, u: Unit) -> None:
+    def reshard(self, u: Unit) -> None:
         if u.state is not UnitState.SHARDED:
             u.reshard()
             self.faces.show(u.buckets, compute=False)
             self.unsharded_bytes -= u.unsharded_bytes
 
+    def reshard_all(self) -> None:
+        for u in self.units:
+            u.wait()
+            self.reshard(u)
+
+    def settle(self) -> None:
+        """Finish gathers still in flight (see Engine.settle_gathers)."""
+        for u in self.units:
+            if u.pending:
+                u.wait()
+
+    def show_gathered(self, compute: bool) -> None:
+        """Which face the modules of the gathered units hold."""
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self.faces.show(u.buckets, compute=compute)
+
     def _prefetch(self, order: list[Unit], start: int) -> None:
         for u in order[start : start + self.config.prefetch]:
-            self._unshard(u, "backward" if u.in_backward else "forward")
+            self.unshard(u, "backward" if u.in_backward else "forward")
 
-    def _unit_pre_forward(self, u: Unit, args: tuple) -> None:
-        if u.in_backward or in_backward():  # recomputation (activation checkpointing)
-            self._unshard(u, "backward")
-            u.wait()
+    # -- the root, around the whole forward -------------------------------------------------
+    def root_pre_forward(self) -> None:
+        """Gather the root (kept from a forward with gradients whose backward has not run
+        yet, see forward.py) and prefetch the first units."""
+        self.fwd_cursor = 0
+        self.root_kept = self.root.state is not UnitState.SHARDED
+        self.unshard(self.root, "forward")
+        self.root.wait()
+        self._prefetch(self.order, 0)
+
+    def root_post_forward(self) -> None:
+        self.recording = False
+        if torch.is_grad_enabled():
             return
-        if self._recording:
-            self._order.append(u)
-        self._fwd_cursor += 1
-        self._unshard(u, "forward")
+        if self.root_kept and not in_backward():
+            # A forward without gradients between a forward with gradients and its
+            # backward (TRL DPO's reference pass with the adapters disabled): that graph
+            # saved views of the root's gathered weights, which the backward reads before
+            # any unit hook could gather them again; keep them, and hand the modules back
+            # the user parameters.
+            self.faces.show(self.root.buckets, compute=False)
+        else:
+            self.reshard(self.root)
+
+    # -- a unit's hooks ---------------------------------------------------------------------
+    def pre_forward(self, u: Unit, args: tuple) -> tuple | None:
+        if u.in_backward or in_backward():  # recomputation (activation checkpointing)
+            self.unshard(u, "backward")
+            u.wait()
+            return None
+        if self.recording:
+            self.order.append(u)
+        self.fwd_cursor += 1
+        self.unshard(u, "forward")
         # Wait (copy out, free the gather buffer) before prefetching the next unit, so
         # never more than one gather buffer beside the gathered units ([Note: prefetch]).
         u.wait()
-        self._prefetch(self._order, self._fwd_cursor)
+        self._prefetch(self.order, self.fwd_cursor)
         u.inputs_hooked = u.backward_done = False
         if torch.is_grad_enabled():
             args = self._hook_inputs(u, args)
@@ -133,43 +190,58 @@ class Stage3Hooks:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    def _unit_post_forward(self, u: Unit, output):
+    def post_forward(self, u: Unit, output):
         if u.in_backward or in_backward():
             # A recompute's graph only regenerates saved tensors; the hooks registered in
             # the original forward free the unit once its backward is done.
             return output
         grad = torch.is_grad_enabled()
         if self.config.reshard_after_forward or not grad:
-            self._reshard(u)
+            self.reshard(u)
         if grad:
             call = [False]  # one forward call of the unit; its outputs share the flag
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, u=u, c=call: self._unit_pre_backward(u, c, g))
+                    t.register_hook(lambda g, u=u, c=call: self._pre_backward(u, c, g))
         return output
 
-    def _unit_pre_backward(self, u: Unit, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
+    def _pre_backward(self, u: Unit, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
         u.in_backward = True
-        self._queue_finish()
-        self._unshard(u, "backward")  # no-op if kept or prefetched
+        self._backward_reached()
+        self.unshard(u, "backward")  # no-op if kept or prefetched
         u.wait()
         if not call[0]:  # first output of this call to get its gradient: advance schedule
             call[0] = True
-            self._bwd_cursor += 1
+            self.bwd_cursor += 1
             # The next units' gathers start with this unit's first parameter gradient
             # (prefetch_backward), not now: by then the unit's last layer has run its
             # backward and freed what it saved, and the gathers still overlap the rest.
-            self._prefetch_due = True
+            self.prefetch_due = True
         return grad
+
+    def _post_backward(self, u: Unit) -> None:
+        """Every node that read the unit's weights has run (see _PostBackward): free the
+        weights, then let the backward pass reduce the unit's buckets, so the whole
+        gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
+        u.backward_done = True
+        self.reshard(u)
+        self._unit_done(u)
 
     def prefetch_backward(self) -> None:
         """Start the gathers of the next ``prefetch`` units of backward, once per unit
-        (called by the engine's gradient hook; see [Note: prefetch])."""
-        if not self._prefetch_due:
+        (called by the gradient hook; see [Note: prefetch])."""
+        if not self.prefetch_due:
             return
-        self._prefetch_due = False
-        backward_order = self._order[::-1]
-        for v in backward_order[self._bwd_cursor : self._bwd_cursor + self.config.prefetch]:
+        self.prefetch_due = False
+        backward_order = self.order[::-1]
+        for v in backward_order[self.bwd_cursor : self.bwd_cursor + self.config.prefetch]:
             v.in_backward = True
-            self._unshard(v, "backward")
+            self.unshard(v, "backward")
 
+    def end_backward(self) -> None:
+        """Every unit freed, the backward cursor back at the start."""
+        self.bwd_cursor = 0
+        self.prefetch_due = False
+        for u in self.units:
+            u.in_backward = False
+            self.reshard(u)

@@ -2,7 +2,7 @@
 
 The mechanism is [Note: tied parameters] in params.py (each home after the first holds an
 alias leaf); this file is its backward half. Each leaf's part reaches the gradient hook
-(``_on_grad`` in backward.py), which hands it here: parts of one backward are summed on
+(``BackwardPass.on_grad`` in backward.py), which hands it here: parts of one backward are summed on
 one leaf, in arrival order, and once every leaf delivered the sum is added to what
 earlier backwards left, in ``AccumulateGrad``'s order (earlier + (part + part)).
 """
