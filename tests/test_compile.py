@@ -31,7 +31,8 @@ from zeroshard.testing import run_ranks, sweep
 counters = torch._dynamo.utils.counters
 
 STEPS = 3
-OURS = ("_unit_pre_forward", "_unit_post_forward", "_pre_forward", "_post_forward")
+OURS = ("UnitSchedule.pre_forward", "UnitSchedule.post_forward", "RootHooks.pre_forward",
+        "RootHooks.post_forward")
 
 
 def _train(rank: int, world: int, stage: int, how: str | None, backend: str = "aot_eager",

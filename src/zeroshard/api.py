@@ -137,6 +137,7 @@ class ShardedModule:
                 "every rank holds the whole weights; it applies at stage 3")
         engine.config = dataclasses.replace(engine.config,
                                             reshard_after_forward=bool(reshard_after_forward))
+        engine.schedule.reshard_after_forward = bool(reshard_after_forward)
 
     def reshard(self) -> None:
         """Free every gathered unit (stage 3; nothing is gathered at stages 0-2). Between

@@ -80,6 +80,8 @@ class UnitSchedule:
         self.bwd_cursor = 0
         self.prefetch_due = False
         self.root_kept = False  # the root was gathered when this forward began
+        # Free each unit after its forward (FSDP2's set_reshard_after_forward sets it).
+        self.reshard_after_forward = config.reshard_after_forward
         self.unsharded_bytes = 0
         self.peak_unsharded_bytes = 0
         self._backward_reached: Callable[[], None] = lambda: None
@@ -196,7 +198,7 @@ class UnitSchedule:
             # the original forward free the unit once its backward is done.
             return output
         grad = torch.is_grad_enabled()
-        if self.config.reshard_after_forward or not grad:
+        if self.reshard_after_forward or not grad:
             self.reshard(u)
         if grad:
             call = [False]  # one forward call of the unit; its outputs share the flag
