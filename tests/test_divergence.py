@@ -301,13 +301,13 @@ def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(others: 
 
 
 def _check_group_after_reinit(rank: int, world: int, root: str) -> bool:
-    from zeroshard.comm_check import _check_group
+    from zeroshard.comm_check import make_check_group
 
-    first = _check_group(list(range(world)), True)
+    first = make_check_group(list(range(world)), True)
     dist.destroy_process_group()
     store = dist.FileStore(os.path.join(root, "again"), world)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
-    second = _check_group(list(range(world)), True)
+    second = make_check_group(list(range(world)), True)
     return second is not first and dist.get_process_group_ranks(second) == list(range(world))
 
 
@@ -331,8 +331,8 @@ def test_a_peer_that_issued_the_check_is_not_stranded(monkeypatch) -> None:
     from zeroshard import comm_check
     from zeroshard.peer_watch import WATCH
 
-    comm = SimpleNamespace(_peers=[0, 1], global_rank=0, label="world")
-    check = comm_check._Check(comm, None, None, "the check of all_gather(bucket0, step)",
+    comm = SimpleNamespace(peers=[0, 1], global_rank=0, label="world")
+    check = comm_check.Check(comm, None, None, "the check of all_gather(bucket0, step)",
                               "bucket0", "step", number=7)
     key = comm_check.check_key([0, 1])
     blocked = {"state": "foreign", "call": "torch.distributed.all_reduce()",

@@ -3,7 +3,8 @@
 
 Every ``import`` / ``from ... import`` in every module counts, including those inside
 functions (lazy imports still tie modules together). ``from . import x`` is an edge to
-the submodule ``x`` where one exists, else to the package.
+the submodule ``x`` where one exists, else to the package. Imports under
+``if TYPE_CHECKING:`` count like any other (issue #43: that is where cycles hid).
 """
 
 from __future__ import annotations
@@ -26,14 +27,9 @@ def _edges(name: str, f: Path, mods: dict[str, Path]) -> set[str]:
     pkg = name if f.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     tree = ast.parse(f.read_text())
-    # Imports under `if TYPE_CHECKING:` are annotations only: never executed, so no cycle at
-    # run time. The engine's phases name `Engine` that way (docs/architecture.md).
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                   for stmt in block.body for n in ast.walk(stmt)}
+    # Imports under `if TYPE_CHECKING:` count too: a name needed only for annotations
+    # still ties the two modules' designs together, and a cycle hidden there is one.
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.ImportFrom):
             base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))

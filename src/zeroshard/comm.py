@@ -38,15 +38,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm_check import _OPS, _PHASES, CHECK_TIMEOUT, _Check, _check_group, _key, issue
-from .comm_wait import (  # noqa: F401  (_IN_FLIGHT_GLOBAL: read by the test harness)
-    _IN_FLIGHT_GLOBAL,
+from .comm_check import CHECK_TIMEOUT, OPS, PHASES, Check, issue, make_check_group, unit_key
+from .comm_wait import (
     CollectiveError,
     CollectiveMismatch,
     CollectiveTimeout,
     Pending,
-    _waiting_in,
     track,
+    waiting_in,
 )
 from .peer_watch import WATCH
 
@@ -183,15 +182,15 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
         self.decompose = _decompose_for(group) if decompose is None else decompose
-        self._peers = [
+        self.peers = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
         self.timeout: float | None = None
         self.pack_below = PACK_BELOW  # bytes; see [Note: small pieces]
         self.check: bool | str = False
-        self._check_group: dist.ProcessGroup | None = None
-        self._unverified: list[_Check] = []  # posted checks not yet compared
-        self._names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
+        self.check_group: dist.ProcessGroup | None = None
+        self.unverified: list[Check] = []  # posted checks not yet compared
+        self.unit_names: dict[int, str] = {}  # unit-name hashes seen, to decode peers'
         self._seq = (-1, 0)  # (step, index within step)
         track(self)  # see [Note: stranded groups] in comm_wait.py
 
@@ -209,7 +208,7 @@ class Comm:
             return
         if backend == "fake":
             return
-        self._check_group = _check_group(self._peers, self.group is None and backend == "gloo")
+        self.check_group = make_check_group(self.peers, self.group is None and backend == "gloo")
         self.check = mode
         WATCH.bind(CollectiveMismatch)  # see [Note: asking the peers]
 
@@ -217,7 +216,7 @@ class Comm:
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
         checked: bool = True, strict: bool = False,
-    ) -> tuple[str, _Check | None]:
+    ) -> tuple[str, Check | None]:
         """Record the collective and post its check (see [Note: divergence] in comm_check.py,
         unless not ``checked``); its description and the check to verify before its result
         is used (``strict``: verified before the collective is issued)."""
@@ -254,30 +253,30 @@ class Comm:
     def know_names(self, names: list[str]) -> None:
         """Unit names a peer may mention, so mismatch reports can name them."""
         for n in names:
-            self._names[_key(n)] = n
+            self.unit_names[unit_key(n)] = n
 
-    def _post(self, op: str, unit: str, phase: str, numel: int) -> _Check:
+    def _post(self, op: str, unit: str, phase: str, numel: int) -> Check:
         """Start exchanging this collective's descriptor over the check group. Checks
         already answered are compared first, so a divergence is reported before the next
         collective is issued wherever the peers have caught up."""
-        while self._unverified and self._unverified[0].ready():
-            self._unverified.pop(0).verify()
+        while self.unverified and self.unverified[0].ready():
+            self.unverified.pop(0).verify()
         step = self.ledger.step
         index = self._seq[1] + 1 if self._seq[0] == step else 0
         self._seq = (step, index)
         self.know_names([unit])
-        ph = _PHASES.index(phase if phase in _PHASES else "other")
+        ph = PHASES.index(phase if phase in PHASES else "other")
         # A forward without gradients (evaluation) is told apart from a training one.
         grad = int(torch.is_grad_enabled()) if phase == "forward" else 1
-        mine = torch.tensor([step, index, _OPS.index(op), _key(unit), ph, numel, grad],
+        mine = torch.tensor([step, index, OPS.index(op), unit_key(unit), ph, numel, grad],
                             dtype=torch.int64)
         table = torch.empty(self.size * 7, dtype=torch.int64)
-        work = _all_gather_single(table, mine, self._check_group, True)
-        number = issue(self._peers)
+        work = _all_gather_single(table, mine, self.check_group, True)
+        number = issue(self.peers)
         what = (f"the check point before {unit}" if op == "barrier"
                 else f"the check of {op}({unit}, {phase})")
-        check = _Check(self, work, table, what, unit, phase, number)
-        self._unverified.append(check)
+        check = Check(self, work, table, what, unit, phase, number)
+        self.unverified.append(check)
         return check
 
     def sync_point(self, name: str, phase: str = "sync") -> None:
@@ -288,11 +287,11 @@ class Comm:
         collective is issued (see [Note: divergence] in comm_check.py)."""
         if self.check and self.size > 1:
             self._post("barrier", name, phase, 0)
-            while self._unverified:
-                self._unverified.pop(0).verify()
+            while self.unverified:
+                self.unverified.pop(0).verify()
 
     def _finish(self, works: list, out: torch.Tensor, desc: str, async_op: bool,
-                check: _Check | None = None, then: Callable[[], None] | None = None,
+                check: Check | None = None, then: Callable[[], None] | None = None,
                 ) -> Pending:
         pending = Pending(works, out, desc, self, check=check, then=then)
         if not async_op:
@@ -312,7 +311,7 @@ class Comm:
                                   unit, checked)
         if self.size == 1:
             return Pending(None, tensor, "")
-        with _waiting_in(desc):
+        with waiting_in(desc):
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._finish([work], tensor, desc, async_op, check)
 
@@ -333,10 +332,10 @@ class Comm:
         desc, check = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit)
         if n == 1:
             return Pending(None, full, "")
-        with _waiting_in(desc):
+        with waiting_in(desc):
             if impl == "reduce":
                 # Slice r is summed onto rank r; other ranks' copies of it become scratch.
-                work = [dist.reduce(full[r * shard : (r + 1) * shard], dst=self._peers[r],
+                work = [dist.reduce(full[r * shard : (r + 1) * shard], dst=self.peers[r],
                                     group=self.group, async_op=True) for r in range(n)]
                 out = full[self.rank * shard : (self.rank + 1) * shard]
             else:
@@ -360,9 +359,9 @@ class Comm:
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
-        with _waiting_in(desc):
+        with waiting_in(desc):
             if impl == "broadcast":
-                work = [dist.broadcast(full[r * shard : (r + 1) * shard], src=self._peers[r],
+                work = [dist.broadcast(full[r * shard : (r + 1) * shard], src=self.peers[r],
                                        group=self.group, async_op=True) for r in range(n)]
             else:
                 lo = self.rank * shard
@@ -391,10 +390,10 @@ class Comm:
                                   unit)
         if n == 1:
             return Pending(None, own, "")
-        with _waiting_in(desc):
+        with waiting_in(desc):
             work = [dist.broadcast(own if q == self.rank else
                                    others[(q - (q > self.rank)) * s:][:s],
-                                   src=self._peers[q], group=self.group, async_op=True)
+                                   src=self.peers[q], group=self.group, async_op=True)
                     for q in range(n)]
         return self._finish(work, others, desc, async_op, check)
 
@@ -416,7 +415,7 @@ class Comm:
         if n == 1:
             return Pending(None, full, "")
         work, unpack = [], []
-        with _waiting_in(desc):
+        with waiting_in(desc):
             for q in range(n):
                 small = [t for t in pieces[q] if 0 < _nbytes(t) < self.pack_below]
                 if len(small) < 2:  # nothing to gain from a pack
@@ -424,7 +423,7 @@ class Comm:
                 packed = {id(t) for t in small}
                 for t in pieces[q]:
                     if t.numel() and id(t) not in packed:
-                        work.append(dist.broadcast(t, src=self._peers[q], group=self.group,
+                        work.append(dist.broadcast(t, src=self.peers[q], group=self.group,
                                                    async_op=True))
                 if not small:
                     continue
@@ -434,7 +433,7 @@ class Comm:
                     pack = torch.empty(sum(t.numel() for t in small), dtype=full.dtype,
                                        device=full.device)
                     unpack.append((pack, small))
-                work.append(dist.broadcast(pack, src=self._peers[q], group=self.group,
+                work.append(dist.broadcast(pack, src=self.peers[q], group=self.group,
                                            async_op=True))
         then = functools.partial(_unpack, unpack) if unpack else None
         return self._finish(work, full, desc, async_op, check, then=then)
@@ -465,8 +464,8 @@ class Comm:
                                   unit, strict=strict)
         if self.size == 1:
             return
-        with _waiting_in(desc):
-            work = dist.broadcast(tensor, src=self._peers[src], group=self.group,
+        with waiting_in(desc):
+            work = dist.broadcast(tensor, src=self.peers[src], group=self.group,
                                   async_op=True)
         self._finish([work], tensor, desc, False, check)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,13 +32,23 @@ import torch.distributed as dist
 from .comm_wait import CollectiveError, CollectiveMismatch, CollectiveTimeout, Pending, StillWaiting
 from .peer_watch import ASK_AFTER_S, ASK_EVERY_S, CHECKS_ISSUED, WATCH
 
-if TYPE_CHECKING:
-    from .comm import Comm
 
-__all__ = ["CHECK_TIMEOUT", "SLOW_CHECK", "mismatch"]
+class CheckedGroup(Protocol):
+    """What a check reads of its communicator (``comm.Comm`` is one)."""
 
-_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
-_PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other",
+    label: str
+    size: int
+    global_rank: int
+    timeout: float | None
+    peers: list[int]  # global ranks, in group order
+    unit_names: dict[int, str]  # unit_key(name) -> name, to decode peers' descriptors
+    unverified: list[Check]  # posted checks not yet compared
+
+__all__ = ["CHECK_TIMEOUT", "SLOW_CHECK", "OPS", "PHASES", "Check", "CheckedGroup", "issue",
+           "make_check_group", "mismatch", "unit_key"]
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other",
            "late")
 
 #: Seconds a collective check waits for its peers unless ``timeout`` says otherwise:
@@ -49,24 +59,24 @@ CHECK_TIMEOUT = 600.0
 SLOW_CHECK = 30.0
 
 
-def _key(name: str) -> int:
+def unit_key(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
-def mismatch(rows: list[list[int]], c: Comm) -> CollectiveMismatch:
+def mismatch(rows: list[list[int]], c: CheckedGroup) -> CollectiveMismatch:
     """The error every rank raises when the descriptors ``rows`` differ."""
 
     def say(r: list[int]) -> str:
-        where = c._names.get(r[3], f"unit #{r[3]}")
+        where = c.unit_names.get(r[3], f"unit #{r[3]}")
         what = "" if r[6] else " without gradients"
-        return (f"{_OPS[r[2]]}({where}, {_PHASES[r[4]]}{what}, {r[5]} elements) as "
+        return (f"{OPS[r[2]]}({where}, {PHASES[r[4]]}{what}, {r[5]} elements) as "
                 f"collective #{r[1]} of step {r[0]}")
 
     step = min(r[0] for r in rows)
-    lines = [f"rank {c._peers[i]}: {say(r)}" for i, r in enumerate(rows)]
+    lines = [f"rank {c.peers[i]}: {say(r)}" for i, r in enumerate(rows)]
     return CollectiveMismatch(
         f"ranks diverged at step {step}: they issued different collectives "
-        f"(group {c.label!r}):\n  " + "\n  ".join(lines) + "\n" + _fix(rows, c._names)
+        f"(group {c.label!r}):\n  " + "\n  ".join(lines) + "\n" + _fix(rows, c.unit_names)
     )
 
 
@@ -119,7 +129,7 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
     state = units & _STATE_UNITS
     if state:
         hints.append(_state_hint(state))
-    phases = [_PHASES[r[4]] for r in rows]
+    phases = [PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
     if units == {"buffers"} and len({r[5] for r in rows}) > 1:
         hints.append(_BUFFER_SIZES_HINT)
@@ -155,7 +165,7 @@ def _fix_for(unit: str, phase: str, rank: int) -> str:
 _CHECK_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def _check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
+def make_check_group(peers: list[int], whole_world: bool) -> dist.ProcessGroup:
     key = tuple(peers)
     group = _CHECK_GROUPS.get(key)
     if group is not None and not _alive(group):
@@ -193,12 +203,12 @@ def _alive(group: dist.ProcessGroup) -> bool:
     return True
 
 
-class _Check:
+class Check:
     """One collective's descriptor exchange on the check group (see [Note: divergence])."""
 
     __slots__ = ("comm", "work", "table", "desc", "unit", "phase", "done", "number")
 
-    def __init__(self, comm: Comm, work, table: torch.Tensor, desc: str, unit: str,
+    def __init__(self, comm: CheckedGroup, work, table: torch.Tensor, desc: str, unit: str,
                  phase: str, number: int) -> None:
         self.comm, self.work, self.table, self.desc = comm, work, table, desc
         self.unit, self.phase = unit, phase
@@ -246,8 +256,8 @@ class _Check:
         except CollectiveError as e:
             raise CollectiveError(f"{e}\n{self._hint()}") from e.__cause__
         self.done = True
-        if self in c._unverified:
-            c._unverified.remove(self)
+        if self in c.unverified:
+            c.unverified.remove(self)
         rows = self.table.view(c.size, 7).tolist()
         if any(r != rows[0] for r in rows):
             raise mismatch(rows, c)
@@ -260,8 +270,8 @@ class _Check:
         user's that includes this rank (it can never return: see [Note: asking the
         peers])."""
         c = self.comm
-        answers = WATCH.ask([p for p in c._peers if p != c.global_rank], self.desc)
-        key = check_key(c._peers)
+        answers = WATCH.ask([p for p in c.peers if p != c.global_rank], self.desc)
+        key = check_key(c.peers)
         stuck = {p: a for p, a in answers.items() if a.get("state") == "foreign" and (
             a.get("ranks") is None or c.global_rank in a["ranks"])
             and a.get("checks", {}).get(key, 0) < self.number}  # not yet issued ours

@@ -14,28 +14,45 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .comm import Comm
-    from .comm_check import _Check
+
+class Waited(Protocol):
+    """What a wait reads of its communicator (``comm.Comm`` is one)."""
+
+    timeout: float | None
+
+
+class Grouped(Waited, Protocol):
+    """A communicator whose groups an error strands (``comm.Comm``)."""
+
+    group: Any
+    check_group: Any
+
+
+class Verified(Protocol):
+    """A collective's descriptor check (``comm_check.Check``)."""
+
+    def ready(self) -> bool: ...
+
+    def verify(self) -> None: ...
 
 __all__ = ["Pending", "CollectiveError", "CollectiveTimeout", "CollectiveMismatch"]
 
 # What each thread is blocked in, readable from other threads so a watchdog (the test
 # harness's) can say where a rank hung: thread id -> (description, since).
-_IN_FLIGHT_GLOBAL: dict[int, tuple[str, float]] = {}
+IN_FLIGHT: dict[int, tuple[str, float]] = {}
 
 
 @contextmanager
-def _waiting_in(desc: str) -> Iterator[None]:
-    _IN_FLIGHT_GLOBAL[threading.get_ident()] = (desc, time.monotonic())
+def waiting_in(desc: str) -> Iterator[None]:
+    IN_FLIGHT[threading.get_ident()] = (desc, time.monotonic())
     try:
         yield
     finally:
-        _IN_FLIGHT_GLOBAL.pop(threading.get_ident(), None)
+        IN_FLIGHT.pop(threading.get_ident(), None)
 
 
 # [Note: stranded groups]
@@ -43,16 +60,16 @@ def _waiting_in(desc: str) -> Iterator[None]:
 # gloo worker thread (a broadcast whose peer issued something else). Destroying such a
 # process group blocks: ~ProcessGroupGloo waits for its work queue, so freeing the
 # group — when the script drops its sharded model and the collector takes it (the
-# engine is collectable: engine.weakly), or at exit — would hang the process. So the
+# engine is collectable: engine/weak.py), or at exit — would hang the process. So the
 # errors below, once made, strand every group a live Comm holds (and the default group):
 # one reference each that is never released, not even at interpreter exit. A process
 # that saw no error frees its groups normally (a check's poll of a slow peer raises
 # StillWaiting, which strands nothing).
-_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+_COMMS: weakref.WeakSet[Grouped] = weakref.WeakSet()
 _STRANDED: set[int] = set()
 
 
-def track(comm: Comm) -> None:
+def track(comm: Grouped) -> None:
     """Count ``comm`` among those whose groups an error strands."""
     _COMMS.add(comm)
 
@@ -60,7 +77,7 @@ def track(comm: Comm) -> None:
 def _strand() -> None:
     import torch.distributed as dist
 
-    groups = [g for c in list(_COMMS) for g in (c.group, c._check_group)]
+    groups = [g for c in list(_COMMS) for g in (c.group, c.check_group)]
     if dist.is_available() and dist.is_initialized():
         groups.append(dist.distributed_c10d._get_default_group())
     for g in groups:
@@ -107,8 +124,8 @@ class Pending:
     __slots__ = ("_work", "_out", "_desc", "_comm", "_timeout", "_check", "_then", "_poll")
 
     def __init__(self, work: list | None, out: torch.Tensor, desc: str,
-                 comm: Comm | None = None, timeout: float | None = None,
-                 check: _Check | None = None, then: Callable[[], None] | None = None,
+                 comm: Waited | None = None, timeout: float | None = None,
+                 check: Verified | None = None, then: Callable[[], None] | None = None,
                  poll: bool = False) -> None:
         self._poll = poll  # a timeout is one poll of a longer wait: StillWaiting
         self._then = then  # runs once the work is done (copying packed pieces out)
@@ -132,7 +149,7 @@ class Pending:
             self._check = None
         if self._work:
             timeout = self._timeout or (self._comm.timeout if self._comm is not None else None)
-            with _waiting_in(self._desc):
+            with waiting_in(self._desc):
                 start = time.monotonic()
                 for w in self._work:
                     if timeout is None:

@@ -167,7 +167,7 @@ def state_view(engine: Engine, inner: torch.optim.Optimizer) -> dict[Any, dict[s
     per-element state as views shaped like the parameter's local piece (DTensors at
     stages >= 1, whole tensors at stage 0), scalars as they are. Read-only in spirit:
     writes into the views change the state; assigning new entries does nothing."""
-    from .params import dtensor
+    from .dtensors import dtensor
 
     out: dict[Any, dict[str, Any]] = {}
     for b in engine.buckets:

@@ -58,33 +58,14 @@ identities and ``model.parameters()`` are as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from .dtensors import dtensor, make_spec
 from .flat import FlatBucket
+from .tensor_parallel import TensorParallel
 
-if TYPE_CHECKING:
-    from .tensor_parallel import TensorParallel
-
-__all__ = ["Faces", "make_spec", "dtensor"]
-
-
-def make_spec(mesh, placements: tuple, shape: torch.Size, dtype: torch.dtype):
-    """The DTensorSpec of a dim-0-sharded parameter (built once, reused per step)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
-
-
-def dtensor(local: torch.Tensor, spec) -> torch.Tensor:
-    """A DTensor over ``local`` without ``DTensor.from_local``'s autograd function and
-    checks (~100x cheaper; FSDP2's ``_from_local_no_grad`` does the same)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, spec, requires_grad=False)
+__all__ = ["Faces"]
 
 
 def _homes(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:

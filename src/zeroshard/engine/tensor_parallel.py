@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dtensors import dtensor
+
 __all__ = ["TpSpec", "TensorParallel", "chunk_range", "localize", "sync_over_tp", "tp_comms",
            "is_tp_mesh"]
 
@@ -191,7 +193,7 @@ class TensorParallel:
         (see [Note: tensor-parallel parameters]); built once, after the buckets are."""
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-        from .params import dtensor
+
 
         self.faces: dict[int, nn.Parameter] = {}
         for p in params:

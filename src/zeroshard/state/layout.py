@@ -47,9 +47,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..engine.dtensors import dtensor, make_spec
 from ..engine.engine import Engine
 from ..engine.flat import FlatBucket, ParamSlot
-from ..engine.params import dtensor, make_spec
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
            "weights_view", "read_v1", "quiet", "global_ranks",

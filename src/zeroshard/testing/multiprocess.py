@@ -32,7 +32,7 @@ How it works
   other rank is killed at once (they are usually blocked in a collective waiting for the
   rank that failed). At the deadline, counted from the call (start-up excluded), every
   rank's watchdog reports the collective it waits in (recorded in
-  ``zeroshard.comm._IN_FLIGHT_GLOBAL``) and its main thread's stack, which go into
+  ``zeroshard.comm_wait.IN_FLIGHT``) and its main thread's stack, which go into
   :class:`RankTimeout`.
 
 Parameter sweeps: loop inside one call

@@ -238,9 +238,9 @@ def _restore(base: dict[str, Any]) -> int:
 
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(threading.main_thread().ident), None)
-        comm = sys.modules.get("zeroshard.comm")
+        comm = sys.modules.get("zeroshard.comm_wait")
         if comm is not None:
-            comm._IN_FLIGHT_GLOBAL.clear()
+            comm.IN_FLIGHT.clear()
         # Free what the call left in cycles, then freeze the survivors (torch's modules, and
         # whatever the call imported) so that the next call's collection scans only its own
         # objects: a full collection over torch's ~300k objects costs 0.4 s, more than a
@@ -289,11 +289,11 @@ def _watchdog(rank: int, owned_dir: str | None) -> None:
 
 
 def _where(main_id: int | None) -> str:
-    comm = sys.modules.get("zeroshard.comm")
+    comm = sys.modules.get("zeroshard.comm_wait")
     now = time.monotonic()
     waits = [
         f"waiting in {desc} for {now - since:.1f} s"
-        for desc, since in list(getattr(comm, "_IN_FLIGHT_GLOBAL", {}).values())
+        for desc, since in list(getattr(comm, "IN_FLIGHT", {}).values())
     ]
     frame = sys._current_frames().get(main_id)  # type: ignore[arg-type]
     stack = traceback.extract_stack(frame) if frame is not None else []
