@@ -20,6 +20,7 @@ would otherwise pay in every process, compiled or not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -187,7 +188,8 @@ class UnitSchedule:
         if not idx:
             return args
         u.inputs_hooked = True
-        outs = _PostBackward.apply(lambda: self._post_backward(u), *(flat[i] for i in idx))
+        outs = _PostBackward.apply(functools.partial(self._post_backward, u),
+                                  *(flat[i] for i in idx))
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
