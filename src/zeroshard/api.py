@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
@@ -135,9 +134,7 @@ class ShardedModule:
             raise ValueError(
                 f"set_reshard_after_forward has no meaning at stage {engine.config.stage}: "
                 "every rank holds the whole weights; it applies at stage 3")
-        engine.config = dataclasses.replace(engine.config,
-                                            reshard_after_forward=bool(reshard_after_forward))
-        engine.schedule.reshard_after_forward = bool(reshard_after_forward)
+        engine.set_reshard_after_forward(bool(reshard_after_forward))
 
     def reshard(self) -> None:
         """Free every gathered unit (stage 3; nothing is gathered at stages 0-2). Between

@@ -71,6 +71,7 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -303,6 +304,11 @@ class Engine:
     @peak_unsharded_bytes.setter
     def peak_unsharded_bytes(self, n: int) -> None:
         self.schedule.peak_unsharded_bytes = n
+
+    def set_reshard_after_forward(self, flag: bool) -> None:
+        """Stage 3: free (True) or keep (False) each unit's weights after its forward."""
+        self.config = dataclasses.replace(self.config, reshard_after_forward=flag)
+        self.schedule.reshard_after_forward = flag
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
