@@ -189,7 +189,6 @@ class Engine:
         self._wire()
 
     # -- set-up -----------------------------------------------------------------------------
-    # -- set-up -----------------------------------------------------------------------------
     def _materialize(self, param_init: ParamInit | None, mesh: Any) -> None:
         """Real buffers and weights for every bucket (materialize.py), then the faces."""
         meta = next(self.model.parameters()).is_meta

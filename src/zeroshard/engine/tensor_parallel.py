@@ -193,8 +193,6 @@ class TensorParallel:
         (see [Note: tensor-parallel parameters]); built once, after the buckets are."""
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-
-
         self.faces: dict[int, nn.Parameter] = {}
         for p in params:
             spec = self.specs.get(id(p))
