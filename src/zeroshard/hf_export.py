@@ -96,10 +96,10 @@ def aliases(model: nn.Module) -> set[str]:
     """Every name but one of each tied parameter: what HF leaves out of its checkpoint."""
     engine = getattr(model, "_zeroshard_engine", None)
     alias_of = engine.faces.alias_of if engine is not None else {}
-    groups: dict[int, list[str]] = {}
+    groups: dict[torch.Tensor, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         # a tied parameter's alias (held between a forward and its backward) is the parameter
-        groups.setdefault(id(alias_of.get(id(p), p)), []).append(name)
+        groups.setdefault(alias_of.get(p, p), []).append(name)
     targets = _tie_targets(model)
     drop: set[str] = set()
     for names in groups.values():

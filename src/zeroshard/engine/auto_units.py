@@ -43,7 +43,7 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
     than two parameter-holding modules besides the root)."""
     total = sum(p.numel() for p in model.parameters())
     threshold = max(1, total // SHARE)
-    chosen: set[int] = set()
+    chosen: set[nn.Module] = set()
 
     def walk(m: nn.Module) -> tuple[int, bool]:
         """Children first: the parameters left over, and whether a unit is inside (a
@@ -55,28 +55,28 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
             left = _own(m) + sum(n for n, _ in below)
             inside = any(u for _, u in below)
         if m is not model and not inside and left >= threshold:
-            chosen.add(id(m))
+            chosen.add(m)
             return 0, True
         return left, inside
 
     walk(model)
 
     def holds_unit(m: nn.Module) -> bool:
-        return any(id(s) in chosen for s in m.modules())
+        return any(s in chosen for s in m.modules())
 
     def leftovers(m: nn.Module) -> None:  # unit-free subtrees beside units become units
         for c in m.children():
-            if id(c) in chosen:
+            if c in chosen:
                 continue
             if holds_unit(c):
                 leftovers(c)
             elif any(True for _ in c.parameters()):
-                chosen.add(id(c))
+                chosen.add(c)
 
     by_size = set(chosen)
     leftovers(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    units = [m for m in model.modules() if id(m) in chosen]
+    names = {m: n for n, m in model.named_modules()}
+    units = [m for m in model.modules() if m in chosen]
     if len(units) < 2:
         return []
     if rank == 0:
@@ -85,8 +85,8 @@ def units_by_size(model: nn.Module, rank: int = 0) -> list[nn.Module]:
             "least 1/%d of the %s parameters each, then each subtree left beside them, "
             "marked 'left'): %s. Pass units= to choose others", type(model).__name__,
             SHARE, f"{total:,}",
-            ", ".join(f"{names[id(u)]} ({sum(p.numel() for p in u.parameters()):,}"
-                      f"{'' if id(u) in by_size else ', left'})" for u in units))
+            ", ".join(f"{names[u]} ({sum(p.numel() for p in u.parameters()):,}"
+                      f"{'' if u in by_size else ', left'})" for u in units))
     return units
 
 

@@ -64,7 +64,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Comm
 from ..config import ShardConfig
-from .flat import FlatBucket
+from .flat import FlatBucket, FlatParam
 from .params import Faces
 from .policy import StagePolicy
 from .precision import LossScaler
@@ -91,7 +91,7 @@ class BackwardPass:
     (stage-3 prefetch, tied parts, the reducer's launches), and at the end the
     launches left, the usage agreement and publication. Its per-backward state is its
     own (``queued``, ``ended``, ``sync``) and the buckets' arrival fields (``ready``,
-    ``arrived``, ``launched``, ``used``)."""
+    ``launched``, ``used``) and each parameter's (``arrived``, ``valid``)."""
 
     def __init__(self, *, policy: StagePolicy, config: ShardConfig, faces: Faces,
                  buckets: list[FlatBucket], reducer: Reducer, tied: TiedGrads,
@@ -114,34 +114,29 @@ class BackwardPass:
         self.queued = False  # the end of backward is queued on the autograd engine
         self.ended = False  # a backward ended since the last forward
         self._flags: torch.Tensor | None = None  # see _agree_on_usage
-        self._slot_of: dict[int, tuple[FlatBucket, int]] = {}  # id(leaf) -> its slot
-        self._acc_nodes: dict[int, object] = {}  # id(leaf) -> its AccumulateGrad node
 
     def install(self) -> list:
         """The gradient hooks on every leaf (and tied.py's on their nodes); the handles."""
-        leaves = []
-        for b in self.buckets:
-            for i, s in enumerate(b.slots):
-                for leaf in self.faces.leaves(s.param):
-                    self._slot_of[id(leaf)] = (b, i)
-                    leaves.append(leaf)
+        slots = [s for b in self.buckets for s in b.slots]
+        # Each hook is bound to its parameter and leaf: no lookup on the gradient path.
         # Weakly (here and on the nodes below): autograd holds these hooks in C++, where
         # Python's collector cannot see a cycle back to the engine; strong ones kept every
         # sharded model, its buffers and its process group alive after the script
         # dropped it.
-        handles = [leaf.register_post_accumulate_grad_hook(weakly(self.on_grad))
-                   for leaf in leaves]
+        handles = [leaf.register_post_accumulate_grad_hook(weakly(self.on_grad, s, k))
+                   for s in slots for k, leaf in enumerate(s.leaves)]
         # Hooks that prepare a leaf's .grad for accumulation sit on its AccumulateGrad
         # node, not on the tensor: they must not run in torch.autograd.grad(..., params),
         # which reads the gradients without accumulating (a tensor hook runs there too,
         # and dropping the published gradients then left clip_grad_norm_ a norm of 0).
-        # A leaf holds its node weakly: keep them alive, or the hooks go with them.
-        self._acc_nodes = {id(leaf): accumulate_node(leaf) for leaf in leaves}
+        # A leaf holds its node weakly: the parameter keeps them, or the hooks go with them.
+        for s in slots:
+            s.nodes = [accumulate_node(leaf) for leaf in s.leaves]
         if self.faces.sharded and not self.faces.swap:  # before the tied hooks below
-            handles += [self._acc_nodes[id(leaf)].register_prehook(
-                weakly(self.drop_published)) for leaf in leaves]
-        handles += [self._acc_nodes[id(b.slots[i].param)].register_prehook(
-            weakly(self.tied.before_own_part, b, i)) for b, i in self.tied.slots]
+            handles += [node.register_prehook(weakly(self.drop_published))
+                        for s in slots for node in s.nodes]
+        handles += [s.nodes[0].register_prehook(weakly(self.tied.before_own_part, s))
+                    for s in self.tied.slots]
         return handles
 
     def drop_published(self, grads: tuple) -> None:
@@ -160,9 +155,10 @@ class BackwardPass:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
-    def on_grad(self, p: torch.Tensor) -> None:
+    def on_grad(self, s: FlatParam, k: int, p: torch.Tensor) -> None:
+        """Leaf ``k`` of parameter ``s`` (``p``) has its gradient (or a part of it)."""
         self.queue_finish()
-        b, i = self._slot_of[id(p)]
+        b, i = s.bucket, s.index
         b.used[i] = 1.0
         self.grads.prepared = False
         # A parameter's gradient can arrive in several parts in one backward: reentrant
@@ -171,11 +167,11 @@ class BackwardPass:
         # readiness; a part arriving after the bucket's reduction has started is reduced
         # again at the end of backward (stage 3) or refused (stages 0-2: it would land
         # in a buffer being reduced).
-        leaves = b.arrived[i]  # ids of the slot's leaves heard from in this backward
-        first = id(p) not in leaves
-        was_complete = len(leaves) == len(tied := self.faces.leaves(b.slots[i].param))
-        leaves.add(id(p))
-        completes = first and len(leaves) == len(tied)
+        heard = s.arrived  # the parameter's leaves heard from in this backward
+        first = k not in heard
+        was_complete = len(heard) == len(tied := s.leaves)
+        heard.add(k)
+        completes = first and len(heard) == len(tied)
         if self.sync and b.launched and not self.by_unit:
             raise RuntimeError(
                 f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
@@ -190,20 +186,20 @@ class BackwardPass:
             if was_complete:  # a late part (reentrant): onto the parameter's own .grad
                 p = self.tied.move_part(p, tied[0])
             else:
-                held = self.tied.merge_parts(tied, p, leaves)
-                if len(leaves) < len(tied):  # other uses still to deliver
+                held = self.tied.merge_parts(s, p)
+                if len(heard) < len(tied):  # other uses still to deliver
                     if self.by_unit:
                         self.schedule.prefetch_backward()
                     return
-                p = self.tied.settle(tied[0], held, leaves)
+                p = self.tied.settle(s, held)
         if not self.policy.shard_optimizer:  # stage 0: .grad views the buffer
             if b.grad is None:
                 self.reducer.new_grad(b)
             view = b.slot_view(b.grad, i)
             if not same_memory(p.grad, view):  # fresh: we (or the user) set None
-                self._stage0_put(b, i, view, p.grad)
+                self._stage0_put(s, view, p.grad)
                 p.grad = view  # later backwards accumulate into the buffer in place
-            b.valid[i] = True
+            s.valid = True
         elif self.by_unit:  # stage 3: autograd's .grad stays until the unit's last one (_fold)
             self.schedule.prefetch_backward()
         elif self.policy.keep_full_grads or self.sync:
@@ -211,9 +207,8 @@ class BackwardPass:
                 self.reducer.stash(b)
             if b.grad is None:
                 self.reducer.new_grad(b)
-            b.put_grad(b.grad, i, self._grads_of([p], b.slots[i].names[0])[0],
-                       add=b.valid[i])
-            b.valid[i] = True
+            b.put_grad(b.grad, i, self._grads_of([p], s.names[0])[0], add=s.valid)
+            s.valid = True
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
@@ -233,14 +228,13 @@ class BackwardPass:
             return [leaf.grad for leaf in leaves]
         return self.tp.local_grads(leaves, unit)
 
-    def _stage0_put(self, b: FlatBucket, i: int, view: torch.Tensor,
-                    grad: torch.Tensor) -> None:
+    def _stage0_put(self, s: FlatParam, view: torch.Tensor, grad: torch.Tensor) -> None:
         """Stage 0: a fresh gradient into the parameter's view of the buffer. Without
         mixed precision a fresh ``.grad`` means it was None (zero_grad, or the user):
         it replaces. Under mixed precision the compute ``.grad`` is ours and detached at
         every reduction, and the user's ``.grad`` (fp32, unscaled) is the sum so far,
         which DDP would accumulate into: start from it (edits included), then add."""
-        user = self.faces.user[id(b.slots[i].param)]
+        user = s.user
         if not self.faces.swap or user.grad is None:
             view.copy_(grad)
             return
@@ -273,23 +267,23 @@ class BackwardPass:
         """Move gradients autograd left on the bucket's parameters into its buffer, for
         slots the buffer has none for: stage 3 (see _fold), and at stage 2 a parameter
         unused in a synchronised backward that still holds gradients from no_sync()."""
-        leaves = [(i, leaf) for i, s in enumerate(b.slots)
-                  for leaf in self.faces.leaves(s.param)]
+        leaves = [(s, leaf) for s in b.slots for leaf in s.leaves]
         if self.by_unit:  # a unit's: the same on every tp rank (see local_grads)
             grads = self._grads_of([leaf for _, leaf in leaves], b.name)
         else:
-            grads = [self._grads_of([leaf], b.slots[i].names[0])[0] for i, leaf in leaves]
-        for (i, leaf), g in zip(leaves, grads):
+            grads = [self._grads_of([leaf], s.names[0])[0] for s, leaf in leaves]
+        for (s, leaf), g in zip(leaves, grads):
+            i = s.index
             # Stage 0's .grad may be the buffer's own view: already in.
-            if g is None or (b.valid[i] and same_memory(g, b.slot_view(b.grad, i))):
+            if g is None or (s.valid and same_memory(g, b.slot_view(b.grad, i))):
                 continue
             if not self.policy.shard_optimizer:
-                self._stage0_put(b, i, b.slot_view(b.grad, i), g)
+                self._stage0_put(s, b.slot_view(b.grad, i), g)
             else:
                 if self.policy.keep_full_grads:
                     self.reducer.stash(b)
-                b.put_grad(b.grad, i, g, add=b.valid[i])
-            b.valid[i] = True
+                b.put_grad(b.grad, i, g, add=s.valid)
+            s.valid = True
             leaf.grad = None
 
     def finish(self) -> None:
@@ -311,7 +305,8 @@ class BackwardPass:
             for b in self.buckets:
                 b.ready = 0
                 b.launched = False
-                b.arrived = [set() for _ in b.slots]
+                for s in b.slots:
+                    s.arrived.clear()
             return
         self._launch_rest()
         late = self._agree_on_usage()
@@ -338,7 +333,8 @@ class BackwardPass:
                     self._take_param_grads(b)
                 reducer.launch(b)
             b.ready = 0
-            b.arrived = [set() for _ in b.slots]
+            for s in b.slots:
+                s.arrived.clear()
         reducer.next_launch = 0
         reducer.drain()
 
@@ -355,8 +351,8 @@ class BackwardPass:
             flags = self._flags = torch.empty(n + len(self.buckets), device=self.device)
         torch.cat([b.used for b in self.buckets], out=flags[:n])
         if self.by_unit:
-            late = [float(any(leaf.grad is not None for s in b.slots
-                              for leaf in self.faces.leaves(s.param))) for b in self.buckets]
+            late = [float(any(leaf.grad is not None for s in b.slots for leaf in s.leaves))
+                    for b in self.buckets]
             flags[n:].copy_(torch.tensor(late))
         else:
             flags[n:].zero_()

@@ -55,7 +55,7 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   (accumulation without ``no_sync``) add up in it. ``zero_grad(set_to_none=True)`` frees
   it, as FSDP2 frees its sharded gradients. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
   it costs nothing beyond the whole buffer; the rest of ``grad`` is marked stale (see
-  ``FlatBucket.valid``), since a reduce-scatter leaves other ranks' slices unreduced. Only
+  ``FlatParam.valid``), since a reduce-scatter leaves other ranks' slices unreduced. Only
   if another backward is about to reuse the buffer before the step is the reduced slice
   moved to a ``grad_shard`` stash (``Reducer.stash``), where later reductions add up. With a
   ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
@@ -181,7 +181,7 @@ class Engine:
         self.weights = WeightRefresh(policy=self.policy, comm=comm, offloader=self.offloader,
                                      faces=self.faces, buckets=self.buckets)
         self.weights.note_edits(self.buckets)  # compute weights derived from them
-        self.tied = TiedGrads(self.faces, self.buckets)
+        self.tied = TiedGrads(self.buckets)
         self.grads = StepGrads(
             policy=self.policy, comm=comm, world=self.world, device=self.device,
             buckets=self.buckets, faces=self.faces, reducer=self.reducer,
@@ -256,8 +256,11 @@ class Engine:
     def comms(self) -> list[Comm]:
         """The engine's distinct communicators (sharding, replicate, world)."""
         tp = self.tp.comm if self.tp is not None else None
-        unique = {id(c): c for c in (self.comm, self.replicate, self.world, tp) if c is not None}
-        return list(unique.values())
+        unique: list[Comm] = []
+        for c in (self.comm, self.replicate, self.world, tp):
+            if c is not None and not any(c is u for u in unique):
+                unique.append(c)
+        return unique
 
     def reduce_dtype_of(self, b: FlatBucket) -> torch.dtype:
         return self.reducer.reduce_dtype_of(b)
@@ -329,7 +332,7 @@ class Engine:
         for b in self.all_buckets:
             for s in b.slots:
                 for n in s.names:
-                    out[n] = self.faces.user[id(s.param)]
+                    out[n] = s.user
         return out
 
     def optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -35,52 +35,69 @@ every bucket can be reduced the moment it is complete.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "FlatBucket", "cut_buckets"]
+__all__ = ["FlatParam", "FlatBucket", "cut_buckets"]
 
 
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives in its bucket (names: every name it is known by).
+class FlatParam:
+    """One parameter of a bucket, and everything the engine knows about it.
 
-    ``param`` is the *compute* parameter: the tensor forward reads and autograd gives
-    gradients to (a view of ``full``). ``user`` is what the model's modules hold between
-    forwards (see [Note: parameters the user sees]); the same object where no swap is
-    needed.
+    Its place in the bucket (``bucket``, ``index``, the offsets and the row arithmetic
+    of [Note: flat buckets]) is fixed when the bucket is cut; the rest is filled in by
+    the file that owns it:
+
+    * ``param`` — the *compute* parameter: the tensor forward reads and autograd gives
+      gradients to (a view of ``full``); replaced only once, when meta parameters
+      become real (:meth:`FlatBucket.replace_meta_params`);
+    * params.py (see [Note: parameters the user sees]): ``user`` (what the modules hold
+      between forwards; ``param`` itself where no swap is needed), ``spec`` (the user
+      DTensor's spec), ``leaves`` (the autograd leaves its gradient arrives on: ``param``
+      and one alias per further home of a tied parameter, or a tensor-parallel face),
+      ``homes`` (each (module, attribute) that holds it, with the leaf and the user
+      parameter it holds in turn);
+    * tensor_parallel.py: ``tp`` (its place on the tp mesh, or None);
+    * backward.py: ``nodes`` (the leaves' AccumulateGrad nodes, kept alive for their
+      hooks) and the gradient state of the current backward: ``arrived`` (indices into
+      ``leaves`` heard from) and ``valid`` (does the bucket's ``grad`` buffer hold this
+      parameter's current gradient? A stale one is overwritten by the next gradient — a
+      copy, not an add into zeros — or zeroed before a reduction, so buffers never need
+      a memset between steps).
     """
 
-    names: tuple[str, ...]
-    param: nn.Parameter
-    shape: torch.Size
-    offset: int  # start of its padded rows in the parameter-major (full) layout
-    shard_offset: int  # start of its chunk inside every rank's shard
-    world: int
+    __slots__ = ("names", "param", "shape", "offset", "shard_offset", "world", "bucket",
+                 "index", "numel", "rows", "row", "chunk_rows", "chunk", "user", "spec",
+                 "leaves", "homes", "tp", "nodes", "arrived", "valid", "__weakref__")
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+    def __init__(self, names: tuple[str, ...], param: nn.Parameter, offset: int,
+                 shard_offset: int, world: int, bucket: FlatBucket, index: int) -> None:
+        self.names = names  # every name it is known by
+        self.param = param
+        self.shape: torch.Size = param.shape
+        self.offset = offset  # start of its padded rows in the parameter-major (full) layout
+        self.shard_offset = shard_offset  # start of its chunk inside every rank's shard
+        self.world = world
+        self.bucket = bucket
+        self.index = index
+        # The row arithmetic, computed once (the hot paths read it per gradient).
+        self.numel: int = self.shape.numel()
+        self.rows: int = self.shape[0] if len(self.shape) else 1
+        self.row: int = self.numel // self.rows if self.rows else 0  # elements per row
+        self.chunk_rows: int = -(-self.rows // world)
+        self.chunk: int = self.chunk_rows * self.row  # elements of one rank's padded chunk
+        self.user: nn.Parameter = param
+        self.spec: object | None = None
+        self.leaves: list[nn.Parameter] = [param]
+        self.homes: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self.tp: object | None = None
+        self.nodes: list[object] = []
+        self.arrived: set[int] = set()
+        self.valid = False
 
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
-
-    @property
-    def row(self) -> int:
-        """Elements per dim-0 row."""
-        return self.numel // self.rows if self.rows else 0
-
-    @property
-    def chunk_rows(self) -> int:
-        return -(-self.rows // self.world)
-
-    @property
-    def chunk(self) -> int:
-        """Elements of one rank's (padded) chunk."""
-        return self.chunk_rows * self.row
+    def __repr__(self) -> str:
+        return f"FlatParam({self.names[0]!r}, {tuple(self.shape)}, bucket={self.bucket.name!r})"
 
     def rows_of(self, q: int) -> int:
         """Rows rank ``q`` really owns (``torch.chunk``: the last ones may own fewer, or
@@ -114,10 +131,10 @@ class FlatBucket:
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {name!r} mixes dtypes {sorted(map(str, dtypes))}")
-        self.slots: list[ParamSlot] = []
+        self.slots: list[FlatParam] = []
         offset = shard_offset = 0
         for names, p in params:
-            s = ParamSlot(names, p, p.shape, offset, shard_offset, world)
+            s = FlatParam(names, p, offset, shard_offset, world, self, len(self.slots))
             self.slots.append(s)
             offset += world * s.chunk
             shard_offset += s.chunk
@@ -154,16 +171,8 @@ class FlatBucket:
         self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
         self.pending = None  # an in-flight reduction (comm.Pending)
         self.ready = 0  # parameters whose gradient arrived this backward
-        # Per slot: the autograd leaves (ids) whose gradient, or a first part of it,
-        # arrived in this backward (several for a tied parameter: see params.py).
-        self.arrived: list[set[int]] = []
         self.launched = False  # its reduction was started this backward
         self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
-        # Per slot: does ``grad`` hold this parameter's current gradient? Stale slots are
-        # overwritten by the next gradient (a copy, not an add into zeros) or zeroed before
-        # a reduction, so buffers never need a memset between steps.
-        self.valid = [False] * len(self.slots)
-        self.arrived = [set() for _ in self.slots]
         self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
         # slots no rank produced a gradient for in the last synchronised backward
         self.unused: set[int] = set()
@@ -194,11 +203,11 @@ class FlatBucket:
         s = self.slots[i]
         return full[s.offset : s.offset + s.numel].view(s.shape)
 
-    def views(self, full: torch.Tensor) -> Iterable[tuple[ParamSlot, torch.Tensor]]:
+    def views(self, full: torch.Tensor) -> Iterable[tuple[FlatParam, torch.Tensor]]:
         for i, s in enumerate(self.slots):
             yield s, self.slot_view(full, i)
 
-    def slots_in_shard(self) -> Iterable[tuple[ParamSlot, int, int]]:
+    def slots_in_shard(self) -> Iterable[tuple[FlatParam, int, int]]:
         """(slot, lo, hi): each parameter's piece in this rank's shard coordinates."""
         for s in self.slots:
             n = s.rows_of(self.rank) * s.row
@@ -336,7 +345,7 @@ class FlatBucket:
         replaced by a new ``nn.Parameter`` — set on every module that holds it, keeping
         tied weights tied.
         """
-        for i, (s, view) in enumerate(list(self.views(full))):
+        for s, view in list(self.views(full)):
             # Not nn.Parameter(view): that would share ``full``'s version counter, so
             # every later write into the buffer (a gather) would look to autograd like an
             # in-place change of a saved weight. ``.data`` aliases memory only.
@@ -346,7 +355,9 @@ class FlatBucket:
             for name in s.names:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, new)
-            self.slots[i] = replace(s, param=new)
+            s.param = new
+            s.user = new
+            s.leaves = [new]
         self.device = full.device
 
     def grad_views(self, full: torch.Tensor) -> None:

@@ -58,11 +58,11 @@ class RootHooks:
         self.sync_buffers = True
         self._callers_checked = False  # see wrapping.refuse_wrapping_caller
         # After materialising: a meta model's parameters are new objects by now.
-        self._known_params = {id(p) for p in model.parameters()} | faces.known() | {
-            id(p) for p in compute}
+        self._known_params = {*model.parameters(), *faces.known(), *compute}
         # requires_grad as sharded, per parameter the user holds (see _check_params).
-        self._grad_flags = {id(u): u.requires_grad for u in faces.user.values()}
-        self._grad_flags.update((id(p), False) for p in frozen)
+        self._grad_flags = {s.user: s.user.requires_grad
+                            for b in faces.buckets for s in b.slots}
+        self._grad_flags.update((p, False) for p in frozen)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
@@ -160,13 +160,13 @@ class RootHooks:
 
     def _check_params(self) -> None:
         for name, p in self.model.named_parameters():
-            if id(p) not in self._known_params:
+            if p not in self._known_params:
                 raise RuntimeError(
                     f"parameter {name!r} was replaced after zeroshard.shard(); sharded "
                     "buffers no longer back it. Change the model before sharding it, or "
                     "build a new model and shard that" + REPLACED_HINT
                 )
-            was = self._grad_flags.get(id(p))
+            was = self._grad_flags.get(p)
             if was is None or p.requires_grad == was or not torch.is_grad_enabled():
                 # A forward without gradients computes none, so a flag flipped for it is
                 # harmless: peft's disable_adapter() (TRL's DPO reference pass) flips the

@@ -47,14 +47,10 @@ class Build:
 
 def named_params(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
     """Unique parameters in registration order, each with every name it is known by."""
-    names: dict[int, list[str]] = {}
-    order: list[nn.Parameter] = []
+    names: dict[nn.Parameter, list[str]] = {}  # in order of first appearance
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in names:
-            names[id(p)] = []
-            order.append(p)
-        names[id(p)].append(name)
-    return [(tuple(names[id(p)]), p) for p in order]
+        names.setdefault(p, []).append(name)
+    return [(tuple(n), p) for p, n in names.items()]
 
 
 def check_shardable(named: list[tuple[tuple[str, ...], nn.Parameter]],

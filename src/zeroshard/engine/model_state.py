@@ -79,7 +79,7 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
         if not gather:
             src = b.master if not engine.policy.shard_optimizer else b.full
             for i, s in enumerate(b.slots):
-                user = engine.faces.user[id(s.param)]
+                user = s.user
                 # A copy per parameter, on its device: views of one flat buffer would
                 # share its storage, which safetensors' load_model (Accelerate's
                 # load_state) refuses ("None is covering the entire storage").

@@ -68,11 +68,12 @@ def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
             )
 
 
-def _names(model: nn.Module) -> tuple[dict[int, list[str]], dict[str, nn.Parameter]]:
-    names: dict[int, list[str]] = {}
+def _names(model: nn.Module
+           ) -> tuple[dict[nn.Parameter, list[str]], dict[str, nn.Parameter]]:
+    names: dict[nn.Parameter, list[str]] = {}
     by_name: dict[str, nn.Parameter] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
+        names.setdefault(p, []).append(n)
         by_name[n] = p
     return names, by_name
 
@@ -99,17 +100,17 @@ def spec_from_class(model: nn.Module, factory: Callable[..., torch.optim.Optimiz
                             f"no_decay, 'weight_decay': 0.0}}); got {what}")
         members.append([])
         for p in _group_params(g["params"], by_name, where):
-            if id(p) not in names:
+            if p not in names:
                 raise ValueError(f"{where} lists a {tuple(p.shape)} tensor that is not a "
                                  "parameter of the model being sharded; pass the model's own "
                                  "parameters (e.g. from model.named_parameters())")
-            name = names[id(p)][0]
+            name = names[p][0]
             if not p.requires_grad:
                 raise ValueError(f"{where} lists {name!r}, which is frozen "
                                  "(requires_grad=False) and gets no optimizer state; drop it")
             if name in listed:
-                tied = (f" ({' = '.join(names[id(p)])}: one tied parameter)"
-                        if len(names[id(p)]) > 1 else "")
+                tied = (f" ({' = '.join(names[p])}: one tied parameter)"
+                        if len(names[p]) > 1 else "")
                 other = listed[name] - 1
                 twice = (f"twice in {where}" if other == i - 1
                          else f"in param_groups[{other}] and {where}")
@@ -172,16 +173,16 @@ def spec_from_instance(model: nn.Module, opt: torch.optim.Optimizer,
     for i, g in enumerate(opt.param_groups):
         members.append([])
         for p in g["params"]:
-            if id(p) not in names:
+            if p not in names:
                 raise ValueError(
                     f"the {cls.__name__} holds a {tuple(p.shape)} tensor (param_groups[{i}]) "
                     f"that is not a parameter of the {type(model).__name__} being sharded; "
                     "build the optimizer on this model's parameters (e.g. "
                     f"torch.optim.{cls.__name__}(model.parameters(), ...)), or pass its class "
                     "and keywords")
-            members[i].append(names[id(p)][0])
+            members[i].append(names[p][0])
             if p.requires_grad:
-                for n in names[id(p)]:
+                for n in names[p]:
                     group_of[n] = i
         options.append({k: v for k, v in g.items() if k != "params"})
     for ns in names.values():  # trainable but not in the optimizer: never stepped

@@ -33,12 +33,13 @@ if TYPE_CHECKING:
 __all__ = ["torch_state_dict", "load_torch_state_dict", "state_view"]
 
 
-def _numbering(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, int]]:
-    index: dict[int, int] = {}
+def _numbering(groups: list[dict[str, Any]]
+               ) -> tuple[list[dict[str, Any]], dict[torch.Tensor, int]]:
+    index: dict[torch.Tensor, int] = {}
     packed = []
     for g in groups:
         p = {k: v for k, v in g.items() if k != "params"}
-        p["params"] = [index.setdefault(id(q), len(index)) for q in g["params"]]
+        p["params"] = [index.setdefault(q, len(index)) for q in g["params"]]
         packed.append(p)
     return packed, index
 
@@ -62,9 +63,8 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         whole = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
                      if engine.policy.shard_optimizer else bstate[k].detach()) for k in keys}
         for i, s in enumerate(b.slots):
-            user = engine.faces.user[id(s.param)]
             scalars = slot_scalars(inner.state, b, i)
-            if id(user) not in index or engine.group_of.get(s.names[0], 0) < 0 or (
+            if s.user not in index or engine.group_of.get(s.names[0], 0) < 0 or (
                     scalars is None):  # never stepped: torch has no entry either
                 continue
             entry: dict[str, Any] = {}
@@ -75,7 +75,7 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
                 if engine.tp is not None:  # tp pieces joined, slot by slot on every rank
                     v = engine.tp.whole(s.param, v)
                 entry[k] = v.to("cpu", copy=True)
-            state[index[id(user)]] = entry
+            state[index[s.user]] = entry
         del whole
     return {"state": dict(sorted(state.items())), "param_groups": packed}
 
@@ -103,15 +103,15 @@ def load_torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
             f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__}")
     saved = sd["param_groups"]
     _check_groups(saved, groups)
-    by_id: dict[int, Any] = {}
+    by_param: dict[torch.Tensor, Any] = {}
     for s, g in zip(saved, groups):
         for idx, p in zip(s["params"], g["params"]):
-            by_id[id(p)] = sd["state"].get(idx)
+            by_param[p] = sd["state"].get(idx)
         for k, v in s.items():
             if k != "params":
                 g[k] = copy.deepcopy(v)
     for b in engine.buckets:
-        _load_bucket(engine, inner, b, by_id)
+        _load_bucket(engine, inner, b, by_param)
 
 
 def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
@@ -123,13 +123,13 @@ def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
 
 
 def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
-                 by_id: dict[int, Any]) -> None:
+                 by_param: dict[torch.Tensor, Any]) -> None:
     values: dict[str, Any] = {}
     scalars: list[dict[str, Any] | None] = []
     group = _inner_group(inner, b)
     on_device = bool(group and (group.get("capturable") or group.get("fused")))
     for s in b.slots:
-        st = by_id.get(id(engine.faces.user[id(s.param)]))
+        st = by_param.get(s.user)
         if not st:  # never stepped: no state, as in torch
             scalars.append(None)
             continue
@@ -158,8 +158,8 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
 
 
 def _inner_group(inner: torch.optim.Optimizer, b: FlatBucket) -> dict[str, Any] | None:
-    ids = {id(c) for c in b.chunks}
-    return next((g for g in inner.param_groups if any(id(p) in ids for p in g["params"])), None)
+    chunks = set(b.chunks)
+    return next((g for g in inner.param_groups if any(p in chunks for p in g["params"])), None)
 
 
 def state_view(engine: Engine, inner: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
@@ -184,10 +184,10 @@ def state_view(engine: Engine, inner: torch.optim.Optimizer) -> dict[Any, dict[s
                 v = bstate[k]
                 if engine.policy.shard_optimizer:
                     local = b.local(v.detach(), i)
-                    spec = engine.faces.specs[id(s.param)]
+                    spec = s.spec
                     entry[k] = dtensor(local, spec) if local.dtype == spec.tensor_meta.dtype \
                         else local
                 else:
                     entry[k] = b.slot_view(v.detach(), i)
-            out[engine.faces.user[id(s.param)]] = entry
+            out[s.user] = entry
     return out

@@ -69,13 +69,14 @@ def _start(t: torch.Tensor) -> int | None:
         return None
 
 
-def _find(t: torch.Tensor, by_id: dict[int, str], by_start: dict[int, str]) -> str | None:
+def _find(t: torch.Tensor, by_param: dict[torch.Tensor, str], by_start: dict[int, str]
+          ) -> str | None:
     """The sharded parameter ``t`` is, or views: only a DTensor can be the culprit (a
     plain tensor beside it, the root's gathered parameter included, is whole)."""
     if getattr(t, "_local_tensor", None) is None:
         return None
-    if id(t) in by_id:
-        return by_id[id(t)]
+    if t in by_param:
+        return by_param[t]
     start = _start(t)
     return by_start.get(start) if start is not None else None
 
@@ -99,7 +100,7 @@ def _step(obj: Any, attr: str, index: str) -> Any:
 
 
 def _named_on_line(tb: TracebackType | None, reader: str, model: nn.Module,
-                   by_id: dict[int, str]) -> str | None:
+                   by_param: dict[torch.Tensor, str]) -> str | None:
     """A parameter the reader's line names as ``self.a.b[0].weight``: only module,
     parameter and constant-index steps are followed (nothing is called)."""
     frame = next((f for f in _frames(tb) if isinstance(f.f_locals.get("self"), nn.Module)
@@ -113,8 +114,8 @@ def _named_on_line(tb: TracebackType | None, reader: str, model: nn.Module,
             obj = _step(obj, attr, index)
             if obj is None:
                 break
-        if hasattr(obj, "_local_tensor") and id(obj) in by_id:
-            return by_id[id(obj)]
+        if hasattr(obj, "_local_tensor") and obj in by_param:
+            return by_param[obj]
     return None
 
 
@@ -134,26 +135,26 @@ def explain_outside_read(model: nn.Module, engine: Engine,
     ``error`` is not DTensor's mixed-operands error over one of the model's parameters."""
     if _RAW not in str(error) or not engine.units:
         return None
-    by_id: dict[int, str] = {}
+    by_param: dict[torch.Tensor, str] = {}
     by_start: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), name)
+        by_param.setdefault(p, name)
         start = _start(p)
         if start is not None:
             by_start.setdefault(start, name)
-    modules = {id(m): n for n, m in model.named_modules()}
+    modules = {m: n for n, m in model.named_modules()}
     param = reader = None
     for frame in _frames(error.__traceback__):
         if param is None:
             param = next((n for t in _operands(frame)
-                          if (n := _find(t, by_id, by_start)) is not None), None)
+                          if (n := _find(t, by_param, by_start)) is not None), None)
         owner = frame.f_locals.get("self")
-        if reader is None and isinstance(owner, nn.Module) and id(owner) in modules:
-            reader = modules[id(owner)]
+        if reader is None and isinstance(owner, nn.Module) and owner in modules:
+            reader = modules[owner]
     if reader is None:
         return None
     if param is None:  # an operand made in C++ (F.linear's transpose): read the code
-        param = _named_on_line(error.__traceback__, reader, model, by_id)
+        param = _named_on_line(error.__traceback__, reader, model, by_param)
     if param is None:
         return None
     unit = next((u.name for u in engine.units

@@ -62,20 +62,21 @@ import torch
 from torch import nn
 
 from .dtensors import dtensor, make_spec
-from .flat import FlatBucket
+from .flat import FlatBucket, FlatParam
 from .tensor_parallel import TensorParallel
 
 __all__ = ["Faces"]
 
 
-def _homes(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:
+def _homes(model: nn.Module, names: tuple[str, ...]) -> list[tuple[nn.Module, str]]:
     """The distinct (module, attribute) pairs that hold a parameter known by ``names``."""
-    out: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+    out: list[tuple[nn.Module, str]] = []
     for name in names:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
-        out.setdefault((id(module), attr), (module, attr))
-    return list(out.values())
+        if not any(m is module and a == attr for m, a in out):
+            out.append((module, attr))
+    return out
 
 
 def _alias(param: nn.Parameter) -> nn.Parameter:
@@ -87,37 +88,27 @@ def _alias(param: nn.Parameter) -> nn.Parameter:
 
 
 class Faces:
-    """The user parameters of one engine and where the modules hold them."""
+    """The user parameters of one engine and where the modules hold them: each
+    parameter's ``user``, ``spec``, ``leaves`` and ``homes`` (fields of its
+    :class:`FlatParam`, filled in here)."""
 
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], *, sharded: bool,
                  swap: bool, mesh, placements: tuple, tp: TensorParallel | None = None) -> None:
         self.tp = tp  # see [Note: tensor-parallel parameters] in tensor_parallel.py
         self.sharded = sharded  # user-visible weights/gradients are DTensor shards
         self.swap = swap  # user parameters differ from the compute ones
-        # id(compute parameter) -> one alias per home after the first (see
-        # [Note: tied parameters]); only for trainable slots with several homes.
-        # A module shared by several parents is one home under several names: its
-        # uses sum inside one leaf, as under torch.
-        self.aliases: dict[int, list[nn.Parameter]] = {}
-        for b in buckets:
-            for s in b.slots:
-                n = len(_homes(model, s.names))
-                if n > 1 and s.param.requires_grad:
-                    self.aliases[id(s.param)] = [_alias(s.param) for _ in range(n - 1)]
-        self._alias_homes: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
-        # id(alias) -> the user parameter it stands for (a module holds an alias between
-        # a forward with gradients and the end of its backward).
-        self.alias_of: dict[int, nn.Parameter] = {}
         self.mesh = mesh
         self.placements = placements
-        self.user: dict[int, nn.Parameter] = {}  # id(compute parameter) -> user parameter
-        self.specs: dict[int, object] = {}  # id(compute parameter) -> DTensorSpec
         self.published = False  # user .grad point at the masters' gradients
         self.buckets = buckets
         self.holds_compute = False  # stages 0-2: the modules hold the compute parameters
-        self._pairs: dict[int, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
+        # An alias (the leaf a tied parameter's further home holds between a forward with
+        # gradients and the end of its backward) -> the user parameter it stands for.
+        self.alias_of: dict[nn.Parameter, nn.Parameter] = {}
+        self.has_aliases = False  # some parameter has aliases
         for b in buckets:
-            self._build(model, b)
+            for s in b.slots:
+                self._build(model, b, s)
 
     # -- construction -------------------------------------------------------------------
     def _weights(self, b: FlatBucket) -> torch.Tensor:
@@ -125,51 +116,46 @@ class Faces:
         stage-3 buckets (no master) the kept compute slice."""
         return (b.master if b.master is not None else b.shard16).detach()
 
-    def _build(self, model: nn.Module, b: FlatBucket) -> None:
-        pairs, alias_homes = [], []
-        weights = self._weights(b) if self.swap else None
-        for i, s in enumerate(b.slots):
-            if self.sharded:
-                placements, shape = self.placements, s.shape
-                if self.tp is not None:
-                    placements = self.tp.placements(s.param, placements)
-                    shape = self.tp.global_shape(s.param)
-                self.specs[id(s.param)] = make_spec(
-                    self.mesh, placements, shape,
-                    b.master_dtype if b.requires_grad else b.shard16.dtype)
-            if not self.swap:
-                user = s.param
-            elif not self.sharded:  # stage 0 under mixed precision: the whole master
-                user = nn.Parameter(torch.empty(0, dtype=weights.dtype, device=weights.device),
-                                    requires_grad=s.param.requires_grad)
-                user.data = b.slot_view(weights, i)
-            else:
-                local = b.local(weights, i)
-                user = nn.Parameter(dtensor(local, self.specs[id(s.param)]),
-                                    requires_grad=s.param.requires_grad)
-            self.user[id(s.param)] = user
-            leaves = self.leaves(s.param)
-            self.alias_of.update((id(a), user) for a in leaves[1:])
-            for k, (module, attr) in enumerate(_homes(model, s.names)):
-                # (a tensor-parallel parameter's one leaf is its face, not s.param)
-                pair = (module, attr, leaves[k] if len(leaves) > 1 else leaves[0], user)
-                pairs.append(pair)
-                if k and len(leaves) > 1:
-                    alias_homes.append(pair)
-        self._pairs[id(b)] = pairs
-        self._alias_homes[id(b)] = alias_homes
+    def _build(self, model: nn.Module, b: FlatBucket, s: FlatParam) -> None:
+        homes = _homes(model, s.names)
+        if self.tp is not None and self.tp.spec(s.param) is not None:
+            s.tp = self.tp.spec(s.param)
+            s.leaves = [self.tp.face(s.param)]  # its one leaf is its face
+        elif len(homes) > 1 and s.param.requires_grad:
+            # One alias per home after the first (see [Note: tied parameters]); a module
+            # shared by several parents is one home under several names: its uses sum
+            # inside one leaf, as under torch.
+            s.leaves = [s.param, *(_alias(s.param) for _ in homes[1:])]
+            self.has_aliases = True
+        else:
+            s.leaves = [s.param]
+        if self.sharded:
+            placements, shape = self.placements, s.shape
+            if self.tp is not None:
+                placements = self.tp.placements(s.param, placements)
+                shape = self.tp.global_shape(s.param)
+            s.spec = make_spec(self.mesh, placements, shape,
+                               b.master_dtype if b.requires_grad else b.shard16.dtype)
+        if not self.swap:
+            user = s.param
+        elif not self.sharded:  # stage 0 under mixed precision: the whole master
+            weights = self._weights(b)
+            user = nn.Parameter(torch.empty(0, dtype=weights.dtype, device=weights.device),
+                                requires_grad=s.param.requires_grad)
+            user.data = b.slot_view(weights, s.index)
+        else:
+            user = nn.Parameter(dtensor(b.local(self._weights(b), s.index), s.spec),
+                                requires_grad=s.param.requires_grad)
+        s.user = user
+        self.alias_of.update((a, user) for a in s.leaves[1:])
+        leaves = s.leaves
+        s.homes = [(module, attr, leaves[k] if len(leaves) > 1 else leaves[0], user)
+                   for k, (module, attr) in enumerate(homes)]
 
     @property
     def swaps(self) -> bool:
         """Do the modules hold other parameters during forward and backward?"""
-        return self.swap or bool(self.aliases)
-
-    def leaves(self, param: nn.Parameter) -> list[nn.Parameter]:
-        """The autograd leaves a compute parameter's gradient arrives on (a tensor-parallel
-        one's: its face, tensor_parallel.py)."""
-        if self.tp is not None and self.tp.spec(param) is not None:
-            return [self.tp.face(param)]
-        return [param, *self.aliases.get(id(param), ())]
+        return self.swap or self.has_aliases
 
     # -- the swap -----------------------------------------------------------------------
     def show(self, buckets, compute: bool) -> None:
@@ -177,13 +163,19 @@ class Faces:
         if not self.swaps:
             return
         for b in buckets:
-            if compute:  # aliases follow the compute weights wherever they now live
-                for s in b.slots:
-                    for a in self.aliases.get(id(s.param), ()):
-                        a.data = s.param.data
-            homes = self._pairs[id(b)] if self.swap else self._alias_homes[id(b)]
-            for module, attr, c, u in homes:
-                module._parameters[attr] = c if compute else u
+            for s in b.slots:
+                if len(s.leaves) > 1:
+                    if compute:  # aliases follow the compute weights wherever they live
+                        for a in s.leaves[1:]:
+                            a.data = s.param.data
+                    homes = s.homes
+                elif self.swap:
+                    homes = s.homes
+                else:  # only the tied parameters' further homes swap
+                    continue
+                for k, (module, attr, c, u) in enumerate(homes):
+                    if self.swap or k:
+                        module._parameters[attr] = c if compute else u
 
     def hold(self, compute: bool) -> None:
         """Stages 0-2: the modules hold every bucket's compute (or user) parameters, from
@@ -196,12 +188,11 @@ class Faces:
         """The sum of the bucket's user parameters' version counters: it changes when
         the user modifies one in place (DTensor ops bump the wrapper's counter, not the
         local tensor's)."""
-        return sum(self.user[id(s.param)]._version for s in b.slots)
+        return sum(s.user._version for s in b.slots)
 
-    def known(self) -> set[int]:
-        faces = set() if self.tp is None else {id(f) for f in self.tp.faces.values()}
-        return {id(u) for u in self.user.values()} | faces | {
-            id(a) for aliases in self.aliases.values() for a in aliases}
+    def known(self) -> set[torch.Tensor]:
+        """Every tensor a module of the model may hold as one of our parameters."""
+        return {t for b in self.buckets for s in b.slots for t in (s.user, s.param, *s.leaves)}
 
     # -- gradients ----------------------------------------------------------------------
     def publish_grads(self, b: FlatBucket, unused: set[int] = frozenset()) -> None:
@@ -209,7 +200,7 @@ class Faces:
         the slots ``unused`` (no rank produced a gradient) at None, as under DDP."""
         self.published = True
         for i, s in enumerate(b.slots):
-            user = self.user[id(s.param)]
+            user = s.user
             if i in unused:
                 user.grad = None
                 if not self.sharded and not self.swap:  # stage 0: the buffer's view
@@ -223,11 +214,10 @@ class Faces:
     def publish_slot(self, b: FlatBucket, i: int) -> None:
         """Point one user parameter's ``.grad`` at its part of ``b.master_grad`` again."""
         s = b.slots[i]
-        user = self.user[id(s.param)]
         if self.sharded:
-            user.grad = dtensor(b.local(b.master_grad, i), self.specs[id(s.param)])
+            s.user.grad = dtensor(b.local(b.master_grad, i), s.spec)
         else:
-            user.grad = b.slot_view(b.master_grad, i)
+            s.user.grad = b.slot_view(b.master_grad, i)
 
     def unpublish(self, buckets) -> None:
         """Where the compute parameters are the user ones (stages 1-2 without mixed
@@ -244,6 +234,6 @@ class Faces:
     def clear_grads(self, b: FlatBucket) -> None:
         self.published = False
         for s in b.slots:
-            for leaf in self.leaves(s.param):
+            for leaf in s.leaves:
                 leaf.grad = None
-            self.user[id(s.param)].grad = None
+            s.user.grad = None

@@ -114,9 +114,9 @@ class Reducer:
                 s.param.grad = None
         if self.policy.keep_full_grads:
             self.stash(b)
-        for i, ok in enumerate(b.valid):
-            if not ok:  # no gradient since the last reduction: contributes zeros
-                b.grad_region(src, i).zero_()
+        for s in b.slots:
+            if not s.valid:  # no gradient since the last reduction: contributes zeros
+                b.grad_region(src, s.index).zero_()
         rdtype = self.reduce_dtype_of(b)
         buf = src if src.dtype == rdtype else src.to(rdtype)
         if self.predivide(rdtype):
@@ -172,7 +172,8 @@ class Reducer:
                 b.grad.copy_(buf)
             # Every slot now holds the average on every rank, also where this rank had
             # no gradient: a later backward before the step adds to it (accumulation).
-            b.valid = [True] * len(b.slots)
+            for s in b.slots:
+                s.valid = True
             return
         if self.replicate is not None:  # hybrid: sum the slice over the replicas too
             self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
@@ -203,7 +204,8 @@ class Reducer:
 
     def _release(self, b: FlatBucket) -> None:
         """After a reduction: the whole buffer's slots are stale (stage 1 keeps it)."""
-        b.valid = [False] * len(b.slots)  # see [Note: buffer lifetimes] in engine.py
+        for s in b.slots:  # see [Note: buffer lifetimes] in engine.py
+            s.valid = False
         if self.policy.keep_full_grads:
             for s in b.slots:
                 s.param.grad = None  # the next gradient is copied in, not added

@@ -85,7 +85,7 @@ class StepGrads:
         published = self.faces.published
         for b in self.buckets:
             for i, s in enumerate(b.slots):
-                g = self.faces.user[id(s.param)].grad
+                g = s.user.grad
                 target = (b.local(b.master_grad, i) if self.faces.sharded
                           else b.slot_view(b.master_grad, i))
                 if g is None:
@@ -112,7 +112,7 @@ class StepGrads:
                 f"the .grad assigned to parameter {name!r} has shape {tuple(g.shape)}, the "
                 f"parameter {tuple(shape)}: assign a gradient shaped like the parameter")
         if isinstance(g, DTensor):
-            want = self.faces.specs[id(s.param)].placements
+            want = s.spec.placements
             if tuple(g.placements) != tuple(want) or g.device_mesh != self.faces.mesh:
                 raise ValueError(
                     f"the .grad assigned to parameter {name!r} is a DTensor placed as "
@@ -267,7 +267,8 @@ class StepGrads:
             b.host_fresh = False
             set_master_grad(b, None)
             b.used.zero_()
-            b.valid = [False] * len(b.slots)
+            for s in b.slots:
+                s.valid = False
             self.faces.clear_grads(b)
         self.tied.earlier.clear()
         self.prepared = False

@@ -50,7 +50,7 @@ __all__ = ["TpSpec", "TensorParallel", "chunk_range", "localize", "sync_over_tp"
 def chunk_range(n: int, k: int, parts: int) -> tuple[int, int]:
     """(start, length) of chunk ``k`` of ``n`` items cut in ``parts`` as ``torch.chunk``
     and DTensor's ``Shard`` cut them: chunks of ceil(n / parts), the last ones shorter or
-    empty (ParamSlot cuts a parameter's rows over dp the same way)."""
+    empty (FlatParam cuts a parameter's rows over dp the same way)."""
     c = -(-n // parts) if n else 0
     start = min(k * c, n)
     return start, max(0, min(c, n - start))
@@ -70,26 +70,26 @@ class TpSpec:
         return self.placement.is_shard()
 
 
-def localize(model: nn.Module, tp_mesh: Any, *, frozen: bool) -> dict[int, TpSpec]:
+def localize(model: nn.Module, tp_mesh: Any, *, frozen: bool) -> dict[nn.Parameter, TpSpec]:
     """Replace every DTensor parameter by a plain parameter over its local piece, in every
-    module that holds it (tied ones stay tied); return their specs by ``id`` of the new
-    parameter. See [Note: tensor-parallel parameters]. Frozen ones too if ``frozen``
+    module that holds it (tied ones stay tied); return their specs by the new parameter.
+    See [Note: tensor-parallel parameters]. Frozen ones too if ``frozen``
     (stage 3 buckets them); stages 1-2 leave them out of buckets, DTensors as they are."""
     from torch.distributed.tensor import DTensor
 
-    specs: dict[int, TpSpec] = {}
-    new_of: dict[int, nn.Parameter] = {}
+    specs: dict[nn.Parameter, TpSpec] = {}
+    new_of: dict[DTensor, nn.Parameter] = {}
     for mname, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if not isinstance(p, DTensor) or not (frozen or p.requires_grad):
                 continue
             name = f"{mname}.{attr}" if mname else attr
-            if id(p) not in new_of:
+            if p not in new_of:
                 _check_tp_param(name, p, tp_mesh)
                 local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-                new_of[id(p)] = local
-                specs[id(local)] = TpSpec(p.device_mesh, p.placements[0], p.shape, p.stride())
-            module._parameters[attr] = new_of[id(p)]
+                new_of[p] = local
+                specs[local] = TpSpec(p.device_mesh, p.placements[0], p.shape, p.stride())
+            module._parameters[attr] = new_of[p]
     return specs
 
 
@@ -120,12 +120,12 @@ class TensorParallel:
     """The tp side of an engine: the parameters' tp specs, the mesh the user parameters
     live on, and the faces forward computes with."""
 
-    def __init__(self, mesh: Any, specs: dict[int, TpSpec], tp_comm: Any) -> None:
+    def __init__(self, mesh: Any, specs: dict[nn.Parameter, TpSpec], tp_comm: Any) -> None:
         self.mesh = mesh  # the whole mesh (dp dims, then "tp")
         self.tp_mesh = mesh["tp"]
         self.size = self.tp_mesh.size()
         self.rank = self.tp_mesh.get_local_rank()
-        self.specs = specs  # id(compute parameter) -> TpSpec
+        self.specs = specs  # compute parameter -> TpSpec
         self.comm = tp_comm  # a Comm over the tp group (norms, flags)
         # Checkpoints (state/layout.py) are written and read by the (shard, tp) ranks of
         # one replica together.
@@ -142,7 +142,7 @@ class TensorParallel:
         self.span_group = dist.new_group(mesh.mesh.flatten().tolist()) if hybrid else None
 
     def spec(self, param: torch.Tensor) -> TpSpec | None:
-        return self.specs.get(id(param))
+        return self.specs.get(param)
 
     def placements(self, param: torch.Tensor, dp: tuple) -> tuple:
         """The user parameter's placements on the whole mesh."""
@@ -193,19 +193,19 @@ class TensorParallel:
         (see [Note: tensor-parallel parameters]); built once, after the buckets are."""
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-        self.faces: dict[int, nn.Parameter] = {}
+        self.faces: dict[nn.Parameter, nn.Parameter] = {}
         for p in params:
-            spec = self.specs.get(id(p))
+            spec = self.specs.get(p)
             if spec is None:
                 continue
             dspec = DTensorSpec(spec.mesh, (spec.placement,),
                                 tensor_meta=TensorMeta(spec.shape, spec.stride, p.dtype))
-            self.faces[id(p)] = nn.Parameter(dtensor(p.detach(), dspec),
+            self.faces[p] = nn.Parameter(dtensor(p.detach(), dspec),
                                              requires_grad=p.requires_grad)
 
     def face(self, param: nn.Parameter) -> nn.Parameter:
         """What the modules hold in forward and backward for a tensor-parallel parameter."""
-        return self.faces[id(param)]
+        return self.faces[param]
 
     def local_grads(self, leaves: list[torch.Tensor], unit: str) -> list[torch.Tensor | None]:
         """Faces' gradients as their local pieces', other leaves' as they are. A gradient

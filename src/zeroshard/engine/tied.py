@@ -12,30 +12,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .flat import FlatBucket
-from .params import Faces
+from .flat import FlatBucket, FlatParam
 
 __all__ = ["TiedGrads"]
 
 
 class TiedGrads:
-    """The trainable slots with several homes, and what earlier backwards left on them."""
+    """The trainable parameters with several leaves, and what earlier backwards left on
+    them."""
 
-    def __init__(self, faces: Faces, buckets: list[FlatBucket]) -> None:
-        self.faces = faces
-        self.slots = [(b, i) for b in buckets for i, s in enumerate(b.slots)
-                      if len(faces.leaves(s.param)) > 1]
-        self.earlier: dict[int, torch.Tensor] = {}  # see before_own_part
+    def __init__(self, buckets: list[FlatBucket]) -> None:
+        self.slots = [s for b in buckets for s in b.slots if len(s.leaves) > 1]
+        self.earlier: dict[FlatParam, torch.Tensor] = {}  # see before_own_part
 
     @staticmethod
-    def merge_parts(tied: list[nn.Parameter], p: nn.Parameter, leaves: set[int]
-                    ) -> nn.Parameter:
+    def merge_parts(s: FlatParam, p: nn.Parameter) -> nn.Parameter:
         """Add ``p``'s gradient part into the part another leaf of the same parameter
-        holds from this backward (``leaves``: those heard from), in place (autograd gave
-        that tensor to ``.grad``: it is ours alone), and return the leaf holding the sum:
-        one part alive, not two. Parts add up in arrival order, as in autograd's input
-        buffer."""
-        held = next((t for t in tied if t is not p and id(t) in leaves
+        holds from this backward (``s.arrived``: those heard from), in place (autograd
+        gave that tensor to ``.grad``: it is ours alone), and return the leaf holding the
+        sum: one part alive, not two. Parts add up in arrival order, as in autograd's
+        input buffer."""
+        held = next((t for k, t in enumerate(s.leaves) if t is not p and k in s.arrived
                      and t.grad is not None), None)
         if held is None:
             return p
@@ -43,32 +40,28 @@ class TiedGrads:
         p.grad = None
         return held
 
-    def settle(self, own: nn.Parameter, held: nn.Parameter, leaves: set[int]
-               ) -> nn.Parameter:
+    def settle(self, s: FlatParam, held: nn.Parameter) -> nn.Parameter:
         """This backward's parts are summed on ``held``: the parameter's ``.grad``
         becomes what earlier backwards left plus that sum, added in autograd's order
         (earlier + (part + part), as ``AccumulateGrad`` adds the summed input), so
         accumulation rounds exactly as under DDP. What earlier backwards left is still
-        on ``own.grad`` if its own use did not deliver, else set aside (before_own_part)."""
+        on its own leaf's ``.grad`` if its own use did not deliver, else set aside
+        (before_own_part)."""
+        own = s.leaves[0]
         total, held.grad = held.grad, None
-        if id(own) in leaves:
-            earlier = self.earlier.pop(id(own), None)
-        else:
-            earlier = own.grad
+        earlier = self.earlier.pop(s, None) if 0 in s.arrived else own.grad
         if earlier is not None:
             total = earlier.add_(total)
         own.grad = total
         return own
 
-    def before_own_part(self, b: FlatBucket, i: int, grads: tuple) -> None:
+    def before_own_part(self, s: FlatParam, grads: tuple) -> None:
         """Before autograd accumulates the parameter's own use's part: set aside what
         earlier backwards left on its ``.grad``, so this backward's parts are summed
         apart first (see settle). Not for a late part, which accumulates as usual."""
-        own = b.slots[i].param
-        leaves = b.arrived[i]
-        if (own.grad is not None and id(own) not in leaves
-                and len(leaves) < len(self.faces.leaves(own))):
-            self.earlier[id(own)] = own.grad
+        own = s.leaves[0]
+        if own.grad is not None and 0 not in s.arrived and len(s.arrived) < len(s.leaves):
+            self.earlier[s] = own.grad
             own.grad = None
 
     @staticmethod
@@ -87,15 +80,14 @@ class TiedGrads:
         """End of backward: a tied parameter some use of which delivered nothing (its
         module did not run) still gets this backward's parts, or its earlier gradient
         back."""
-        for b, i in self.slots:
-            tied, leaves = self.faces.leaves(b.slots[i].param), b.arrived[i]
-            if len(leaves) == len(tied):
+        for s in self.slots:
+            if len(s.arrived) == len(s.leaves):
                 continue
-            held = next((t for t in tied if id(t) in leaves and t.grad is not None), None)
+            held = next((t for k, t in enumerate(s.leaves)
+                         if k in s.arrived and t.grad is not None), None)
             if held is not None:
-                self.settle(tied[0], held, leaves)
+                self.settle(s, held)
 
     def held_grads(self) -> list[torch.Tensor]:
         """Parts held until the parameter's other uses deliver (for the memory tracker)."""
-        return [t.grad for b, i in self.slots
-                for t in self.faces.leaves(b.slots[i].param) if t.grad is not None]
+        return [t.grad for s in self.slots for t in s.leaves if t.grad is not None]

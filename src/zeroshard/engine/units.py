@@ -169,11 +169,11 @@ def _unit_modules(model: nn.Module, spec: UnitSpec, rank: int = 0) -> list[nn.Mo
     if callable(spec) and not isinstance(spec, nn.Module):
         return [m for m in model.modules() if m is not model and spec(m)]
     mods = list(spec)
-    inside = {id(m) for m in model.modules()}
+    inside = set(model.modules())
     if not mods:
         raise ValueError("units= is empty; pass submodules (e.g. list(model.blocks)) or None")
     for m in mods:
-        if not isinstance(m, nn.Module) or id(m) not in inside:
+        if not isinstance(m, nn.Module) or m not in inside:
             raise ValueError(
                 f"units= contains {type(m).__name__}, which is not a submodule of the model; "
                 "pass submodules of the model being sharded (e.g. list(model.blocks))"
@@ -183,12 +183,12 @@ def _unit_modules(model: nn.Module, spec: UnitSpec, rank: int = 0) -> list[nn.Mo
     return mods
 
 
-def _check_disjoint(mods: list[nn.Module], names: dict[int, str]) -> None:
+def _check_disjoint(mods: list[nn.Module], names: dict[nn.Module, str]) -> None:
     for a in mods:
         for sub in a.modules():
             if sub is not a and any(sub is b for b in mods):
                 raise ValueError(
-                    f"units= overlap: {names[id(sub)]!r} is inside {names[id(a)]!r}; pass "
+                    f"units= overlap: {names[sub]!r} is inside {names[a]!r}; pass "
                     "units that do not contain each other (e.g. only the blocks)"
                 )
 
@@ -201,7 +201,7 @@ def build_units(
     A parameter reachable from two units (tied weights) is owned by their common parent,
     which for non-nested units is the root.
     """
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {m: n for n, m in model.named_modules()}
     mods = _unit_modules(model, spec, rank)
     _check_disjoint(mods, names)
     from ..checkpointing import region_size
@@ -209,27 +209,25 @@ def build_units(
     for m in mods:
         if region_size(m) > 1:
             raise ValueError(
-                f"unit {names[id(m)]!r} shares a 'sqrt' checkpoint segment with other "
+                f"unit {names[m]!r} shares a 'sqrt' checkpoint segment with other "
                 "blocks; at stage 3 a checkpoint region must not span several units. Use "
                 "'full', 'every-k' or 'selective' checkpointing with stage 3"
             )
-    owner: dict[int, int] = {}  # param id -> index of the unit that owns it
-    pnames: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
+    owner: dict[nn.Parameter, int] = {}  # parameter -> index of the unit that owns it
+    pnames: dict[nn.Parameter, list[str]] = {}  # in model order
     for n, p in model.named_parameters(remove_duplicate=False):
-        pnames.setdefault(id(p), []).append(n)
-        params[id(p)] = p
+        pnames.setdefault(p, []).append(n)
     root = len(mods)
     for i, m in enumerate(mods):
         for p in m.parameters():
-            owner[id(p)] = i if owner.get(id(p), i) == i else root
-    for pid in params:
-        owner.setdefault(pid, root)
+            owner[p] = i if owner.get(p, i) == i else root
+    for p in pnames:
+        owner.setdefault(p, root)
     units: list[Unit] = []
     index = 0
     for i, m in enumerate([*mods, model]):
-        mine = [(tuple(pnames[pid]), params[pid]) for pid in params if owner[pid] == i]
-        name = names[id(m)] or "root"
+        mine = [(tuple(names_of), p) for p, names_of in pnames.items() if owner[p] == i]
+        name = names[m] or "root"
         buckets: list[FlatBucket] = []
         for trainable in (True, False):
             group = [(n, p) for n, p in mine if p.requires_grad == trainable]

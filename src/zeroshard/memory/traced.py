@@ -369,7 +369,7 @@ class _Stage3Buffers(TorchDispatchMode):
     def __init__(self, engine: Any) -> None:
         super().__init__()
         self.peak = self.backward_peak = 0
-        self._buckets = [(u, b, [leaf for s in b.slots for leaf in engine.faces.leaves(s.param)])
+        self._buckets = [(u, b, [leaf for s in b.slots for leaf in s.leaves])
                          for u in engine.units for b in u.buckets]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

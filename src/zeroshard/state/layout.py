@@ -49,7 +49,7 @@ from torch import nn
 
 from ..engine.dtensors import dtensor, make_spec
 from ..engine.engine import Engine
-from ..engine.flat import FlatBucket, ParamSlot
+from ..engine.flat import FlatBucket, FlatParam
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
            "weights_view", "read_v1", "quiet", "global_ranks",
@@ -102,7 +102,7 @@ class ParamEntry:
     shape: tuple[int, ...]
     param: nn.Parameter
     bucket: FlatBucket | None  # None: a frozen parameter kept whole on every rank
-    slot: ParamSlot | None
+    slot: FlatParam | None
     trainable: bool
 
     @property
@@ -113,26 +113,23 @@ class ParamEntry:
 def param_entries(engine: Engine) -> list[ParamEntry]:
     """Every parameter of the engine's model, in ``named_parameters`` order (names are the
     model's; each parameter once, whichever of its faces the modules hold now)."""
-    slots: dict[int, tuple[FlatBucket, ParamSlot]] = {}
+    slots: dict[nn.Parameter, FlatParam] = {}
     for b in engine.all_buckets:
         for s in b.slots:
-            slots[id(s.param)] = slots[id(engine.faces.user[id(s.param)])] = (b, s)
-    names: dict[int, list[str]] = {}
-    params: list[nn.Parameter] = []
+            slots[s.param] = slots[s.user] = s
+    names: dict[nn.Parameter, list[str]] = {}
     for n, p in engine.model.named_parameters(remove_duplicate=False):
-        p = engine.faces.alias_of.get(id(p), p)  # a tied parameter's alias: the parameter
-        if id(p) not in names:
-            names[id(p)] = []
-            params.append(p)
-        names[id(p)].append(n)
+        p = engine.faces.alias_of.get(p, p)  # a tied parameter's alias: the parameter
+        names.setdefault(p, []).append(n)
     out = []
-    for p in params:
-        b, s = slots.get(id(p), (None, None))
+    for p, known_as in names.items():  # in order of first appearance
+        s = slots.get(p)
+        b = s.bucket if s is not None else None
         shape = tuple(s.shape) if s is not None else tuple(p.shape)
         if s is not None and engine.tp is not None:  # the whole parameter's, not the tp piece's
             shape = tuple(engine.tp.global_shape(s.param))
         out.append(ParamEntry(
-            name=names[id(p)][0], aliases=tuple(names[id(p)][1:]), shape=shape,
+            name=known_as[0], aliases=tuple(known_as[1:]), shape=shape,
             param=s.param if s is not None else p, bucket=b, slot=s,
             trainable=b.requires_grad if b is not None else p.requires_grad,
         ))
@@ -174,13 +171,13 @@ def weights_view(engine: Engine, entry: ParamEntry) -> torch.Tensor:
     return _piece_dtensor(engine, s, local)
 
 
-def _piece_dtensor(engine: Engine, s: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+def _piece_dtensor(engine: Engine, s: FlatParam, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's piece) as the DTensor the user parameter is, in its dtype."""
-    spec = engine.faces.specs[id(s.param)]
+    spec = s.spec
     return dtensor(local, make_spec(spec.mesh, spec.placements, spec.shape, local.dtype))
 
 
-def _on_tp_mesh(engine: Engine, s: ParamSlot, whole: torch.Tensor) -> torch.Tensor:
+def _on_tp_mesh(engine: Engine, s: FlatParam, whole: torch.Tensor) -> torch.Tensor:
     """A whole (stage 0) parameter: under tensor parallelism this rank's tp piece is a
     DTensor on the tp mesh; otherwise the tensor itself (the same on every rank)."""
     spec = engine.tp.spec(s.param) if engine.tp is not None else None
