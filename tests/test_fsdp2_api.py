@@ -66,8 +66,8 @@ def test_set_requires_gradient_sync_and_reshard_after_forward() -> None:
 def _refusals(rank: int, world: int) -> dict:
     model, _ = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3, lr=1e-2)
     out = {}
-    for name, call in [("unshard", lambda: model.unshard()),
-                       ("set_reshard_after_backward",
+    # (unshard() has FSDP2's meaning: tests/test_generation.py)
+    for name, call in [("set_reshard_after_backward",
                         lambda: model.set_reshard_after_backward(False)),
                        ("set_modules_to_forward_prefetch",
                         lambda: model.set_modules_to_forward_prefetch([])),
@@ -90,7 +90,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize(("name", "says"), [
-    ("unshard", "prefetch=k"), ("set_reshard_after_backward", "no_sync()"),
+    ("set_reshard_after_backward", "no_sync()"),
     ("set_modules_to_forward_prefetch", "prefetch=k"),
     ("set_modules_to_backward_prefetch", "prefetch=k"),
     ("set_is_last_backward", "no_sync()"), ("stage2", "applies at stage 3"),

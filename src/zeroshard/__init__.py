@@ -8,6 +8,7 @@ from .api import engine_of, full_state_dict, memory_tracker, shard
 from .comm import CollectiveError, CollectiveMismatch, CollectiveTimeout, CommLedger, CommRecord
 from .config import ShardConfig
 from .engine.outside_unit import ParameterOutsideUnit
+from .gather import gathered, register_forward_method
 from .join import join
 
 # Checkpoints load on first use: torch.distributed.checkpoint imports DTensor (~0.7 s a
@@ -31,6 +32,8 @@ __all__ = [
     "full_state_dict",
     "engine_of",
     "memory_tracker",
+    "gathered",
+    "register_forward_method",
     "join",
     "save_checkpoint",
     "load_checkpoint",

@@ -36,6 +36,7 @@ from .engine.tensor_parallel import (
     tp_comms,
 )
 from .engine.units import UnitSpec
+from .gather import UnshardHandle, register_forward_method, unshard
 from .memory.tracker import MemoryTracker
 from .wrapping import ddp_refusal, refuse_wrapped
 
@@ -137,16 +138,17 @@ class ShardedModule:
         engine.set_reshard_after_forward(bool(reshard_after_forward))
 
     def reshard(self) -> None:
-        """Free every gathered unit (stage 3; nothing is gathered at stages 0-2). Between
-        steps only: inside forward or backward the engine decides."""
+        """Free every gathered unit, those ``unshard()`` holds included (stage 3; nothing
+        is gathered at stages 0-2). Between steps only: inside forward or backward the
+        engine decides."""
         self._zeroshard_engine.reshard_all()
 
-    def unshard(self, async_op: bool = False) -> None:
-        raise NotImplementedError(
-            "unshard(): zeroshard gathers each stage-3 unit itself just before its forward "
-            "and backward, with the next ones prefetched (shard(..., prefetch=k)); there is "
-            "no handle to wait on. Call the model; to read whole weights outside a step use "
-            "p.full_tensor() or zeroshard.full_state_dict(model)")
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather every stage-3 unit and keep it gathered until ``reshard()``: forwards and
+        backwards between issue no gathers (FSDP2's semantics; a step frees them and the
+        next forward gathers the new values). With ``async_op`` a handle to ``wait()``
+        on. Collective. See docs/generation.md (``zeroshard.gathered`` takes a budget)."""
+        return unshard(self, async_op)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -453,9 +455,12 @@ def shard(
     for c in (comm, replicate, world, tp.comm if tp else None):
         if c is not None:
             c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
-                          "forward", "buffers", "used", "grad_norm", "overflow", "join"])
+                          "forward", "buffers", "used", "grad_norm", "overflow", "join",
+                          "unshard", "budget"])
     model._zeroshard_engine = engine
     _swap_class(model)
+    if engine.units and callable(getattr(model, "generate", None)):
+        register_forward_method(model, "generate", config.generate_budget)
     if spec.instance is not None:
         disable(spec.instance)
     return model, optim

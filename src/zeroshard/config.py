@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .sizes import parse_bytes
+
 __all__ = ["ShardConfig", "MIXED_PRECISION", "OFFLOAD", "auto_bucket_bytes", "ignored_options",
            "suggest_option"]
 
@@ -84,6 +86,11 @@ class ShardConfig:
     reshard_after_forward: bool = True
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
+    #: Stage 3: bytes of gathered weights ``model.generate()`` keeps resident for the
+    #: whole call (an int or a size such as "2GiB"): units that fit are gathered once per
+    #: call, the others once per token. None: every unit on a CPU; on a GPU half the
+    #: smallest free memory among the ranks. See docs/generation.md.
+    generate_budget: int | str | None = None
     #: "optimizer": fp32 master weights, optimizer state and the step live in host memory
     #: (ZeRO-Offload); stages 1-3. "optimizer+params" (stage 3): the compute-dtype weight
     #: slices too. On a CPU-only run host and device coincide: no copies.
@@ -120,6 +127,13 @@ class ShardConfig:
                 f"stage={self.stage} is not a ZeRO stage; use 0 (plain data parallel), "
                 "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)"
             )
+        budget = self.generate_budget
+        if isinstance(budget, str):
+            parse_bytes(budget, what="generate_budget")
+        elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                     or budget < 0):
+            raise ValueError(f"generate_budget={budget!r}: give bytes (an int >= 0), a size "
+                             "such as '2GiB', or None")
         if self.forward_sync_buffers is not None and not self.broadcast_buffers:
             raise ValueError(
                 f"broadcast_buffers=False with forward_sync_buffers="
@@ -205,6 +219,9 @@ _EFFECTIVE = (
      "drop it, or use stage=3"),
     ("prefetch", lambda c: c.stage == 3,
      "stages 0-2 gather no weights, so there is nothing to prefetch",
+     "drop it, or use stage=3"),
+    ("generate_budget", lambda c: c.stage == 3,
+     "stages 0-2 keep the whole weights on every rank: generate() gathers nothing",
      "drop it, or use stage=3"),
     *((name, lambda c: c.mixed_precision == "fp16",
        "loss scaling runs under mixed_precision='fp16' only (fp32 and bf16 gradients do "

@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..sizes import parse_bytes as _parse_bytes
+
 __all__ = [
     "BenchSettings",
     "ConfigSpec",
@@ -138,22 +140,9 @@ def describe_configs() -> str:
     return "\n".join(lines)
 
 
-_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> int:
-    """``"1.5GiB"`` -> 1610612736; a unit is required (kB, MB, GB, TB, KiB, MiB, GiB, TiB)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
-    if m is None or not m.group(2) or m.group(2).lower() not in _UNITS:
-        why = ("has no unit" if m and not m.group(2) else
-               "has an unknown unit" if m else "is not a memory size")
-        raise ValueError(f"--budget {text!r} {why}; write it with a unit, e.g. 1.5GiB "
-                         "(2^30 bytes) or 1.5GB (10^9 bytes); units: MB, MiB, GB, GiB, TB, TiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"--budget {text!r} must be more than 0 bytes, e.g. 1.5GiB")
-    return value
+    """``"1.5GiB"`` -> 1610612736 (``--budget``'s sizes; see zeroshard.sizes)."""
+    return _parse_bytes(text, what="--budget")
 
 
 @dataclass(frozen=True, kw_only=True)

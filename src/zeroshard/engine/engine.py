@@ -108,7 +108,7 @@ from .step_grads import StepGrads
 from .storage import same_memory, shares
 from .tensor_parallel import TensorParallel
 from .tied import TiedGrads
-from .units import UnitSpec
+from .units import Unit, UnitSpec
 
 __all__ = ["Engine", "ParamInit"]
 
@@ -228,6 +228,7 @@ class Engine:
             tp=self.tp, world=self.world, device=self.device, schedule=self.schedule)
         self.schedule.connect(backward_reached=self.backward.queue_finish,
                               unit_done=self.backward.unit_done)
+        self.weights.on_refresh = self.schedule.drop_stale
         self.replay = JoinReplay(
             model=self.model, config=self.config, comm=self.comm, world=self.world,
             reducer=self.reducer, schedule=self.schedule, backward=self.backward,
@@ -311,6 +312,8 @@ class Engine:
         """Stage 3: free (True) or keep (False) each unit's weights after its forward."""
         self.config = dataclasses.replace(self.config, reshard_after_forward=flag)
         self.schedule.reshard_after_forward = flag
+        if flag:
+            self.schedule.free_idle()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -379,11 +382,29 @@ class Engine:
         self.comm.ledger.mark_step()
 
     def reshard_all(self) -> None:
-        """Free every gathered stage-3 unit (between steps; see ShardedModule.reshard)."""
-        if in_backward() or self.backward.queued:
-            raise RuntimeError("reshard() during a backward: zeroshard frees each unit once its "
-                               "backward is done; call it between steps")
+        """Free every gathered stage-3 unit, resident ones included (between steps; see
+        ShardedModule.reshard)."""
+        self._between_steps("reshard()")
+        self.schedule.held.clear()
+        self.schedule.idle.clear()
         self.schedule.reshard_all()
+
+    def hold(self, units: list[Unit], *, async_op: bool = False) -> list[Unit]:
+        """Gather ``units`` (in unit order) and keep them gathered until :meth:`release`
+        (see [Note: resident units] in stage3.py); returns those newly held. Collective:
+        every rank, the same units."""
+        self._between_steps("unshard()")
+        self.comm.sync_point("unshard", phase="forward")
+        return self.schedule.hold([u for u in self.units if u in units], async_op=async_op)
+
+    def release(self, units: list[Unit] | None = None) -> None:
+        self._between_steps("reshard()")
+        self.schedule.release(units)
+
+    def _between_steps(self, what: str) -> None:
+        if in_backward() or self.backward.queued:
+            raise RuntimeError(f"{what} during a backward: zeroshard gathers and frees each "
+                               "unit itself there; call it between steps")
 
     def settle_gathers(self) -> None:
         """Finish stage-3 gathers still in flight (a forward that raised after a
@@ -403,8 +424,10 @@ class Engine:
         self.comm.ledger.mark_step()
 
     def refresh_weights(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
-        """Re-derive the compute weights from the masters (refresh.py)."""
+        """Re-derive the compute weights from the masters (refresh.py); resident stage-3
+        units holding them (frozen ones included: a load writes those too) are stale."""
         self.weights.refresh(phase=phase, buckets=buckets)
+        self.schedule.drop_stale(self.all_buckets if buckets is None else buckets)
 
     # -- state -----------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:

@@ -33,8 +33,6 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .units import UnitState
-
 if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
@@ -49,7 +47,7 @@ def needs_collective(engine: Engine) -> bool:
 
 
 def _check_outside_forward(engine: Engine, what: str) -> None:
-    busy = [u.name for u in engine.units if u.state is not UnitState.SHARDED]
+    busy = [u.name for u in engine.schedule.in_use()]
     if busy:
         raise RuntimeError(
             f"model.{what}() was called while units {busy} are gathered (inside forward or "
@@ -172,6 +170,8 @@ def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
             if engine.tp is not None:  # this tp rank's piece, then its dp piece
                 t = engine.tp.local_piece(s.param, t)
             _load_slot(engine, b, i, t)
+    # Resident stage-3 units ([Note: resident units] in stage3.py) hold the old values.
+    engine.schedule.drop_stale(engine.all_buckets)
     bucketed = {n for n, *_ in named}
     rest = {k: v for k, v in state_dict.items() if k not in bucketed}
     if engine.tp is not None:  # frozen tp parameters (stages 1-2) stay DTensors

@@ -10,6 +10,8 @@ updated slice to every rank (an all-gather; on gloo one broadcast per rank's pie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..comm import Comm
@@ -32,6 +34,9 @@ class WeightRefresh:
         self.offloader = offloader
         self.faces = faces
         self.buckets = buckets
+        # Told which buckets' compute weights were re-derived (the engine connects stage
+        # 3's schedule: resident gathered copies of them are stale).
+        self.on_refresh: Callable[[list[FlatBucket]], None] = lambda buckets: None
 
     @torch.no_grad()
     def refresh(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
@@ -75,6 +80,7 @@ class WeightRefresh:
         for p in pending:
             p.wait()
         self.note_edits(self.buckets if buckets is None else buckets)
+        self.on_refresh(self.buckets if buckets is None else buckets)
 
     def note_edits(self, buckets: list[FlatBucket]) -> None:
         """Remember the user parameters' versions the compute weights now derive from."""

@@ -16,6 +16,24 @@ compiled). The compute parameters a compiled block reads are always the same
 The hooks are wrapped where the engine registers them, not decorated here:
 ``torch.compiler.disable`` imports ``torch._dynamo`` (~3 s), which ``import zeroshard``
 would otherwise pay in every process, compiled or not.
+
+[Note: resident units]
+A unit is freed after its forward (or its backward), unless it is *resident*:
+* **held** (``self.held``): ``model.unshard()``, ``zeroshard.gathered()`` and the
+  ``generate()`` wrapper (gather.py) gather units and keep them until released; forwards
+  and backwards in between find them gathered and issue no gathers for them;
+* **idle** (``self.idle``): kept after a forward without gradients because
+  ``reshard_after_forward`` is False — FSDP2's semantics in every mode, so that
+  generation's next token reuses them; freed by the unit's next backward, a step,
+  ``model.reshard()`` or ``set_reshard_after_forward(True)``.
+Outside its own forward and backward a resident unit's modules hold the user parameters
+(DTensors) as any unit's do: only the gathered memory stays. Resident copies never go
+stale silently: a step frees every unit (``Engine.after_step``), and a load or an edit
+of the masters frees the resident units holding them (``drop_stale``, told by
+refresh.py); held ones are gathered again, from the new values, at the next forward.
+A unit whose backward is still to run (``self.awaiting``) keeps the weights its graph
+saved. Which units to hold is chosen the same way on every rank, and they are gathered
+in unit order, so the collectives match.
 """
 
 from __future__ import annotations
@@ -85,6 +103,10 @@ class UnitSchedule:
         self.reshard_after_forward = config.reshard_after_forward
         self.unsharded_bytes = 0
         self.peak_unsharded_bytes = 0
+        # [Note: resident units]
+        self.held: set[Unit] = set()  # gathered until released (unshard(), gathered())
+        self.idle: set[Unit] = set()  # kept after a forward without gradients
+        self.awaiting: set[Unit] = set()  # ran a forward with gradients, backward not yet
         self._backward_reached: Callable[[], None] = lambda: None
         self._unit_done: Callable[[Unit], None] = lambda u: None
 
@@ -98,7 +120,7 @@ class UnitSchedule:
         return self.units[-1]
 
     # -- gather and free --------------------------------------------------------------------
-    def unshard(self, u: Unit, phase: str) -> None:
+    def unshard(self, u: Unit, phase: str, async_op: bool | None = None) -> None:
         if u.state is not UnitState.SHARDED:
             # Gathered already (the root from forward to backward), but after a forward
             # with gradients its modules hold the user parameters ([Note: between forward
@@ -106,21 +128,77 @@ class UnitSchedule:
             # with the gathered ones again.
             self.faces.show(u.buckets, compute=True)
             return
-        u.unshard(self.comm, phase, async_op=self.config.overlap)
+        u.unshard(self.comm, phase,
+                  async_op=self.config.overlap if async_op is None else async_op)
         self.faces.show(u.buckets, compute=True)
         self.unsharded_bytes += u.unsharded_bytes
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
 
-    def reshard(self, u: Unit) -> None:
-        if u.state is not UnitState.SHARDED:
-            u.reshard()
+    def reshard(self, u: Unit, force: bool = False) -> None:
+        """Free a unit's gathered weights — unless it is resident ([Note: resident
+        units]) and not ``force``d: then the modules get the user parameters back."""
+        if u.state is UnitState.SHARDED:
+            return
+        if not force and (u in self.held or u in self.idle):
+            u.wait()
             self.faces.show(u.buckets, compute=False)
-            self.unsharded_bytes -= u.unsharded_bytes
+            return
+        self.idle.discard(u)
+        u.reshard()
+        self.faces.show(u.buckets, compute=False)
+        self.unsharded_bytes -= u.unsharded_bytes
 
-    def reshard_all(self) -> None:
+    def reshard_all(self, force: bool = True) -> None:
+        if force:
+            self.awaiting.clear()
         for u in self.units:
             u.wait()
+            self.reshard(u, force=force)
+
+    # -- resident units ---------------------------------------------------------------------
+    def hold(self, units: list[Unit], async_op: bool = False) -> list[Unit]:
+        """Gather ``units`` and keep them gathered until :meth:`release`; returns those
+        newly held. Between steps only (the engine checks)."""
+        new = [u for u in units if u not in self.held]
+        self.held.update(new)
+        for u in new:
+            self.unshard(u, "forward", async_op=async_op)
+            if not async_op:
+                u.wait()
+            self.faces.show(u.buckets, compute=False)  # outside forward: the user's
+        return new
+
+    def release(self, units: list[Unit] | None = None) -> None:
+        """Stop holding ``units`` (all if None) and free them."""
+        for u in list(self.held) if units is None else units:
+            self.held.discard(u)
+            if u not in self.awaiting:
+                self.reshard(u)
+
+    def in_use(self) -> list[Unit]:
+        """Units gathered for a forward or a backward in progress (resident ones that
+        are only kept are not)."""
+        return [u for u in self.units if u.state is not UnitState.SHARDED and (
+            u in self.awaiting or (u not in self.held and u not in self.idle))]
+
+    def free_idle(self) -> None:
+        """Free units kept after forwards without gradients (reshard_after_forward is
+        True again)."""
+        for u in list(self.idle):
+            self.idle.discard(u)
             self.reshard(u)
+
+    def drop_stale(self, buckets: list) -> None:
+        """The masters of ``buckets`` changed (a step, a load, an edit): resident units
+        holding them are freed, to be gathered again from the new values by the next
+        forward that needs them. A unit whose backward is still to run keeps the weights
+        its graph saved."""
+        stale = set(buckets)
+        for u in self.units:
+            if u.state is not UnitState.SHARDED and u not in self.awaiting and (
+                    u in self.held or u in self.idle) and any(b in stale for b in u.buckets):
+                u.wait()
+                self.reshard(u, force=True)
 
     def settle(self) -> None:
         """Finish gathers still in flight (see Engine.settle_gathers)."""
@@ -143,7 +221,10 @@ class UnitSchedule:
         """Gather the root (kept from a forward with gradients whose backward has not run
         yet, see forward.py) and prefetch the first units."""
         self.fwd_cursor = 0
-        self.root_kept = self.root.state is not UnitState.SHARDED
+        self.root_kept = self.root in self.awaiting and self.root.state is not UnitState.SHARDED
+        for u in self.units:  # held ones freed by a step or a load: gathered again
+            if u in self.held and u.state is UnitState.SHARDED and u is not self.root:
+                self.unshard(u, "forward")  # (in unit order: the same on every rank)
         self.unshard(self.root, "forward")
         self.root.wait()
         self._prefetch(self.order, 0)
@@ -151,6 +232,9 @@ class UnitSchedule:
     def root_post_forward(self) -> None:
         self.recording = False
         if torch.is_grad_enabled():
+            if not in_backward():
+                self.awaiting.add(self.root)
+                self.idle.discard(self.root)
             return
         if self.root_kept and not in_backward():
             # A forward without gradients between a forward with gradients and its
@@ -160,7 +244,15 @@ class UnitSchedule:
             # the user parameters.
             self.faces.show(self.root.buckets, compute=False)
         else:
-            self.reshard(self.root)
+            self._after_forward_without_grad(self.root)
+
+    def _after_forward_without_grad(self, u: Unit) -> None:
+        """No backward follows: free the unit, unless it is resident, or
+        ``reshard_after_forward`` is False (FSDP2's semantics in every mode: the weights
+        stay for the next forward, generation's next token)."""
+        if not self.reshard_after_forward and u.state is not UnitState.SHARDED:
+            self.idle.add(u)
+        self.reshard(u)
 
     # -- a unit's hooks ---------------------------------------------------------------------
     def pre_forward(self, u: Unit, args: tuple) -> tuple | None:
@@ -200,9 +292,13 @@ class UnitSchedule:
             # the original forward free the unit once its backward is done.
             return output
         grad = torch.is_grad_enabled()
-        if self.reshard_after_forward or not grad:
+        if not grad:
+            self._after_forward_without_grad(u)
+        elif self.reshard_after_forward:
             self.reshard(u)
         if grad:
+            self.awaiting.add(u)
+            self.idle.discard(u)  # freed after its backward, as any unit
             call = [False]  # one forward call of the unit; its outputs share the flag
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -228,6 +324,7 @@ class UnitSchedule:
         weights, then let the backward pass reduce the unit's buckets, so the whole
         gradient buffer is never allocated beside the whole weights (FSDP2's order)."""
         u.backward_done = True
+        self.awaiting.discard(u)
         self.reshard(u)
         self._unit_done(u)
 
@@ -246,6 +343,7 @@ class UnitSchedule:
         """Every unit freed, the backward cursor back at the start."""
         self.bwd_cursor = 0
         self.prefetch_due = False
+        self.awaiting.clear()
         for u in self.units:
             u.in_backward = False
             self.reshard(u)

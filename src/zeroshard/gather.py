@@ -1,0 +1,151 @@
+"""Whole weights kept gathered across forwards at stage 3: ``model.unshard()`` /
+``model.reshard()``, ``zeroshard.gathered(model, budget=...)``, and ``generate()`` that
+gathers each unit once per call instead of once per token.
+
+The mechanism is [Note: resident units] in engine/stage3.py; this file chooses which
+units to hold and gives the user the calls. Generation is where it pays: each new token is
+a forward, and at stage 3 a forward gathers every unit (one all-gather per unit per token,
+4-5x stage 0's time per token on a small model). Held units are gathered once; forwards
+and backwards between hold and release issue no gathers for them.
+
+Every call here is a collective: every rank calls it, with the same budget (a budget
+left to zeroshard is agreed on by the ranks: the smallest free device memory).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .engine.units import Unit
+from .sizes import parse_bytes
+
+__all__ = ["gathered", "register_forward_method", "UnshardHandle", "choose_units",
+           "unshard"]
+
+#: Share of the free device memory a budget left to zeroshard may use for resident
+#: weights; the rest stays for activations and the KV cache.
+FREE_SHARE = 0.5
+
+
+class UnshardHandle:
+    """``model.unshard(async_op=True)``'s handle (FSDP2's ``UnshardHandle``): ``wait()``
+    finishes the gathers it started."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for u in self._units:
+            u.wait()
+        self._units = []
+
+
+def _engine(model: nn.Module) -> Any:
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is None:
+        raise ValueError(f"{type(model).__name__} was not sharded by zeroshard; call "
+                         "zeroshard.shard(model, ...) first")
+    return engine
+
+
+def unshard(model: nn.Module, async_op: bool = False) -> UnshardHandle | None:
+    """Gather every unit and keep it gathered until ``model.reshard()`` (FSDP2's
+    ``FSDPModule.unshard``); at stages 0-2 the weights are whole already: nothing to do."""
+    engine = _engine(model)
+    if not engine.units:
+        return UnshardHandle([]) if async_op else None
+    held = engine.hold(list(engine.units), async_op=async_op)
+    return UnshardHandle(held) if async_op else None
+
+
+def choose_units(units: list[Unit], budget: int | None) -> list[Unit]:
+    """The units to keep gathered within ``budget`` bytes of gathered weights: the root
+    first (every forward reads it), then the others in model order while they fit; all
+    of them with no budget."""
+    if budget is None:
+        return list(units)
+    order = [units[-1], *units[:-1]]  # the root is last in ``units``
+    chosen, used = [], 0
+    for u in order:
+        if used + u.unsharded_bytes <= budget:
+            chosen.append(u)
+            used += u.unsharded_bytes
+    return chosen
+
+
+def _budget(engine: Any, budget: int | str | None) -> int | None:
+    """Bytes, from an int or a size (``"2GiB"``); None on a GPU: ``FREE_SHARE`` of the
+    smallest free device memory among the ranks (every rank must hold the same units);
+    None on a CPU: no limit."""
+    if isinstance(budget, bool) or not (budget is None or isinstance(budget, (int, str))):
+        raise TypeError(f"budget={budget!r}: give bytes (an int), a size such as '2GiB', or "
+                        "None (every unit the device has room for)")
+    if isinstance(budget, str):
+        return parse_bytes(budget, what="budget")
+    if isinstance(budget, int):
+        if budget < 0:
+            raise ValueError(f"budget={budget} bytes is negative; give 0 or more (0 keeps "
+                             "nothing resident: every forward gathers, as without gathered())")
+        return budget
+    if engine.device.type != "cuda":
+        return None
+    free = torch.tensor([float(torch.cuda.mem_get_info(engine.device)[0])],
+                        device=engine.device)
+    engine.world.all_reduce(free, op=dist.ReduceOp.MIN, phase="control", unit="budget").wait()
+    return int(free.item() * FREE_SHARE)
+
+
+@contextmanager
+def gathered(model: nn.Module, budget: int | str | None = None) -> Iterator[list[str]]:
+    """Keep stage-3 units gathered inside the block: as many as fit in ``budget`` bytes
+    of gathered weights (root first, then in model order); forwards inside gather only the
+    others, once per forward. Yields the names of the units held. Nested blocks add to the
+    outer one's; each releases what it added. Stages 0-2: nothing to gather (a no-op).
+
+    Like DeepSpeed's ``GatheredParameters`` for reading whole weights, and FSDP2's
+    ``unshard()``/``reshard()`` pair; see docs/generation.md."""
+    engine = _engine(model)
+    if not engine.units:
+        yield []
+        return
+    held = engine.hold(choose_units(engine.units, _budget(engine, budget)))
+    try:
+        yield [u.name for u in held]
+    finally:
+        engine.release(held)
+
+
+def register_forward_method(model: nn.Module, name: str,
+                            budget: int | str | None = None) -> None:
+    """Make ``model.<name>(...)`` run inside :func:`gathered` (FSDP2's
+    ``register_fsdp_forward_method``): an entry point other than ``forward`` — HF's
+    ``generate``, an ``encode`` that calls submodules directly — then finds the units
+    gathered (within ``budget``) and gathers each once per call, not once per forward it
+    runs. ``shard()`` registers ``generate`` itself at stage 3 (``generate_budget=``);
+    registering a method again replaces its budget."""
+    engine = _engine(model)
+    cls = type(model)  # shard() gave each sharded model a class of its own (api.py)
+    method = getattr(cls, name, None)
+    if not callable(method) or name in vars(model):
+        raise ValueError(f"{cls.__name__} has no method {name!r} to register; name a method "
+                         "of the model's class (e.g. 'generate')")
+    method = getattr(method, "_zeroshard_method", method)  # registered before: the original
+    if not engine.units:
+        return  # whole weights on every rank: nothing to gather
+
+    # On the class, taking ``self``: a copy of the model (copy.deepcopy) gathers its own
+    # units, not this one's.
+    @functools.wraps(method)
+    def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with gathered(self, budget):
+            return method(self, *args, **kwargs)
+
+    gathering._zeroshard_method = method  # type: ignore[attr-defined]
+    setattr(cls, name, gathering)

@@ -1,0 +1,249 @@
+"""Generation and whole weights kept gathered at stage 3 (issue #44, piece a): ``generate()``
+gathers each unit once per call, ``zeroshard.gathered(model, budget=)``,
+``model.unshard()``/``reshard()`` and ``set_reshard_after_forward(False)`` under
+``no_grad`` — tokens, losses and weights as without them, and the gathers counted in the
+ledger. A tiny HF Llama (2 layers: 3 units with the root), world 2, one group of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers.logging.set_verbosity_error()
+
+import zeroshard  # noqa: E402
+from zeroshard.testing import run_ranks  # noqa: E402
+
+VOCAB, NEW = 128, 6
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _prompt(rank: int) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank + 1))
+
+
+def _generate(model: torch.nn.Module, prompt: torch.Tensor, sample: bool) -> torch.Tensor:
+    torch.manual_seed(7)  # sampling draws from torch's global generator
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                          do_sample=sample, top_k=0, pad_token_id=0)
+
+
+def _gathers(ledger: Any, start: int) -> list:
+    return [r for r in ledger.records[start:] if r.op == "all_gather"]
+
+
+def _generation(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ref = tiny().eval()
+    prompt = _prompt(rank)
+    want = {s: _generate(ref, prompt, s) for s in (False, True)}
+    for stage, budget in ((0, None), (3, None), (3, 0), (3, "root")):
+        opts = {} if budget in (None, "root") or stage != 3 else {"generate_budget": budget}
+        model, _ = zeroshard.shard(tiny(), torch.optim.AdamW, stage=stage, lr=1e-3, **opts)
+        model.eval()
+        engine = zeroshard.engine_of(model)
+        ledger = engine.comm.ledger
+        key = f"s{stage}-{budget}"
+        if budget == "root":  # the root resident, the two layers gathered per token
+            root = engine.units[-1].unsharded_bytes
+            zeroshard.register_forward_method(model, "generate", budget=root)
+            with zeroshard.gathered(model, budget=root) as held:
+                out[f"{key}-held"] = held
+            out[f"{key}-root"] = root
+            out[f"{key}-others"] = sum(u.unsharded_bytes for u in engine.units[:-1])
+        for sample in (False, True):
+            start = len(ledger.records)
+            engine.peak_unsharded_bytes = engine.unsharded_bytes
+            got = _generate(model, prompt, sample)
+            out[f"{key}-{sample}-peak"] = engine.peak_unsharded_bytes
+            out[f"{key}-{sample}-equal"] = torch.equal(got, want[sample])
+            gathers = _gathers(ledger, start)
+            out[f"{key}-{sample}-gathers"] = len(gathers)
+            out[f"{key}-{sample}-bytes"] = sum(r.logical_bytes for r in gathers)
+        out[f"{key}-units"] = len(engine.units)
+        out[f"{key}-prefetch"] = engine.config.prefetch
+        out[f"{key}-layer"] = max((u.unsharded_bytes for u in engine.units[:-1]), default=0)
+        out[f"{key}-bytes-after"] = engine.unsharded_bytes
+    return out
+
+
+def _unshard(rank: int, world: int) -> dict[str, Any]:
+    """Three training steps with the model unsharded the whole time (plus an eval, a
+    load and an in-place edit in between) against the same steps without unshard()."""
+    out: dict[str, Any] = {}
+    x = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank + 3))
+    runs = {}
+    for held in (False, True):
+        model, optim = zeroshard.shard(tiny(), torch.optim.AdamW, stage=3, lr=1e-2)
+        engine = zeroshard.engine_of(model)
+        ledger = engine.comm.ledger
+        if held:
+            handle = model.unshard(async_op=True)
+            handle.wait()
+            out["dtensors while held"] = all(hasattr(p, "full_tensor")
+                                             for p in model.parameters())
+            out["bytes held"] = engine.unsharded_bytes
+            out["bytes whole"] = sum(u.unsharded_bytes for u in engine.units)
+        losses, gathers = [], []
+        for _ in range(3):
+            start = len(ledger.records)
+            loss = model(x, labels=x).loss
+            loss.backward()
+            gathers.append(len(_gathers(ledger, start)))
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            start = len(ledger.records)
+            model.eval()
+            logits = [model(x).logits for _ in range(2)]
+            model.train()
+            out[f"eval gathers {held}"] = len(_gathers(ledger, start))
+            # An in-place edit of the masters, then a load: the next forward sees each.
+            p = next(model.parameters())
+            p.mul_(0.5)
+            edited = model(x).logits
+            model.load_state_dict(tiny(seed=1).state_dict())
+            loaded = model(x).logits
+        runs[held] = (losses, logits, edited, loaded)
+        out[f"gathers per step {held}"] = gathers
+        model.reshard()
+        out[f"bytes after reshard {held}"] = engine.unsharded_bytes
+    base, kept = runs[False], runs[True]
+    out["losses equal"] = base[0] == kept[0]
+    out["eval equal"] = all(torch.equal(a, b) for a, b in zip(base[1], kept[1]))
+    out["edit seen"] = torch.equal(base[2], kept[2])
+    out["load seen"] = torch.equal(base[3], kept[3])
+    return out
+
+
+def _no_reshard_eval(rank: int, world: int) -> dict[str, Any]:
+    """set_reshard_after_forward(False) holds in forwards without gradients too (FSDP2's
+    semantics): the second eval forward gathers nothing; True frees them again."""
+    model, optim = zeroshard.shard(tiny(), torch.optim.AdamW, stage=3, lr=1e-2)
+    engine = zeroshard.engine_of(model)
+    ledger = engine.comm.ledger
+    x = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    model.set_reshard_after_forward(False)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        first = model(x).logits
+        start = len(ledger.records)
+        second = model(x).logits
+        out["second gathers"] = len(_gathers(ledger, start))
+    out["same"] = torch.equal(first, second)
+    out["kept bytes"] = engine.unsharded_bytes
+    # A training step after: the idle units are freed after their backward, the step's
+    # new weights gathered by the next forward.
+    model(x, labels=x).loss.backward()
+    optim.step()
+    optim.zero_grad()
+    out["bytes after step"] = engine.unsharded_bytes
+    with torch.no_grad():
+        start = len(ledger.records)
+        model(x)
+        out["gathers after step"] = len(_gathers(ledger, start))
+    model.set_reshard_after_forward(True)
+    out["bytes after True"] = engine.unsharded_bytes
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, fn in (("generation", _generation), ("unshard", _unshard),
+                     ("eval", _no_reshard_eval)):
+        out[name] = run_ranks(fn, 2, timeout=240)[0]
+    return out
+
+
+def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) -> None:
+    """Greedy and sampled (fixed seed) tokens equal the unsharded model's at stages 0 and
+    3; at stage 3 generate() issues one all-gather per unit per call (not per token), and
+    with generate_budget=0 one per unit per forward."""
+    r = results["generation"]
+    for key in ("s0-None", "s3-None", "s3-0", "s3-root"):
+        for sample in (False, True):
+            assert r[f"{key}-{sample}-equal"], (key, sample)
+    assert r["s0-None-False-gathers"] == 0
+    units = r["s3-None-units"]
+    assert units == 3
+    for sample in (False, True):
+        assert r[f"s3-None-{sample}-gathers"] == units, r
+        assert r[f"s3-0-{sample}-gathers"] == units * NEW, r  # one forward per new token
+    assert r["s3-None-bytes-after"] == 0  # released when generate() returns
+
+
+def test_a_budget_keeps_what_fits_and_gathers_exactly_the_rest_per_token(results) -> None:
+    """A budget the size of the root unit: the root is gathered once per call, the two
+    layers once per token — the bytes gathered per token are exactly theirs."""
+    r = results["generation"]
+    assert r["s3-root-held"] == ["root"]
+    for sample in (False, True):
+        assert r[f"s3-root-{sample}-gathers"] == 1 + 2 * NEW, r
+        per_token = (r[f"s3-root-{sample}-bytes"] - r["s3-root-root"]) / NEW
+        assert per_token == r["s3-root-others"], r
+        # Gathered weights never above the budget plus the units a forward gathers at
+        # once (the one computing and `prefetch` ahead).
+        transient = (r["s3-root-prefetch"] + 1) * r["s3-root-layer"]
+        assert r[f"s3-root-{sample}-peak"] <= r["s3-root-root"] + transient, r
+    assert r["s3-root-bytes-after"] == 0
+
+
+def test_unshard_holds_every_unit_until_reshard_and_trains_as_without(results) -> None:
+    r = results["unshard"]
+    assert r["dtensors while held"]  # outside forward the modules hold the user's DTensors
+    assert r["bytes held"] == r["bytes whole"] > 0
+    assert r["gathers per step True"] == [0, 3, 3], r  # a step frees: one gather per unit
+    # Without: each layer in forward and again in backward, the root once (it stays
+    # gathered from its forward to the end of backward).
+    assert r["gathers per step False"] == [5, 5, 5], r
+    assert r["eval gathers True"] == 3 and r["eval gathers False"] == 6, r
+    assert r["losses equal"] and r["eval equal"], r
+    assert r["edit seen"] and r["load seen"], r
+    assert r["bytes after reshard True"] == 0 and r["bytes after reshard False"] == 0
+
+
+def test_reshard_after_forward_false_keeps_units_in_no_grad_forwards(results) -> None:
+    r = results["eval"]
+    assert r["second gathers"] == 0 and r["same"], r
+    assert r["kept bytes"] > 0
+    assert r["gathers after step"] == 3, r
+    assert r["bytes after True"] == 0, r
+
+
+def test_generate_budget_is_checked_at_shard() -> None:
+    with pytest.raises(ValueError, match="generate_budget '2 apples' has an unknown unit"):
+        zeroshard.ShardConfig(stage=3, generate_budget="2 apples")
+    with pytest.raises(ValueError, match="generate_budget=-1"):
+        zeroshard.ShardConfig(stage=3, generate_budget=-1)
+
+
+@pytest.mark.slow  # its path is test_generate_gives_the_unsharded_tokens_... in make test
+def test_the_example_runs_under_torchrun() -> None:
+    """examples/generate_stage3.py, as its docstring runs it, with and without a budget."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "generate_stage3.py"
+    for extra in ([], ["--budget", "1MiB"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             str(example), *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "the unsharded model's tokens: True" in done.stdout, done.stdout
