@@ -247,3 +247,31 @@ def test_the_example_runs_under_torchrun() -> None:
              str(example), *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "the unsharded model's tokens: True" in done.stdout, done.stdout
+
+
+def _alone(rank: int, world: int) -> str:
+    """Rank 0 generates alone (the DDP habit of sampling on rank 0), rank 1 trains on."""
+    from zeroshard.comm import CollectiveMismatch, CollectiveTimeout
+
+    model, optim = zeroshard.shard(tiny(), torch.optim.AdamW, stage=3, lr=1e-2, timeout=60)
+    x = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(2):
+            if rank == 0:
+                model.eval()
+                _generate(model, x, False)
+                model.train()
+            model(x, labels=x).loss.backward()
+            optim.step()
+        return "no error"
+    except (CollectiveMismatch, CollectiveTimeout) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_generate_on_one_rank_alone_is_an_error_on_every_rank() -> None:
+    """generate() at stage 3 is a collective (its gathers, and the check before them):
+    on one rank alone both ranks raise, naming the fix — no hang, no mixed-up weights."""
+    for rank, got in enumerate(run_ranks(_alone, 2, timeout=120, fresh=True)):
+        assert got.startswith("CollectiveMismatch"), (rank, got)
+        assert "barrier(unshard" in got and "Call them on every rank" in got, (rank, got)
+        assert "layer drop" not in got, (rank, got)

@@ -93,6 +93,11 @@ def _state_hint(units: set[str]) -> str:
     return _EXPORT_HINT if units & {"save_pretrained", "full_state_dict"} else _STATE_HINT
 
 
+_GATHER_UNITS = frozenset({"unshard", "budget"})
+_GATHER_HINT = ("A rank kept stage-3 weights gathered alone: model.generate(), "
+                "zeroshard.gathered() and model.unshard() gather every unit from every rank "
+                "(see docs/generation.md). Call them on every rank, each with its own prompts "
+                "if you like, and print or save the result on one.")
 _FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
                  "stage 3 every forward gathers weights from every rank: run forward passes, "
                  "evaluation included, on every rank (each on its own share of the data).")
@@ -131,7 +136,9 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_state_hint(state))
     phases = [PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
-    if units == {"buffers"} and len({r[5] for r in rows}) > 1:
+    if units & _GATHER_UNITS:
+        hints.append(_GATHER_HINT)
+    elif units == {"buffers"} and len({r[5] for r in rows}) > 1:
         hints.append(_BUFFER_SIZES_HINT)
     elif "buffers" in units:
         hints.append(_BUFFERS_HINT)
@@ -153,6 +160,8 @@ def _fix_for(unit: str, phase: str, rank: int) -> str:
     if unit in _STATE_UNITS:
         return (f"Rank {rank} takes a state dict that the other ranks skipped (or ended "
                 "their scripts before). " + _state_hint({unit}))
+    if unit in _GATHER_UNITS:
+        return _GATHER_HINT
     if phase == "forward":
         return _BUFFERS_HINT if unit == "buffers" else _FORWARD_HINT
     return _ORDER_HINT
