@@ -1,6 +1,6 @@
 """Generation from a stage-3 sharded Hugging Face model: generate() gathers each unit
 once per call (not once per token), within a budget if you give one, and returns the
-unsharded model's tokens.
+unsharded model's tokens; then the weights streamed into a stand-in inference engine.
 
     torchrun --nproc-per-node 2 examples/generate_stage3.py [--budget 2MiB]
 
@@ -16,6 +16,19 @@ import torch.distributed as dist
 import transformers
 
 import zeroshard
+
+
+class InferenceEngine:
+    """A stand-in for an inference server's model runner: it loads (name, tensor) pairs."""
+
+    def __init__(self, config: transformers.GPT2Config) -> None:
+        self.model = transformers.GPT2LMHeadModel(config).eval()
+
+    def load_weights(self, weights) -> None:
+        params = dict(self.model.state_dict(keep_vars=True))
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
 
 
 def main() -> None:
@@ -43,6 +56,13 @@ def main() -> None:
     gathers = sum(1 for r in ledger.records[before:] if r.op == "all_gather")
     same = torch.equal(tokens, reference.eval().generate(prompt, **kwargs))
 
+    # Pushing the weights into an inference engine (vLLM's load_weights(iterator) shape):
+    # one collective per unit, about one unit of extra memory; every rank iterates.
+    engine = InferenceEngine(config)
+    engine.load_weights(zeroshard.stream_weights(model, to_rank=0))
+    if dist.get_rank() == 0:
+        same = same and torch.equal(engine.model.generate(prompt, **kwargs), tokens)
+
     # Reading or editing whole weights between steps: keep every unit gathered.
     model.unshard()
     model.eval()
@@ -53,7 +73,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         units = len(zeroshard.engine_of(model).units)
         print(f"generate(): {gathers} all-gathers for {args.new_tokens} tokens over {units} "
-              f"units; the unsharded model's tokens: {same}")
+              f"units; the unsharded model's tokens (and the inference engine's after "
+              f"stream_weights): {same}")
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ from .config import ShardConfig
 from .engine.outside_unit import ParameterOutsideUnit
 from .gather import gathered, register_forward_method
 from .join import join
+from .stream import stream_weights
 
 # Checkpoints load on first use: torch.distributed.checkpoint imports DTensor (~0.7 s a
 # process), which `zeroshard plan`, the bench's parent and most scripts never need.
@@ -34,6 +35,7 @@ __all__ = [
     "memory_tracker",
     "gathered",
     "register_forward_method",
+    "stream_weights",
     "join",
     "save_checkpoint",
     "load_checkpoint",
