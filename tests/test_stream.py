@@ -128,3 +128,21 @@ def test_tensor_parallelism_is_refused_and_hybrid_streams() -> None:
     for r in run_ranks(_tp_and_hybrid, 2, timeout=120):
         assert "under tensor parallelism" in r["tp"] and "full_state_dict" in r["tp"], r
         assert r["hybrid"], r
+
+
+def _gpt2_124m(rank: int, world: int) -> dict:
+    model, _ = zeroshard.shard(make_model("gpt2-124m"), torch.optim.AdamW, stage=3, lr=1e-3)
+    engine = zeroshard.engine_of(model)
+    tracker = zeroshard.memory_tracker(model)
+    with tracker:
+        before = tracker.current_total()
+        n = sum(1 for _ in zeroshard.stream_weights(model))
+        peak = tracker.peak_total() - before
+    largest = 4 * max(sum(b.padded_numel for b in u.buckets) for u in engine.units)
+    return {"tensors": n, "peak": peak, "largest": largest}
+
+
+@pytest.mark.slow  # twin in make test: test_one_collective_per_bucket_and_about_one_unit_of_memory
+def test_gpt2_124m_streams_within_a_quarter_more_than_its_largest_unit() -> None:
+    r = run_ranks(_gpt2_124m, 2, timeout=600)[0]
+    assert r["tensors"] > 0 and r["peak"] <= 1.25 * r["largest"], r
