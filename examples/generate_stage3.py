@@ -50,10 +50,10 @@ def main() -> None:
     prompt = torch.randint(1, 512, (2, 12), generator=torch.Generator().manual_seed(1))
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                   do_sample=False, pad_token_id=0)
-    ledger = zeroshard.engine_of(model).comm.ledger
-    before = len(ledger.records)
     tokens = model.generate(prompt, **kwargs)  # a collective: every rank calls it
-    gathers = sum(1 for r in ledger.records[before:] if r.op == "all_gather")
+    # generate()'s collectives, in the ledger's own window for it (not a training step's)
+    window = zeroshard.engine_of(model).comm.ledger.windows["generate"]
+    gathers = sum(1 for r in window if r.op == "all_gather")
     same = torch.equal(tokens, reference.eval().generate(prompt, **kwargs))
 
     # Pushing the weights into an inference engine (vLLM's load_weights(iterator) shape):

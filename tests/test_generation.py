@@ -67,11 +67,14 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
             out[f"{key}-others"] = sum(u.unsharded_bytes for u in engine.units[:-1])
         for sample in (False, True):
             start = len(ledger.records)
+            ledger.windows.pop("generate", None)
             engine.peak_unsharded_bytes = engine.unsharded_bytes
             got = _generate(model, prompt, sample)
             out[f"{key}-{sample}-peak"] = engine.peak_unsharded_bytes
             out[f"{key}-{sample}-equal"] = torch.equal(got, want[sample])
-            gathers = _gathers(ledger, start)
+            # generate()'s collectives are in their own window, not the open step's.
+            out[f"{key}-{sample}-in-step"] = len(ledger.records) - start
+            gathers = [r for r in ledger.windows.get("generate", ()) if r.op == "all_gather"]
             out[f"{key}-{sample}-gathers"] = len(gathers)
             out[f"{key}-{sample}-bytes"] = sum(r.logical_bytes for r in gathers)
         out[f"{key}-units"] = len(engine.units)
@@ -180,6 +183,9 @@ def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) 
         for sample in (False, True):
             assert r[f"{key}-{sample}-equal"], (key, sample)
     assert r["s0-None-False-gathers"] == 0
+    for key in ("s3-None", "s3-0", "s3-root"):
+        for sample in (False, True):
+            assert r[f"{key}-{sample}-in-step"] == 0, (key, r)  # the ledger's own window
     units = r["s3-None-units"]
     assert units == 3
     for sample in (False, True):

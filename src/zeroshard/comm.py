@@ -31,8 +31,9 @@ made once per group (:func:`_decompose_for`) and reported in the ledger as ``imp
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
-from collections.abc import Callable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,9 @@ class CommRecord:
 #: million-step run's ledger would hold tens of GB of host memory for Python's collector
 #: to walk. Older steps are dropped in batches of this many (``CommLedger.mark_step``).
 KEEP_STEPS = 16
+#: Records a named window keeps (see CommLedger.window): generation runs a forward per
+#: token and no optimizer step closes them.
+WINDOW_RECORDS = 4096
 
 
 @dataclass
@@ -91,9 +95,29 @@ class CommLedger:
     step: int = 0
     #: Records dropped with old steps (``records`` holds the rest).
     dropped: int = 0
+    #: Named windows (``window()``): the last WINDOW_RECORDS records issued inside each.
+    windows: dict[str, deque[CommRecord]] = field(default_factory=dict)
+    _window: str | None = None
 
     def add(self, record: CommRecord) -> None:
-        self.records.append(record)
+        if self._window is not None:
+            self.windows[self._window].append(record)
+        else:
+            self.records.append(record)
+
+    @contextmanager
+    def window(self, name: str) -> Iterator[deque[CommRecord]]:
+        """Record the collectives issued inside in their own bounded window (``name``),
+        not in the open step: generation (a forward per token, no step to close the
+        records) neither grows the ledger without bound nor counts in a training step's
+        traffic. Yields the window; ``windows[name]`` keeps it after."""
+        prev = self._window
+        records = self.windows.setdefault(name, deque(maxlen=WINDOW_RECORDS))
+        self._window = name
+        try:
+            yield records
+        finally:
+            self._window = prev
 
     def clear(self) -> None:
         self.records.clear()

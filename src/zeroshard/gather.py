@@ -144,7 +144,8 @@ def register_forward_method(model: nn.Module, name: str,
     # units, not this one's.
     @functools.wraps(method)
     def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with gathered(self, budget):
+        # Its collectives in the ledger's window ``name`` (CommLedger.window), not the step's.
+        with _engine(self).comm.ledger.window(name), gathered(self, budget):
             return method(self, *args, **kwargs)
 
     gathering._zeroshard_method = method  # type: ignore[attr-defined]
