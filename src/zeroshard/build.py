@@ -1,0 +1,179 @@
+"""Building a sharded model's engine: the process groups a layout needs (plain, hybrid,
+tensor-parallel), the device a meta model materialises on, and the finishing touches
+``shard()`` and ``shard_for_inference()`` share (api.py holds both)."""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, CommLedger
+from .config import ShardConfig
+from .engine.engine import Engine, ParamInit
+from .engine.tensor_parallel import (
+    TensorParallel,
+    is_tp_mesh,
+    localize,
+    sync_over_tp,
+    tp_comms,
+)
+from .engine.units import UnitSpec
+from .gather import register_forward_method
+
+__all__ = ["build_engine", "finish"]
+
+_EXIT_HOOK = False
+
+
+def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
+                 param_init: ParamInit | None, device: torch.device | str | None,
+                 hybrid: tuple[int, int] | None, mesh: Any,
+                 process_group: dist.ProcessGroup | None, group_of: dict[str, int]) -> Engine:
+    """The engine for ``model`` under ``config`` on the layout the arguments give."""
+    stage = config.stage
+    if units is not None and stage != 3:
+        raise ValueError(f"units= applies to stage 3 only (stage={stage}); drop it")
+    meta = next(model.parameters()).is_meta
+    dev = resolve_device(device) if meta else None
+    if meta and param_init is None:
+        param_init = default_param_init(model)
+    ledger = CommLedger()
+    tp = None
+    mesh = whole_mesh(model, mesh)
+    check_dtensor_params(model, mesh)
+    if is_tp_mesh(mesh):  # see [Note: tensor-parallel parameters]
+        if process_group is not None or hybrid is not None:
+            raise ValueError("a mesh with a tp dimension says the dp layout too; drop "
+                             "process_group= and hybrid=")
+        if meta:
+            raise ValueError(
+                "tensor parallelism needs real weights at shard(): materialise the model "
+                "before parallelize_module (zeroshard.models.materialize), then shard it")
+        comm, replicate, world, tp_comm = tp_comms(ledger, mesh, stage)
+        sync_over_tp(model, tp_comm)  # before localize: tp parameters stay DTensors there
+        specs = localize(model, mesh["tp"], frozen=stage == 3)
+        if not specs:
+            raise ValueError(
+                "the mesh has a tp dimension but no parameter is a DTensor: apply "
+                "parallelize_module(model, mesh['tp'], plan) before shard()")
+        tp = TensorParallel(mesh, specs, tp_comm)
+    elif hybrid is not None or mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group or hybrid=/mesh=, not both")
+        if stage == 0:
+            raise ValueError(
+                "hybrid sharding needs stage 1, 2 or 3 (stage 0 shards nothing); drop "
+                "hybrid= or pick a stage"
+            )
+        from .hybrid import hybrid_comms
+
+        comm, replicate, world, mesh = hybrid_comms(ledger, hybrid=hybrid, mesh=mesh)
+    else:
+        label = "world" if process_group is None else "dp"
+        comm, replicate, world = Comm(process_group, ledger, label=label), None, None
+    engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
+                    replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
+                    tp=tp)
+    return engine
+
+
+def finish(model: nn.Module, engine: Engine) -> None:
+    """After the engine (and the optimizer) are built and the model's class swapped:
+    set-up traffic closed, the names collective checks may report, ``generate``
+    registered at stage 3 (gather.py)."""
+    destroy_group_at_exit()
+    engine.comm.ledger.mark_step()  # the initial broadcast is not part of any step
+    engine.comm.ledger.step = 0
+    names = [b.name for b in engine.all_buckets] + [u.name for u in engine.units]
+    for c in engine.comms():
+        c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
+                      "forward", "buffers", "used", "grad_norm", "overflow", "join",
+                      "unshard", "budget", "stream_weights"])
+    if engine.units and callable(getattr(model, "generate", None)):
+        register_forward_method(model, "generate", engine.config.generate_budget)
+
+
+def whole_mesh(model: nn.Module, mesh: Any) -> Any:
+    """FSDP2's habit on a tensor-parallel model: ``fully_shard(model, mesh=mesh["dp"])``.
+    zeroshard reduces over dp and keeps the tp pieces in step itself, so it needs the
+    whole mesh: the dp submesh's root, when that root has a tp dimension and the tp
+    parameters live on its tp submesh."""
+    if mesh is None or is_tp_mesh(mesh) or not hasattr(mesh, "_get_root_mesh"):
+        return mesh
+    from torch.distributed.tensor import DTensor
+
+    tp_param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if tp_param is None:
+        return mesh
+    root = mesh._get_root_mesh()
+    names = tuple(n for n in (getattr(root, "mesh_dim_names", None) or ()) if n != "tp")
+    if (root is mesh or not is_tp_mesh(root) or names != tuple(mesh.mesh_dim_names or ())
+            or tp_param.device_mesh._get_root_mesh() != root):
+        return mesh  # not the dp part of the tp model's mesh: _check_dtensor_params says so
+    return root
+
+
+def check_dtensor_params(model: nn.Module, mesh: Any) -> None:
+    """A model parallelised with parallelize_module needs the whole mesh, tp dimension
+    included (FSDP2 takes mesh["dp"]; zeroshard takes the mesh itself)."""
+    if is_tp_mesh(mesh):
+        return
+    from torch.distributed.tensor import DTensor
+
+    found = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if found is None:
+        return
+    name, dims = found[0], found[1].device_mesh
+    raise ValueError(
+        f"parameter {name!r} is a DTensor (the model was parallelised, e.g. with "
+        "parallelize_module); pass the whole mesh it came from, with a 'tp' dimension: "
+        "shard(model, ..., mesh=mesh) where mesh = init_device_mesh(device, (dp, tp), "
+        "mesh_dim_names=('dp', 'tp')) and the plan was applied on mesh['tp']"
+        + (f" (got mesh={mesh})" if mesh is not None else " (no mesh= was given)")
+        + f"; its tp mesh is {dims}"
+        + ". See docs/tensor-parallel.md")
+
+
+def destroy_group_at_exit() -> None:
+    """Tear the default process group down at interpreter exit if the script did not.
+
+    Exiting with a live gloo group can abort the process ("terminate called without an
+    active exception") after all the work is done; torchrun then reports the rank failed.
+    """
+    global _EXIT_HOOK
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK = True
+
+    def _cleanup() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    atexit.register(_cleanup)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_param_init(model: nn.Module) -> ParamInit:
+    from .models import GPT2, Llama, init_weights
+
+    if isinstance(model, (GPT2, Llama)):
+        return lambda m, names: init_weights(m, 0, names)
+    raise ValueError(
+        f"{type(model).__name__} is on the meta device; pass param_init=fn(model, names) "
+        "that initialises the named parameters in place (the same on every rank), or build "
+        "the model on a real device"
+    )
