@@ -281,3 +281,51 @@ def test_generate_on_one_rank_alone_is_an_error_on_every_rank() -> None:
         assert got.startswith("CollectiveMismatch"), (rank, got)
         assert "barrier(unshard" in got and "Call them on every rank" in got, (rank, got)
         assert "layer drop" not in got, (rank, got)
+
+
+def _reference(rank: int, world: int) -> dict[str, Any]:
+    """A forward-only sharded model (an RL loop's reference): the unsharded model's
+    logits and tokens, 1/N of its bytes per rank, no optimizer state or gradients; a
+    soft update from a trained stage-3 policy (TRL's sync_ref_model) as on whole models."""
+    ref = tiny().eval()
+    whole = sum(p.numel() * p.element_size() for p in ref.parameters())
+    model = zeroshard.shard_for_inference(tiny())
+    model.eval()
+    x = _prompt(rank)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        out["logits"] = torch.equal(model(x).logits, ref(x).logits)
+    out["tokens"] = torch.equal(_generate(model, x, False), _generate(ref, x, False))
+    tracker = zeroshard.memory_tracker(model)
+    current = tracker.current()
+    out["params"] = current[next(c for c in current if c.value == "params")]
+    out["whole"] = whole
+    out["frozen"] = not any(p.requires_grad for p in model.parameters())
+    # TRL's SyncRefModelCallback: target.data.mul_(1 - alpha).add_(policy.data, alpha)
+    policy, _ = zeroshard.shard(tiny(seed=1), torch.optim.AdamW, stage=3, lr=1e-2)
+    with torch.no_grad():
+        for t, p in zip(model.parameters(), policy.parameters()):
+            t.data.mul_(0.5).add_(p.data, alpha=0.5)
+        want = {k: 0.5 * v + 0.5 * w for (k, v), w in
+                zip(tiny().state_dict().items(), tiny(seed=1).state_dict().values())}
+    got = zeroshard.full_state_dict(model)
+    out["synced"] = all(torch.allclose(got[k], want[k], rtol=0, atol=1e-7) for k in want)
+    with torch.no_grad():  # the next forward reads the synced weights
+        merged = tiny()
+        merged.load_state_dict(want)
+        out["synced forward"] = torch.allclose(model(x).logits, merged.eval()(x).logits,
+                                               rtol=0, atol=1e-6)
+    try:
+        zeroshard.shard_for_inference(tiny(), stage=3, lr=1e-3)
+        out["bad option"] = "no error"
+    except TypeError as e:
+        out["bad option"] = str(e)
+    return out
+
+
+def test_a_forward_only_sharded_reference_model() -> None:
+    for r in run_ranks(_reference, 2, timeout=120):
+        assert r["logits"] and r["tokens"] and r["frozen"], r
+        assert r["params"] == r["whole"] // 2, r  # this rank's half, nothing else
+        assert r["synced"] and r["synced forward"], r
+        assert "unknown option 'lr' for shard_for_inference" in r["bad option"], r

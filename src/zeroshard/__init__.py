@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import models
 from ._version import __version__
-from .api import engine_of, full_state_dict, memory_tracker, shard
+from .api import engine_of, full_state_dict, memory_tracker, shard, shard_for_inference
 from .comm import CollectiveError, CollectiveMismatch, CollectiveTimeout, CommLedger, CommRecord
 from .config import ShardConfig
 from .engine.outside_unit import ParameterOutsideUnit
@@ -30,6 +30,7 @@ __all__ = [
     "__version__",
     "models",
     "shard",
+    "shard_for_inference",
     "full_state_dict",
     "engine_of",
     "memory_tracker",

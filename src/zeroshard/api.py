@@ -237,14 +237,59 @@ def _split_options(
     return ours, theirs
 
 
-def _check_model(model: nn.Module, stage: int) -> None:
+def _require_dist() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first, or launch with "
+            "torchrun"
+        )
+
+
+def shard_for_inference(
+    model: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
+    units: UnitSpec = None, param_init: ParamInit | None = None,
+    device: torch.device | str | None = None, hybrid: tuple[int, int] | None = None,
+    mesh: Any = None, **options: Any,
+) -> nn.Module:
+    """Shard a forward-only model — an RL loop's reference or reward model — and return
+    it: stage 3 by default, no optimizer, no gradients, no optimizer state, on the same
+    process groups, units and divergence checks as :func:`shard`. Its parameters are
+    frozen (``requires_grad=False``) and each rank keeps only its slice, in the compute
+    dtype (``mixed_precision=``): 1/N of the model's bytes per rank. Forwards gather unit
+    by unit; ``generate()``, ``gathered()``, ``stream_weights()`` and state dicts work as
+    on a trained model. Under ``torch.no_grad()``, as a reference model runs."""
+    _require_dist()
+    for k in options:
+        if k not in ShardConfig.option_names():
+            guess = suggest_option(k)
+            raise TypeError(f"unknown option {k!r} for shard_for_inference"
+                            + (f"; did you mean {guess!r}?" if guess else
+                               f"; it takes {', '.join(ShardConfig.option_names())}"))
+    config = ShardConfig(stage=stage, **options)
+    for message in ignored_options(config, set(options)):
+        warnings.warn(message, UserWarning, stacklevel=2)
+    _check_model(model, stage, trainable=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    engine = build_engine(model, config, units=units, param_init=param_init, device=device,
+                          hybrid=hybrid, mesh=mesh, process_group=process_group, group_of={})
+    model._zeroshard_engine = engine
+    _swap_class(model)
+    finish(model, engine)
+    return model
+
+
+def _check_model(model: nn.Module, stage: int, trainable: bool = True) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_zeroshard_engine", None) is not None:
         raise ValueError("this model is already sharded; call shard() once per model")
     refuse_wrapped(model)
     params = list(model.parameters())
-    if not any(p.requires_grad for p in params):
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters; nothing to shard")
+    if trainable and not any(p.requires_grad for p in params):
         peft = (" A peft model loaded with PeftModel.from_pretrained is frozen unless "
                 "loaded with is_trainable=True." if any(
                     c.__module__.startswith("peft") for c in type(model).__mro__) else "")
@@ -304,12 +349,7 @@ def shard(
     group's keys override the optimizer keywords for its parameters, and parameters no
     group lists form the default group (the optimizer's ``param_groups[0]``).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group('gloo' or 'nccl') first, or launch with "
-            "torchrun"
-        )
+    _require_dist()
     if optimizer is None:
         raise TypeError(
             "shard() needs the optimizer: build it on model.parameters() before sharding "
