@@ -78,6 +78,12 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["dpo-s3"] = ["dpo", "--stage", "3", "--out", f"{base}/dpo-s3"]
     runs["dpo-ddp-bf16"] = ["dpo", "--ddp", "--bf16", "--out", f"{base}/dpo-ddpb"]
     runs["dpo-s3-bf16"] = ["dpo", "--stage", "3", "--bf16", "--out", f"{base}/dpo-s3b"]
+    # Full fine-tuning against a separate reference model, sharded too at stage 3
+    runs["dpo-full-ddp"] = ["dpo", "--ddp", "--full", "--out", f"{base}/dpo-full-ddp"]
+    runs["dpo-full-s3"] = ["dpo", "--stage", "3", "--full", "--out", f"{base}/dpo-full-s3"]
+    runs["dpo-sync-ddp"] = ["dpo", "--ddp", "--full", "--sync-ref", "--out", f"{base}/dpo-sd"]
+    runs["dpo-sync-s3"] = ["dpo", "--stage", "3", "--full", "--sync-ref", "--out",
+                           f"{base}/dpo-ss3"]
     return runs
 
 
@@ -226,6 +232,31 @@ def test_trl_dpo_with_lora_equals_ddp_at_stage_3() -> None:
     run = _all()
     _assert_same_logs(run["logs"]["dpo-s3"], run["logs"]["dpo-ddp"], keys=DPO_KEYS)
     _adapters_equal(run["base"], "dpo-s3", "dpo-ddp")
+
+
+def _same_dpo_logs(got: list[dict], want: list[dict]) -> None:
+    """Losses and norms within 1e-5 relative; the rewards (beta x a log-ratio of two
+    nearly equal log-probabilities, ~1e-2 here) within 1e-6 absolute: relative to their
+    own size float32's rounding of the log-probabilities shows at ~1e-5."""
+    _assert_same_logs(got, want, keys=("loss", "grad_norm"))
+    for g, w in zip(got, want):
+        for k in DPO_KEYS[2:]:
+            assert abs(g[k] - w[k]) < 1e-6, (g["step"], k, g[k], w[k])
+
+
+def test_trl_dpo_with_a_reference_model_shards_it_and_equals_ddp_at_stage_3() -> None:
+    """DPOTrainer without LoRA keeps a separate reference model: at stage 3 zeroshard
+    shards it too (half its bytes on each of the 2 ranks, not the whole model), and the
+    losses, gradient norms and rewards are DDP's."""
+    logs = _all()["logs"]
+    got, want = logs["dpo-full-s3"], logs["dpo-full-ddp"]
+    _same_dpo_logs(got, want)
+    assert got[-1]["reference bytes"] <= want[-1]["reference bytes"] // 2 + 4096, (
+        got[-1]["reference bytes"], want[-1]["reference bytes"])
+    # sync_ref_model=True: TRL's soft update (ref = 0.5 ref + 0.5 policy) after every step
+    # runs on the shards; the rewards after 3 syncs read DDP's reference weights.
+    _same_dpo_logs(logs["dpo-sync-s3"], logs["dpo-sync-ddp"])
+    assert logs["dpo-sync-ddp"][-1]["rewards/margins"] != want[-1]["rewards/margins"]
 
 
 def test_trl_dpo_bf16_trains_within_the_bf16_tolerance() -> None:

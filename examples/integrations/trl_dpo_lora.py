@@ -50,18 +50,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--bf16", action="store_true", help="TRL's default; off here for parity")
+    p.add_argument("--full", action="store_true",
+                   help="no LoRA: full fine-tuning against a separate reference model "
+                        "(sharded too at stage 3)")
+    p.add_argument("--sync-ref", action="store_true",
+                   help="with --full: TRL's sync_ref_model, a soft update of the reference "
+                        "(alpha 0.5) after every step")
     a = p.parse_args(argv)
     tok = tokenizer()
     config = trl.DPOConfig(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2, learning_rate=1e-2,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
         data_seed=0, use_cpu=not torch.cuda.is_available(), max_length=16,
-        dataset_num_proc=None, disable_tqdm=True, bf16=a.bf16)
+        dataset_num_proc=None, disable_tqdm=True, bf16=a.bf16,
+        sync_ref_model=a.sync_ref, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                            task_type="CAUSAL_LM")
     torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in both runs
     kwargs = dict(model=tiny_llama(len(tok)), args=config, train_dataset=preferences(),
                   processing_class=tok, peft_config=lora)
+    if a.full:  # the reference: the policy's starting weights, forward-only
+        kwargs.update(peft_config=None, ref_model=tiny_llama(len(tok)))
     if a.ddp:
         trainer = trl.DPOTrainer(**kwargs)
     else:
@@ -71,6 +80,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     trainer.train()
     trainer.save_model(f"{a.out}/final")  # every rank: a collective under zeroshard
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:  # its bytes on this rank: the whole model's under DDP, 1/N at stage 3
+        logs[-1]["reference bytes"] = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+            for p in ref.parameters())
     if trainer.args.should_save:
         with open(f"{a.out}/logs.json", "w") as f:
             json.dump(logs, f)

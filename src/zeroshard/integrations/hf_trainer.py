@@ -147,6 +147,23 @@ class ZeroShardTrainerMixin:
             raise RuntimeError(
                 "ZeroShardTrainer needs torch.distributed: launch the script with torchrun "
                 "(torchrun --nproc-per-node N train.py), which TrainingArguments picks up")
+        self._shard_reference()
+
+    def _shard_reference(self) -> None:
+        """TRL's trainers (DPO, GRPO, RLOO ...) keep a reference model beside the policy
+        (``self.ref_model``), forward-only. At stage 3 it is sharded too
+        (``zeroshard.shard_for_inference``), or the memory stage 3 saves on the policy is
+        spent again on a whole reference on every rank."""
+        ref = getattr(self, "ref_model", None)
+        if (not isinstance(ref, nn.Module) or _sharded(ref)
+                or self._zs_options.get("stage", 0) != 3):
+            return
+        import zeroshard
+
+        keep = ("mixed_precision", "timeout", "check_collectives", "prefetch",
+                "generate_budget", "process_group", "hybrid", "mesh", "device")
+        self.ref_model = zeroshard.shard_for_inference(
+            ref, **{k: v for k, v in self._zs_options.items() if k in keep})
 
     # -- precision ---------------------------------------------------------------------------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
