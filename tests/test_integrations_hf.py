@@ -29,6 +29,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "integrations"
 EXAMPLE = EXAMPLES / "hf_trainer.py"
 TRL = EXAMPLES / "trl_sft_lora.py"
 DPO = EXAMPLES / "trl_dpo_lora.py"
+GRPO = EXAMPLES / "trl_grpo.py"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_USE_CPU": "1"}
 
 
@@ -42,7 +43,8 @@ def _example(path: Path = EXAMPLE) -> Any:
 
 def _run(rank: int, world: int, runs: list[list[str]]) -> list[list[dict]]:
     transformers.logging.set_verbosity_error()
-    scripts = {"hf": _example(), "trl": _example(TRL), "dpo": _example(DPO)}
+    scripts = {"hf": _example(), "trl": _example(TRL), "dpo": _example(DPO),
+               "grpo": _example(GRPO)}
     return [scripts[argv[0]].main(argv[1:]) if argv[0] in scripts
             else scripts["hf"].main(argv) for argv in runs]
 
@@ -84,6 +86,9 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["dpo-sync-ddp"] = ["dpo", "--ddp", "--full", "--sync-ref", "--out", f"{base}/dpo-sd"]
     runs["dpo-sync-s3"] = ["dpo", "--stage", "3", "--full", "--sync-ref", "--out",
                            f"{base}/dpo-ss3"]
+    # TRL's GRPOTrainer: generation, a reference model synced every step
+    runs["grpo-ddp"] = ["grpo", "--ddp", "--out", f"{base}/grpo-ddp"]
+    runs["grpo-s3"] = ["grpo", "--stage", "3", "--out", f"{base}/grpo-s3"]
     return runs
 
 
@@ -257,6 +262,17 @@ def test_trl_dpo_with_a_reference_model_shards_it_and_equals_ddp_at_stage_3() ->
     # runs on the shards; the rewards after 3 syncs read DDP's reference weights.
     _same_dpo_logs(logs["dpo-sync-s3"], logs["dpo-sync-ddp"])
     assert logs["dpo-sync-ddp"][-1]["rewards/margins"] != want[-1]["rewards/margins"]
+
+
+def test_trl_grpo_at_stage_3_equals_ddp_with_a_sharded_reference() -> None:
+    """TRL's GRPOTrainer (generation through zeroshard's gathered generate(), beta > 0, the
+    reference synced every step): losses, rewards and gradient norms are DDP's, and the
+    reference model holds half its bytes on each of the 2 ranks."""
+    logs = _all()["logs"]
+    got, want = logs["grpo-s3"], logs["grpo-ddp"]
+    _assert_same_logs(got, want, keys=("loss", "reward", "grad_norm"))
+    assert got[-1]["reference bytes"] <= want[-1]["reference bytes"] // 2 + 4096, (
+        got[-1]["reference bytes"], want[-1]["reference bytes"])
 
 
 def test_trl_dpo_bf16_trains_within_the_bf16_tolerance() -> None:
