@@ -77,6 +77,13 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
             gathers = [r for r in ledger.windows.get("generate", ()) if r.op == "all_gather"]
             out[f"{key}-{sample}-gathers"] = len(gathers)
             out[f"{key}-{sample}-bytes"] = sum(r.logical_bytes for r in gathers)
+        # Ranks that stop at different lengths (EOS on one rank first, or another limit):
+        # generate() goes on forwarding with the others (HF's synced_gpus), tokens as
+        # unsharded on each rank.
+        uneven = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=2 + 4 * rank,
+                      do_sample=False, pad_token_id=0)
+        out[f"{key}-uneven"] = torch.equal(model.generate(prompt, **uneven),
+                                           ref.generate(prompt, **uneven))
         out[f"{key}-units"] = len(engine.units)
         out[f"{key}-prefetch"] = engine.config.prefetch
         out[f"{key}-layer"] = max((u.unsharded_bytes for u in engine.units[:-1]), default=0)
@@ -182,6 +189,7 @@ def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) 
     for key in ("s0-None", "s3-None", "s3-0", "s3-root"):
         for sample in (False, True):
             assert r[f"{key}-{sample}-equal"], (key, sample)
+        assert r[f"{key}-uneven"], key
     assert r["s0-None-False-gathers"] == 0
     for key in ("s3-None", "s3-0", "s3-root"):
         for sample in (False, True):

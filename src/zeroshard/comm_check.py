@@ -93,11 +93,12 @@ def _state_hint(units: set[str]) -> str:
     return _EXPORT_HINT if units & {"save_pretrained", "full_state_dict"} else _STATE_HINT
 
 
-_GATHER_UNITS = frozenset({"unshard", "budget"})
-_GATHER_HINT = ("A rank kept stage-3 weights gathered alone: model.generate(), "
-                "zeroshard.gathered() and model.unshard() gather every unit from every rank "
-                "(see docs/generation.md). Call them on every rank, each with its own prompts "
-                "if you like, and print or save the result on one.")
+_GATHER_UNITS = frozenset({"unshard", "budget", "stream_weights"})
+_GATHER_HINT = ("A rank gathered stage-3 weights alone: model.generate(), "
+                "zeroshard.gathered(), model.unshard() and zeroshard.stream_weights() gather "
+                "from every rank (see docs/generation.md). Call them on every rank — each with "
+                "its own prompts if you like; iterate a stream to its end on every rank, "
+                "without break — and print or save the result on one.")
 _FORWARD_HINT = ("A rank ran a forward pass the others did not (evaluation on one rank?). At "
                  "stage 3 every forward gathers weights from every rank: run forward passes, "
                  "evaluation included, on every rank (each on its own share of the data).")

@@ -129,11 +129,13 @@ class ShardConfig:
             )
         budget = self.generate_budget
         if isinstance(budget, str):
-            parse_bytes(budget, what="generate_budget")
-        elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                     or budget < 0):
-            raise ValueError(f"generate_budget={budget!r}: give bytes (an int >= 0), a size "
-                             "such as '2GiB', or None")
+            parse_bytes(budget, what="generate_budget", zero=True)
+        elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise TypeError(f"generate_budget={budget!r}: give bytes (an int), a size such "
+                            "as '2GiB', or None (every unit the device has room for)")
+        elif budget is not None and budget < 0:
+            raise ValueError(f"generate_budget={budget} bytes is negative; give 0 or more "
+                             "(0 keeps nothing resident: every token gathers every unit)")
         if self.forward_sync_buffers is not None and not self.broadcast_buffers:
             raise ValueError(
                 f"broadcast_buffers=False with forward_sync_buffers="

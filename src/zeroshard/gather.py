@@ -15,6 +15,7 @@ left to zeroshard is agreed on by the ranks: the smallest free device memory).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -88,7 +89,7 @@ def _budget(engine: Any, budget: int | str | None) -> int | None:
         raise TypeError(f"budget={budget!r}: give bytes (an int), a size such as '2GiB', or "
                         "None (every unit the device has room for)")
     if isinstance(budget, str):
-        return parse_bytes(budget, what="budget")
+        return parse_bytes(budget, what="budget", zero=True)
     if isinstance(budget, int):
         if budget < 0:
             raise ValueError(f"budget={budget} bytes is negative; give 0 or more (0 keeps "
@@ -140,12 +141,20 @@ def register_forward_method(model: nn.Module, name: str,
     if not engine.units:
         return  # whole weights on every rank: nothing to gather
 
+    # Hugging Face's generate() stops a rank whose sequences all ended (EOS) while others
+    # go on; every stage-3 forward is a collective, so it must keep forwarding with them:
+    # synced_gpus=True, which HF itself sets under DeepSpeed ZeRO-3 and FSDP.
+    synced = "synced_gpus" in inspect.signature(method).parameters
+
     # On the class, taking ``self``: a copy of the model (copy.deepcopy) gathers its own
     # units, not this one's.
     @functools.wraps(method)
     def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        engine = _engine(self)
+        if synced and kwargs.get("synced_gpus") is None and engine.world.size > 1:
+            kwargs["synced_gpus"] = True
         # Its collectives in the ledger's window ``name`` (CommLedger.window), not the step's.
-        with _engine(self).comm.ledger.window(name), gathered(self, budget):
+        with engine.comm.ledger.window(name), gathered(self, budget):
             return method(self, *args, **kwargs)
 
     gathering._zeroshard_method = method  # type: ignore[attr-defined]

@@ -95,6 +95,11 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
             "stream_weights() under tensor parallelism: each tp piece would need a tp "
             "collective per tensor; use zeroshard.full_state_dict(model) (or p.full_tensor() "
             "per parameter) there")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} is not a torch.dtype; pass e.g. torch.bfloat16")
+    if to_rank is not None and (isinstance(to_rank, bool) or not isinstance(to_rank, int)):
+        raise TypeError(f"to_rank={to_rank!r} is not a rank; pass an int (e.g. to_rank=0) "
+                        "or None (every rank gets the tensors)")
     if to_rank is not None and not 0 <= to_rank < engine.world.size:
         raise ValueError(f"to_rank={to_rank} is not a rank of the model's group "
                          f"(0..{engine.world.size - 1})")
