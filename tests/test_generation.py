@@ -257,7 +257,7 @@ def test_the_example_runs_under_torchrun() -> None:
     example = Path(__file__).resolve().parent.parent / "examples" / "generate_stage3.py"
     for extra in ([], ["--budget", "1MiB"]):
         done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
              str(example), *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "after stream_weights): True" in done.stdout, done.stdout

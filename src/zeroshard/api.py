@@ -15,7 +15,7 @@ from torch import nn
 from .build import build_engine, finish
 from .config import ShardConfig, ignored_options, suggest_option
 from .engine.buffers import ignored_buffers, rank0_copies
-from .engine.engine import Engine, ParamInit
+from .engine.engine import Engine, ParamInit, engine_of
 from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import ShardedOptimizer
 from .engine.optimizer_spec import (
@@ -166,16 +166,6 @@ class ShardedModule:
             "set_is_last_backward: zeroshard reduces gradients in every backward outside "
             "no_sync(); for accumulation wrap the earlier backwards in model.no_sync() (or "
             "set_requires_gradient_sync(False) before them and True before the last)")
-
-
-def engine_of(model: nn.Module) -> Engine:
-    engine = getattr(model, "_zeroshard_engine", None)
-    if engine is None:
-        raise ValueError(
-            f"{type(model).__name__} was not sharded by zeroshard; call "
-            "zeroshard.shard(model, ...) first"
-        )
-    return engine
 
 
 def _swap_class(model: nn.Module) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .engine.engine import engine_of
 from .engine.units import Unit
 from .sizes import parse_bytes
 
@@ -48,18 +49,10 @@ class UnshardHandle:
         self._units = []
 
 
-def _engine(model: nn.Module) -> Any:
-    engine = getattr(model, "_zeroshard_engine", None)
-    if engine is None:
-        raise ValueError(f"{type(model).__name__} was not sharded by zeroshard; call "
-                         "zeroshard.shard(model, ...) first")
-    return engine
-
-
 def unshard(model: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     """Gather every unit and keep it gathered until ``model.reshard()`` (FSDP2's
     ``FSDPModule.unshard``); at stages 0-2 the weights are whole already: nothing to do."""
-    engine = _engine(model)
+    engine = engine_of(model)
     if not engine.units:
         return UnshardHandle([]) if async_op else None
     held = engine.hold(list(engine.units), async_op=async_op)
@@ -112,7 +105,7 @@ def gathered(model: nn.Module, budget: int | str | None = None) -> Iterator[list
 
     Like DeepSpeed's ``GatheredParameters`` for reading whole weights, and FSDP2's
     ``unshard()``/``reshard()`` pair; see docs/generation.md."""
-    engine = _engine(model)
+    engine = engine_of(model)
     if not engine.units:
         yield []
         return
@@ -131,7 +124,7 @@ def register_forward_method(model: nn.Module, name: str,
     gathered (within ``budget``) and gathers each once per call, not once per forward it
     runs. ``shard()`` registers ``generate`` itself at stage 3 (``generate_budget=``);
     registering a method again replaces its budget."""
-    engine = _engine(model)
+    engine = engine_of(model)
     cls = type(model)  # shard() gave each sharded model a class of its own (api.py)
     method = getattr(cls, name, None)
     if not callable(method) or name in vars(model):
@@ -150,7 +143,7 @@ def register_forward_method(model: nn.Module, name: str,
     # units, not this one's.
     @functools.wraps(method)
     def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        engine = _engine(self)
+        engine = engine_of(self)
         if synced and kwargs.get("synced_gpus") is None and engine.world.size > 1:
             kwargs["synced_gpus"] = True
         # Its collectives in the ledger's window ``name`` (CommLedger.window), not the step's.

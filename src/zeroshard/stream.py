@@ -24,17 +24,10 @@ import torch
 from torch import nn
 
 from .engine.buffers import ignored_buffers, rank0_copies
+from .engine.engine import engine_of
 from .engine.flat import FlatBucket
 
 __all__ = ["stream_weights"]
-
-
-def _engine(model: nn.Module) -> Any:
-    engine = getattr(model, "_zeroshard_engine", None)
-    if engine is None:
-        raise ValueError(f"{type(model).__name__} was not sharded by zeroshard; call "
-                         "zeroshard.shard(model, ...) first")
-    return engine
 
 
 def _source(engine: Any, b: FlatBucket) -> tuple[torch.Tensor, bool]:
@@ -89,7 +82,7 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
     A collective: every rank iterates it to the end. With ``to_rank`` only that rank
     gets tensors (the others' iterations are empty but still take part). Tensor
     parallelism is refused (use ``zeroshard.full_state_dict``)."""
-    engine = _engine(model)
+    engine = engine_of(model)
     if engine.tp is not None:
         raise NotImplementedError(
             "stream_weights() under tensor parallelism: each tp piece would need a tp "

@@ -110,7 +110,7 @@ from .tensor_parallel import TensorParallel
 from .tied import TiedGrads
 from .units import Unit, UnitSpec
 
-__all__ = ["Engine", "ParamInit"]
+__all__ = ["Engine", "ParamInit", "engine_of"]
 
 # Tests only: take the offload path's copies even when the device is the host (CPU), so
 # its logic is exercised on machines without an accelerator.
@@ -450,3 +450,14 @@ class Engine:
     # Storage identity (storage.py), kept here for callers that reach it via the engine.
     _shares = staticmethod(shares)
     _same_memory = staticmethod(same_memory)
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The engine of a model ``zeroshard.shard`` (or ``shard_for_inference``) sharded."""
+    engine = getattr(model, "_zeroshard_engine", None)
+    if engine is None:
+        raise ValueError(
+            f"{type(model).__name__} was not sharded by zeroshard; call "
+            "zeroshard.shard(model, ...) first"
+        )
+    return engine

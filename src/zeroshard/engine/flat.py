@@ -58,7 +58,8 @@ class FlatParam:
       and one alias per further home of a tied parameter, or a tensor-parallel face),
       ``homes`` (each (module, attribute) that holds it, with the leaf and the user
       parameter it holds in turn);
-    * tensor_parallel.py: ``tp`` (its place on the tp mesh, or None);
+    * params.py too: ``tp`` (its place on the tp mesh, tensor_parallel.py's TpSpec, or
+      None; read by state/layout.py);
     * backward.py: ``nodes`` (the leaves' AccumulateGrad nodes, kept alive for their
       hooks) and the gradient state of the current backward: ``arrived`` (indices into
       ``leaves`` heard from) and ``valid`` (does the bucket's ``grad`` buffer hold this

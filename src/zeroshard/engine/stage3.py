@@ -222,9 +222,10 @@ class UnitSchedule:
         yet, see forward.py) and prefetch the first units."""
         self.fwd_cursor = 0
         self.root_kept = self.root in self.awaiting and self.root.state is not UnitState.SHARDED
-        for u in self.units:  # held ones freed by a step or a load: gathered again
-            if u in self.held and u.state is UnitState.SHARDED and u is not self.root:
-                self.unshard(u, "forward")  # (in unit order: the same on every rank)
+        if self.held:  # held units a step or a load freed: gathered again, in unit order
+            for u in self.units:
+                if u in self.held and u.state is UnitState.SHARDED and u is not self.root:
+                    self.unshard(u, "forward")
         self.unshard(self.root, "forward")
         self.root.wait()
         self._prefetch(self.order, 0)

@@ -180,7 +180,7 @@ def _piece_dtensor(engine: Engine, s: FlatParam, local: torch.Tensor) -> torch.T
 def _on_tp_mesh(engine: Engine, s: FlatParam, whole: torch.Tensor) -> torch.Tensor:
     """A whole (stage 0) parameter: under tensor parallelism this rank's tp piece is a
     DTensor on the tp mesh; otherwise the tensor itself (the same on every rank)."""
-    spec = engine.tp.spec(s.param) if engine.tp is not None else None
+    spec = s.tp  # its tp placement (None without tensor parallelism)
     if spec is None or not spec.sharded:
         return whole
     return dtensor(whole, make_spec(spec.mesh, (spec.placement,), spec.shape, whole.dtype))
