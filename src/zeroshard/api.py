@@ -20,14 +20,15 @@ from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import ShardedOptimizer
 from .engine.optimizer_spec import (
     OptimizerSpec,
-    check_elementwise,
     check_group_keys,
     disable,
     spec_from_class,
     spec_from_instance,
+    whole_kind,
 )
 from .engine.outside_unit import explain_outside_read
 from .engine.units import UnitSpec
+from .engine.whole import WholeUpdates, whole_updates
 from .gather import UnshardHandle, unshard
 from .memory.tracker import MemoryTracker
 from .wrapping import ddp_refusal, refuse_wrapped
@@ -370,7 +371,7 @@ def shard(
     for message in ignored_options(config, set(ours)):
         warnings.warn(message, UserWarning, stacklevel=2)
     _check_model(model, stage)
-    check_elementwise(optimizer)
+    kind = whole_kind(optimizer, config.whole_params)
     if isinstance(optimizer, torch.optim.Optimizer):
         spec = spec_from_instance(model, optimizer, optim_kwargs)
     else:
@@ -384,9 +385,11 @@ def shard(
         # The host step is the offload bottleneck: torch's fused CPU Adam(W) kernel is
         # 7.1x faster than its single-tensor loop on a 100M-element shard (docs/offload.md).
         spec.kwargs["fused"] = True
-    inner = _build_inner(engine, spec)
+    whole = whole_updates(engine, spec.group_of, kind) if kind is not None else None
+    inner = _build_inner(engine, spec, whole)
     optim = ShardedOptimizer(engine, inner, _user_groups(engine, spec, inner),
-                             defaults=spec.defaults or None, replaces=spec.instance)
+                             defaults=spec.defaults or None, replaces=spec.instance,
+                             whole=whole)
     if spec.state is not None:  # a resumed instance: its state carries over
         optim.load_state_dict(spec.state)
     model._zeroshard_engine = engine
@@ -397,19 +400,35 @@ def shard(
     return model, optim
 
 
-def _build_inner(engine: Engine, spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """The torch optimizer over this rank's master chunks, one group per user group."""
-    groups = engine.optimizer_groups(spec.options)
+def _build_inner(engine: Engine, spec: OptimizerSpec,
+                 whole: WholeUpdates | None) -> torch.optim.Optimizer:
+    """The torch optimizer over this rank's master chunks (or, for a whole-parameter
+    optimizer, the whole parameters this rank owns), one group per user group."""
+    groups = (whole.optimizer_groups(spec.groups, spec.options) if whole is not None
+              else engine.optimizer_groups(spec.options))
     if len(groups) == 1 and spec.instance is None and not spec.options[0]:
         params: Any = groups[0]["params"]  # a factory may expect a flat list of tensors
     else:
         params = groups
-    inner = spec.factory(params, **spec.kwargs)
+    try:
+        inner = spec.factory(params, **spec.kwargs)
+    except (ValueError, TypeError) as e:
+        if whole is not None or isinstance(spec.factory, type):
+            raise
+        raise ValueError(
+            f"the optimizer factory failed on zeroshard's flat (1-D) master chunks: {e}. An "
+            "optimizer whose update needs whole parameters (Muon, Adafactor) must be passed "
+            "as a class or an instance, or with whole_params=True") from e
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
         )
-    check_elementwise(inner)
+    if whole is None and whole_kind(inner) is not None:
+        raise ValueError(
+            f"the optimizer factory returned a {type(inner).__name__}, whose update needs "
+            "whole parameters: pass its class or an instance instead of a factory "
+            f"(zeroshard.shard(model, torch.optim.{type(inner).__name__}, lr=...)), or "
+            "shard with whole_params=True")
     check_group_keys(inner, spec)
     if spec.defaults:
         inner.defaults.update(spec.defaults)

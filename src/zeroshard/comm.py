@@ -239,7 +239,7 @@ class Comm:
     # -- bookkeeping ---------------------------------------------------------------------
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
-        checked: bool = True, strict: bool = False,
+        checked: bool = True, strict: bool = False, numel: int | None = None,
     ) -> tuple[str, Check | None]:
         """Record the collective and post its check (see [Note: divergence] in comm_check.py,
         unless not ``checked``); its description and the check to verify before its result
@@ -248,7 +248,7 @@ class Comm:
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
         if impl == "all_reduce":
             wire = 2 * full_bytes * (n - 1) // n
-        elif op == "broadcast":
+        elif op in ("broadcast", "all_to_all"):  # all_to_all: what this rank sends away
             wire = full_bytes
         else:  # ring or N broadcasts/reduces: S(N-1)/N either way
             wire = full_bytes * (n - 1) // n
@@ -268,7 +268,7 @@ class Comm:
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
         check = None
         if self.check and n > 1 and checked:
-            check = self._post(op, unit, phase, t.numel())
+            check = self._post(op, unit, phase, t.numel() if numel is None else numel)
             if self.check == "strict" or strict:
                 check.verify()
                 check = None
@@ -476,6 +476,30 @@ class Comm:
         lo = self.rank * shard.numel()
         full[lo : lo + shard.numel()].copy_(shard)
         self.all_gather(full, phase=phase, unit=unit).wait()
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+        in_splits: list[int], *, total: int, phase: str = "step", unit: str = "",
+    ) -> Pending:
+        """``inp[in_splits[q] piece]`` goes to rank q, rank q's piece for this rank lands in
+        ``out`` (rank order); synchronous. The ranks send different amounts, so the check
+        compares ``total`` (the elements the whole job exchanges, the same on every rank);
+        the ledger counts what this rank sends to the others, logical and on the wire."""
+        n = self.size
+        if len(out_splits) != n or len(in_splits) != n or sum(in_splits) != inp.numel() or (
+                sum(out_splits) != out.numel()):
+            raise ValueError(f"all_to_all: splits {in_splits} -> {out_splits} do not fit "
+                             f"{inp.numel()} -> {out.numel()} elements over {n} ranks")
+        away = (inp.numel() - in_splits[self.rank]) * inp.element_size()
+        desc, check = self._begin("all_to_all", "all_to_all", inp, away, phase, unit,
+                                  numel=total)
+        if n == 1:
+            out.copy_(inp)
+            return Pending(None, out, "")
+        with waiting_in(desc):
+            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group,
+                                          async_op=True)
+        return self._finish([work], out, desc, False, check)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = "",

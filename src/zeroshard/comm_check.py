@@ -47,7 +47,7 @@ class CheckedGroup(Protocol):
 __all__ = ["CHECK_TIMEOUT", "SLOW_CHECK", "OPS", "PHASES", "Check", "CheckedGroup", "issue",
            "make_check_group", "mismatch", "unit_key"]
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
 PHASES = ("forward", "backward", "step", "control", "state", "init", "sync", "other",
            "late")
 

@@ -91,6 +91,11 @@ class ShardConfig:
     #: call, the others once per token. None: every unit on a CPU; on a GPU half the
     #: smallest free memory among the ranks. See docs/generation.md.
     generate_budget: int | str | None = None
+    #: The optimizer's update needs each parameter whole (a Shampoo, SOAP or LAMB of the
+    #: user's own): each parameter is then stepped whole by one owner rank (see
+    #: docs/optimizers.md). Known ones (torch's Muon and Adafactor, transformers'
+    #: Adafactor) are recognised by class without it.
+    whole_params: bool = False
     #: "optimizer": fp32 master weights, optimizer state and the step live in host memory
     #: (ZeRO-Offload); stages 1-3. "optimizer+params" (stage 3): the compute-dtype weight
     #: slices too. On a CPU-only run host and device coincide: no copies.
@@ -127,6 +132,8 @@ class ShardConfig:
                 f"stage={self.stage} is not a ZeRO stage; use 0 (plain data parallel), "
                 "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)"
             )
+        if not isinstance(self.whole_params, bool):
+            raise TypeError(f"whole_params={self.whole_params!r} must be True or False")
         budget = self.generate_budget
         if isinstance(budget, str):
             parse_bytes(budget, what="generate_budget", zero=True)

@@ -26,6 +26,8 @@ import torch
 from .chunks import skip_slots
 from .engine import Engine
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
+from .whole import WholeUpdates
+from .whole_state import whole_state_view
 
 __all__ = ["ShardedOptimizer"]
 
@@ -38,9 +40,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine: Engine, inner: torch.optim.Optimizer,
                  groups: list[dict[str, Any]], defaults: dict[str, Any] | None = None,
-                 replaces: torch.optim.Optimizer | None = None) -> None:
+                 replaces: torch.optim.Optimizer | None = None,
+                 whole: WholeUpdates | None = None) -> None:
         self.engine = engine
         self.optim = inner
+        # A whole-parameter optimizer (Muon): ``inner`` holds the whole parameters this
+        # rank owns, stepped by ``whole`` (see [Note: whole-parameter updates]).
+        self.whole = whole
         # The instance handed to shard(): schedulers built on it share our groups; its
         # ``_opt_called`` tells them the optimizer did step (their first-step check).
         self._replaces = weakref.ref(replaces) if replaces is not None else None
@@ -85,10 +91,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine.scaler.update(overflow=False)
         engine.adopt_user_grads()  # .grad assigned by the user (see step_grads.py)
         self._sync_hyperparameters()
-        for b, slots in engine.unused_slots():
+        unused = engine.unused_slots()
+        for b, slots in unused:
             skip_slots(b, slots)  # as torch skips a parameter whose grad is None
         engine.settle_gathers()
-        self.optim.step()
+        if self.whole is not None:
+            self.whole.step(self.optim, dict(unused))
+        else:
+            self.optim.step()
         old = self._replaces() if self._replaces is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
@@ -126,6 +136,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         at stages >= 1). Whole state in torch's format: ``state_dict()``."""
         if not getattr(self, "_built", False):
             return {}
+        if self.whole is not None:
+            return whole_state_view(self.whole, self.optim)
         return state_view(self.engine, self.optim)
 
     @state.setter
@@ -144,7 +156,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         returns; collective at stages >= 1. See [Note: torch-format optimizer state]."""
         if self.engine.policy.shard_optimizer:  # a collective: gathers every slice
             self.engine.world.sync_point("optimizer.state_dict")
-        sd = torch_state_dict(self.engine, self.optim, self.param_groups)
+        sd = torch_state_dict(self.engine, self.optim, self.param_groups, self.whole)
         if self.engine.scaler.enabled:
             sd[_SCALER_KEY] = self.engine.scaler.state_dict()
         return sd
@@ -152,7 +164,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (from this optimizer at any stage and world size, or from a
         plain torch optimizer over the same groups); no communication."""
-        load_torch_state_dict(self.engine, self.optim, self.param_groups, state_dict)
+        load_torch_state_dict(self.engine, self.optim, self.param_groups, state_dict,
+                              self.whole)
         self._sync_hyperparameters()
         if self.engine.scaler.enabled and _SCALER_KEY in state_dict:
             self.engine.scaler.load_state_dict(state_dict[_SCALER_KEY])

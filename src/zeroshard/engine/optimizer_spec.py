@@ -30,11 +30,27 @@ import torch
 from torch import nn
 
 __all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "check_elementwise",
-           "check_group_keys", "disable"]
+           "check_group_keys", "disable", "whole_kind"]
 
-# Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners).
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Shampoo", "Muon", "Lamb", "LARS",
-                    "Lars", "SOAP", "Sophia", "Kron")
+# Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners):
+# run whole by an owner rank (engine/whole.py) when known or asked for (whole_params=True).
+_NOT_ELEMENTWISE = ("Adafactor", "Shampoo", "Muon", "Lamb", "LARS", "Lars", "SOAP",
+                    "Sophia", "Kron")
+# Known whole-parameter optimizers, by exact class (module, name) -> the cost that balances
+# their owners (engine/whole.py). A subclass may change the update: it needs whole_params.
+_WHOLE = {
+    ("torch.optim", "Muon"): "newton_schulz",
+    ("torch.optim", "Adafactor"): "numel",
+    ("transformers.optimization", "Adafactor"): "numel",
+}
+# Refused in every form, with the reason (docs/optimizers.md lists them).
+_REFUSED = {
+    "LBFGS": "it re-evaluates the closure (forward and backward) several times within one "
+             "step, which the sharded step cannot replay; train with a first-order optimizer, "
+             "or run LBFGS unsharded",
+    "SparseAdam": "it takes sparse gradients, and zeroshard's gradients are dense flat shards; "
+                  "use AdamW (dense), or keep the sparse embedding out of the sharded model",
+}
 
 #: Group index of trainable parameters the user's optimizer does not hold.
 NOT_STEPPED = -1
@@ -56,15 +72,42 @@ class OptimizerSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
+def whole_kind(optimizer: Any, whole_params: bool = False) -> str | None:
+    """How ``optimizer`` (a class, an instance, or a factory) is stepped: None for the
+    flat, elementwise path; else the owner-balancing cost of a whole-parameter optimizer
+    ("newton_schulz" or "numel", engine/whole.py). Raises for the refused ones and for
+    a class whose name says its update is not elementwise, unless ``whole_params``."""
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if not isinstance(optimizer, type | torch.optim.Optimizer):
+        return "numel" if whole_params else None  # a factory: checked once built
+    for name, why in _REFUSED.items():
+        if any(k.__name__ == name for k in cls.__mro__):
+            raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
+    known = _WHOLE.get((cls.__module__, cls.__qualname__))
+    if known is not None:
+        return known
+    if whole_params:
+        return "numel"
+    check_elementwise(cls)
+    return None
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
+    """Refuse a class whose name says its update needs whole tensors (not known to us,
+    and ``whole_params`` not given): the flat path would silently compute something
+    else."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for name, why in _REFUSED.items():
+        if any(k.__name__ == name for k in cls.__mro__):
+            raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
     for bad in _NOT_ELEMENTWISE:
         if bad.lower() in cls.__name__.lower():
             raise ValueError(
-                f"optimizer {cls.__name__} is not elementwise: its update depends on whole "
-                "tensors, which a flat shard does not have. zeroshard supports elementwise "
-                "optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, Lion-style); use one of "
-                "them or an unsharded run for this optimizer"
+                f"optimizer {cls.__name__} looks not elementwise: its update depends on whole "
+                "tensors, which a flat shard does not have. If it updates each parameter "
+                "from that parameter alone (Shampoo, SOAP, LAMB, a Muon subclass), shard "
+                "with whole_params=True: each parameter is then stepped whole by one rank "
+                "(docs/optimizers.md). If it is elementwise after all, rename the class"
             )
 
 

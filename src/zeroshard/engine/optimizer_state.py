@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .chunks import bucket_state, set_bucket_state, slot_scalars
+from .whole import WholeUpdates
+from .whole_state import load_whole_state, whole_state_dict
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -51,9 +53,14 @@ def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
 
 @torch.no_grad()
 def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
-                     groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """See [Note: torch-format optimizer state]."""
+                     groups: list[dict[str, Any]], whole: WholeUpdates | None = None
+                     ) -> dict[str, Any]:
+    """See [Note: torch-format optimizer state]; a whole-parameter optimizer's entries
+    come from their owners (whole_state.py)."""
     packed, index = _numbering(groups)
+    if whole is not None:
+        state = whole_state_dict(whole, inner, index, engine.device)
+        return {"state": dict(sorted(state.items())), "param_groups": packed}
     state: dict[int, dict[str, Any]] = {}
     for b in engine.buckets:
         bstate = bucket_state(inner.state, b)
@@ -94,7 +101,8 @@ def _check_groups(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> 
 
 @torch.no_grad()
 def load_torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
-                          groups: list[dict[str, Any]], sd: dict[str, Any]) -> None:
+                          groups: list[dict[str, Any]], sd: dict[str, Any],
+                          whole: WholeUpdates | None = None) -> None:
     """Load a torch-format state dict (see [Note: torch-format optimizer state])."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(
@@ -110,6 +118,9 @@ def load_torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         for k, v in s.items():
             if k != "params":
                 g[k] = copy.deepcopy(v)
+    if whole is not None:
+        load_whole_state(whole, inner, by_param)
+        return
     for b in engine.buckets:
         _load_bucket(engine, inner, b, by_param)
 

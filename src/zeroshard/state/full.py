@@ -15,7 +15,7 @@ from torch import nn
 
 from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
-from .layout import param_entries
+from .layout import param_entries, refuse_whole
 
 __all__ = ["full_optimizer_state"]
 
@@ -32,6 +32,7 @@ def full_optimizer_state(model: nn.Module,
     differently, so their bucket orders differ).
     """
     engine = engine_of(model)
+    refuse_whole(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     out: dict[str, dict[str, Any]] = {}
     pieces: dict[str, list[str]] = {}  # each parameter's per-element keys

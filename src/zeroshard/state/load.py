@@ -34,6 +34,7 @@ from .layout import (
     optim_key,
     param_entries,
     read_v1,
+    refuse_whole,
     weights_view,
 )
 from .manifest import CheckpointError, read_manifest
@@ -130,6 +131,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     different model raises :class:`CheckpointError` listing the mismatched names/shapes.
     """
     engine = engine_of(model)
+    refuse_whole(optimizer)
     path = Path(path)
     manifest = read_manifest(path)
     entries = param_entries(engine)

@@ -42,6 +42,7 @@ from .layout import (
     model_key,
     optim_key,
     param_entries,
+    refuse_whole,
     rng_table,
     weights_view,
 )
@@ -237,6 +238,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
     """
     engine = engine_of(model)
+    refuse_whole(optimizer)
     path = Path(path)
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}

@@ -1,0 +1,254 @@
+"""Whole-parameter optimizers on flat shards: each parameter is updated whole, by one
+owner rank.
+
+[Note: whole-parameter updates]
+An elementwise optimizer steps the flat master chunks (chunks.py). Muon cannot: its
+update orthogonalises the whole momentum matrix (Newton–Schulz); neither can Adafactor
+(second moments factored over whole rows and columns) nor LAMB/LARS (whole-tensor trust
+ratios). So each parameter such an optimizer holds is *owned* by one rank of the
+sharding group, and at the step:
+
+1. every rank sends its rows of each parameter's master and reduced gradient to the
+   parameter's owner (one all-to-all per bucket);
+2. the owner assembles them — rank order is row order, see [Note: flat buckets] — into
+   the whole master and gradient of the tensor the user's torch optimizer holds for the
+   parameter (shaped like it; its state, Muon's momentum, lives on the owner alone) and
+   steps the optimizer, unmodified;
+3. the owner sends each rank its rows of the new value (one all-to-all per bucket), which
+   land in the masters; the usual refresh (the post-step all-gather, or stage 3's next
+   forward) takes them from there.
+
+The owner sees exactly the reduced gradient and master every DDP rank holds, so the
+update is the single-process one, bit for bit; but Newton–Schulz runs once per matrix in
+the job instead of once per rank. Where the optimizer is not sharded (stage 0) every
+rank holds whole masters and gradients already and owns every parameter, stepping them
+in place, as DDP + Muon does.
+
+Owners are chosen once, from shapes alone (so every rank agrees without talking): the
+costliest parameter first, each to the rank with the least work so far (longest
+processing time first), so no rank's share exceeds 1/N of the whole plus one parameter.
+The cost is the update's work: for Muon the Newton–Schulz flops, ∝ m·n·min(m, n) of an
+(m, n) matrix; for the others the element count. :func:`balance` reports the work and
+the bytes each rank owns (they disagree where shapes differ; the work decides).
+
+Bytes, per step and whole-owned parameter of B bytes: the flat path's reduce-scatter and
+all-gather as for any parameter, plus (N-1)/N·B of master and (N-1)/N·B of gradient to
+the owner and (N-1)/N·B of new values back (the ledger's ``all_to_all`` records, phase
+``step``). Transient memory on the owner, per bucket: its owned parameters' whole master
+and gradient, plus the send and receive buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .flat import FlatBucket, FlatParam
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["WholeUpdates", "assign_owners", "newton_schulz_cost", "numel_cost", "whole_updates"]
+
+Cost = Callable[[torch.Size], int]
+
+
+def newton_schulz_cost(shape: torch.Size) -> int:
+    """Muon's work on an (m, n) matrix: its Newton–Schulz iterations multiply (k, k) and
+    (k, K) matrices, k = min(m, n), K = max(m, n): ∝ m·n·min(m, n)."""
+    m = shape[0] if len(shape) else 1
+    n = shape.numel() // m if m else 0
+    return m * n * min(m, n)
+
+
+def numel_cost(shape: torch.Size) -> int:
+    return shape.numel()
+
+
+def assign_owners(shapes: list[torch.Size], ranks: int, cost: Cost) -> list[int]:
+    """An owner rank per shape: costliest first, each to the least-loaded rank (ties:
+    fewer bytes owned, then the lower rank). Deterministic: every rank computes the same."""
+    work = [0] * ranks
+    size = [0] * ranks
+    owner = [0] * len(shapes)
+    order = sorted(range(len(shapes)), key=lambda i: (-cost(shapes[i]), i))
+    for i in order:
+        q = min(range(ranks), key=lambda r: (work[r], size[r], r))
+        owner[i] = q
+        work[q] += cost(shapes[i])
+        size[q] += shapes[i].numel()
+    return owner
+
+
+class WholeUpdates:
+    """The owner-rank step of [Note: whole-parameter updates] for ``slots`` (the stepped
+    parameters of ``buckets``), over ``comm`` (the sharding group) or, when the optimizer
+    is not sharded, over this rank alone."""
+
+    def __init__(self, buckets: list[FlatBucket], slots: set[FlatParam], comm: Comm,
+                 sharded: bool, cost: Cost) -> None:
+        self.comm = comm
+        self.size = comm.size if sharded else 1
+        self.rank = comm.rank if sharded else 0
+        self.cost = cost
+        self.plans = [(b, [s for s in b.slots if s in slots]) for b in buckets]
+        self.plans = [(b, ss) for b, ss in self.plans if ss]
+        every = [s for _, ss in self.plans for s in ss]
+        owners = assign_owners([s.shape for s in every], self.size, cost)
+        self.owner: dict[FlatParam, int] = dict(zip(every, owners))
+        # What the torch optimizer holds for each parameter this rank owns: shaped like
+        # it (Muon checks ndim at construction) but holding no memory between steps.
+        self.tensors: dict[FlatParam, nn.Parameter] = {
+            s: nn.Parameter(_placeholder(s), requires_grad=True)
+            for s in every if self.owner[s] == self.rank}
+        self.work_done: list[torch.Size] = []  # shapes stepped here (tests count the work)
+
+    # -- what the optimizer is built over ------------------------------------------------
+    def optimizer_groups(self, groups: list[list[str]], options: list[dict[str, Any]]
+                         ) -> list[dict[str, Any]]:
+        """Torch param-group dicts: group i's owned tensors with ``options[i]`` (every
+        group on every rank, empty where this rank owns none of its parameters)."""
+        by_name = {n: s for s in self.tensors for n in s.names}
+        return [{**opts, "params": [self.tensors[by_name[n]] for n in names if n in by_name]}
+                for names, opts in zip(groups, options)]
+
+    def owned(self) -> dict[FlatParam, nn.Parameter]:
+        return self.tensors
+
+    def balance(self) -> dict[str, list[int]]:
+        """Per rank: the work (``cost``) and elements of the parameters it owns."""
+        work, size = [0] * self.size, [0] * self.size
+        for s, q in self.owner.items():
+            work[q] += self.cost(s.shape)
+            size[q] += s.numel
+        return {"work": work, "numel": size}
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer,
+             unused: dict[FlatBucket, set[int]]) -> None:
+        """Steps every whole-owned parameter (see [Note: whole-parameter updates]);
+        ``unused``: per bucket, slots no rank produced a gradient for (skipped, as torch
+        skips a parameter whose grad is None)."""
+        for b, slots in self.plans:
+            skip = unused.get(b, set())
+            if self.size == 1:
+                self._step_local(optimizer, b, slots, skip)
+            else:
+                self._step_owned(optimizer, b, slots, skip)
+
+    def _step_local(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
+                    slots: list[FlatParam], skip: set[int]) -> None:
+        """Whole masters and gradients on this rank: step them in place."""
+        for s in slots:
+            t = self.tensors[s]
+            t.data = b.master_range(s.shard_offset, s.shard_offset + s.numel).view(s.shape)
+            g = b.master_grad
+            t.grad = (None if g is None or s.index in skip
+                      else g[s.shard_offset : s.shard_offset + s.numel].view(s.shape))
+        self._run(optimizer, [s for s in slots if self.tensors[s].grad is not None])
+        self._release(slots)
+
+    def _step_owned(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
+                    slots: list[FlatParam], skip: set[int]) -> None:
+        n, me = self.size, self.rank
+        mine = [s for s in slots if self.owner[s] == me]
+        to = [[s for s in slots if self.owner[s] == q] for q in range(n)]
+        dtype = b.master_dtype
+        grad = b.master_grad
+        # 1. my rows of master and gradient, to each owner in turn
+        send = []
+        for q in range(n):
+            for s in to[q]:
+                lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
+                send.append(b.master_range(lo, hi))
+                send.append(grad[lo:hi].to(dtype) if grad is not None
+                            else torch.zeros(hi - lo, dtype=dtype, device=b.master_device))
+        inp = _cat(send, dtype, b.master_device)
+        in_splits = [sum(2 * s.rows_of(me) * s.row for s in to[q]) for q in range(n)]
+        out_splits = [sum(2 * s.rows_of(r) * s.row for s in mine) for r in range(n)]
+        out = torch.empty(sum(out_splits), dtype=dtype, device=b.master_device)
+        total = 2 * sum(s.numel for s in slots)
+        self.comm.all_to_all(out, inp, out_splits, in_splits, total=total,
+                             unit=b.name, phase="step")
+        del send, inp
+        # 2. whole master and gradient of each parameter owned here; step
+        values = {s: torch.empty(s.numel, dtype=dtype, device=b.master_device) for s in mine}
+        grads = {s: torch.empty(s.numel, dtype=dtype, device=b.master_device) for s in mine}
+        at = 0
+        for r in range(n):
+            for s in mine:
+                lo, hi = s.piece(r)
+                k = hi - lo
+                values[s][lo:hi].copy_(out[at : at + k])
+                grads[s][lo:hi].copy_(out[at + k : at + 2 * k])
+                at += 2 * k
+        del out
+        for s in mine:
+            t = self.tensors[s]
+            t.data = values[s].view(s.shape)
+            t.grad = None if s.index in skip or grad is None else grads[s].view(s.shape)
+        self._run(optimizer, [s for s in mine if self.tensors[s].grad is not None])
+        del grads
+        # 3. each rank its rows of the new values
+        back = [values[s][slice(*s.piece(r))] for r in range(n) for s in mine]
+        inp = _cat(back, dtype, b.master_device)
+        got = torch.empty(sum(in_splits) // 2, dtype=dtype, device=b.master_device)
+        self.comm.all_to_all(got, inp, [k // 2 for k in in_splits],
+                             [k // 2 for k in out_splits], total=total // 2, unit=b.name,
+                             phase="step")
+        self._release(mine)
+        at = 0
+        for q in range(n):
+            for s in to[q]:
+                lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
+                b.master_range(lo, hi).copy_(got[at : at + hi - lo])
+                at += hi - lo
+
+    def _run(self, optimizer: torch.optim.Optimizer, stepped: list[FlatParam]) -> None:
+        """One step of the user's optimizer over the tensors that now hold values and
+        gradients (the others have none: torch skips them)."""
+        if stepped:
+            optimizer.step()
+            self.work_done += [s.shape for s in stepped]
+
+    def _release(self, slots: list[FlatParam]) -> None:
+        for s in slots:
+            t = self.tensors.get(s)
+            if t is not None:
+                t.grad = None
+                t.data = _placeholder(s)
+
+
+def _placeholder(s: FlatParam) -> torch.Tensor:
+    """A tensor shaped like ``s``'s parameter holding one element of memory."""
+    return torch.zeros((), dtype=s.bucket.master_dtype, device=s.bucket.master_device
+                       ).expand(s.shape)
+
+
+def _cat(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return (torch.cat([p.reshape(-1) for p in pieces]) if pieces
+            else torch.empty(0, dtype=dtype, device=device))
+
+
+def whole_updates(engine: Engine, group_of: dict[str, int], kind: str) -> WholeUpdates:
+    """The owner step for every parameter the optimizer steps (``group_of`` >= 0), with
+    the cost ``kind`` (optimizer_spec.whole_kind); refuses what it does not support yet."""
+    if engine.tp is not None:
+        raise NotImplementedError(
+            "a whole-parameter optimizer (Muon, Adafactor, whole_params=True) with tensor "
+            "parallelism is not supported: each tp rank holds a piece of every matrix, and "
+            "the update needs it whole. Use an elementwise optimizer (AdamW) with tp, or "
+            "shard without tp")
+    if engine.offload:
+        raise NotImplementedError(
+            "a whole-parameter optimizer (Muon, Adafactor, whole_params=True) with offload= "
+            "is not supported yet: drop offload=, or use an elementwise optimizer (AdamW)")
+    slots = {s for b in engine.buckets for s in b.slots if group_of.get(s.names[0], 0) >= 0}
+    cost = newton_schulz_cost if kind == "newton_schulz" else numel_cost
+    return WholeUpdates(engine.buckets, slots, engine.comm,
+                        sharded=engine.policy.shard_optimizer, cost=cost)
