@@ -18,6 +18,7 @@ engine/whole.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from pathlib import Path
@@ -259,6 +260,76 @@ def test_uneven_worlds_step_torch_s_update_on_the_reduced_gradients(world, hybri
         want = _replay("muon", steps)
         for name, w in want.items():
             assert torch.equal(ranks[0][stage]["weights"][name], w), (stage, name)
+
+
+def _recipe_run(rank: int, world: int, stage: int, clip: bool, accum: int,
+                mixed_precision: str | None) -> dict:
+    """Muon at ``stage`` with clipping / accumulation / bf16; DDP's first clipped,
+    accumulated gradients alongside (fp32 recipes)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(net, model, optim, sharded: bool) -> dict[str, torch.Tensor]:
+        data = loader(PRESET, rank, world)
+        first: dict[str, torch.Tensor] = {}
+        for i in range(STEPS):
+            micro = data.micro_batches(accum)
+            for j, (x, y) in enumerate(micro):
+                sync = j == len(micro) - 1
+                ctx = (net.no_sync() if not sync and hasattr(net, "no_sync")
+                       else contextlib.nullcontext())
+                with ctx:
+                    (loss_of(net, x, y) / accum).backward()
+            if clip:
+                if sharded:
+                    optim.clip_grad_norm_(0.5)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if i == 0 and not sharded:
+                first = {n: p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None}
+            optim.step()
+            optim.zero_grad()
+        return first
+
+    ref = {}
+    if mixed_precision is None:
+        model = make_model(PRESET)
+        optim = _muon(model)
+        ref = run(DDP(model), model, optim, sharded=False)
+    model = make_model(PRESET)
+    model, optim = zeroshard.shard(model, _muon(model), stage=stage,
+                                   mixed_precision=mixed_precision)
+    grads = _owner_grads(optim)
+    orig = optim.step
+
+    def step(*a, **k):  # a new record per step
+        out = orig(*a, **k)
+        grads.append({})
+        return out
+
+    optim.step = step
+    run(model, model, optim, sharded=True)
+    return {"ddp": ref, "grads": grads[:-1], "weights": zeroshard.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("stage,clip,accum,mp", [
+    (3, True, 2, None), (1, True, 1, None), (3, False, 1, "bf16"), (2, True, 2, "bf16")])
+def test_clipping_accumulation_and_bf16_step_torch_s_update(stage, clip, accum, mp) -> None:
+    """The owners step clipped, accumulated gradients (DDP's within 1e-6) and their
+    update is torch's on them, bit for bit — under bf16 too (fp32 masters)."""
+    ranks = run_ranks(_recipe_run, 2, stage, clip, accum, mp, timeout=300)
+    steps = [{} for _ in range(STEPS)]
+    for r in ranks:
+        for i, g in enumerate(r["grads"]):
+            steps[i].update(g)
+    if mp is None:
+        ref = ranks[0]["ddp"]
+        worst = max(((steps[0][n] - ref[n]).abs().max() / ref[n].abs().max()).item()
+                    for n in steps[0])
+        assert worst < 1e-6, worst
+    want = _replay("muon", steps)
+    for name, w in want.items():
+        assert torch.equal(ranks[0]["weights"][name], w), name
 
 
 def _refusals(rank: int, world: int, root: str) -> dict[str, str]:

@@ -480,9 +480,10 @@ class Comm:
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
         in_splits: list[int], *, total: int, phase: str = "step", unit: str = "",
+        async_op: bool = False,
     ) -> Pending:
         """``inp[in_splits[q] piece]`` goes to rank q, rank q's piece for this rank lands in
-        ``out`` (rank order); synchronous. The ranks send different amounts, so the check
+        ``out`` (rank order). The ranks send different amounts, so the check
         compares ``total`` (the elements the whole job exchanges, the same on every rank);
         the ledger counts what this rank sends to the others, logical and on the wire."""
         n = self.size
@@ -499,7 +500,7 @@ class Comm:
         with waiting_in(desc):
             work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group,
                                           async_op=True)
-        return self._finish([work], out, desc, False, check)
+        return self._finish([work], out, desc, async_op, check)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = "",

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, Pending
 from .flat import FlatBucket, FlatParam
 
 if TYPE_CHECKING:
@@ -133,13 +133,29 @@ class WholeUpdates:
              unused: dict[FlatBucket, set[int]]) -> None:
         """Steps every whole-owned parameter (see [Note: whole-parameter updates]);
         ``unused``: per bucket, slots no rank produced a gradient for (skipped, as torch
-        skips a parameter whose grad is None)."""
-        for b, slots in self.plans:
-            skip = unused.get(b, set())
-            if self.size == 1:
-                self._step_local(optimizer, b, slots, skip)
-            else:
-                self._step_owned(optimizer, b, slots, skip)
+        skips a parameter whose grad is None).
+
+        Buckets are pipelined one deep: the next bucket's rows are on their way to the
+        owners while this one steps, and this one's new rows go back while the next
+        steps, so a rank with less work in one bucket gets on with the next instead of
+        waiting for the slowest owner of each (the owners are balanced over the whole
+        model, not per bucket). Every rank posts the exchanges in the same order."""
+        if self.size == 1:
+            for b, slots in self.plans:
+                self._step_local(optimizer, b, slots, unused.get(b, set()))
+            return
+        inbound = self._send_rows(*self.plans[0]) if self.plans else None
+        outbound = None
+        for k, (b, slots) in enumerate(self.plans):
+            arrived = inbound
+            if k + 1 < len(self.plans):
+                inbound = self._send_rows(*self.plans[k + 1])
+            values = self._step_owned(optimizer, b, slots, arrived, unused.get(b, set()))
+            if outbound is not None:
+                self._take_rows(*outbound)
+            outbound = self._return_rows(b, slots, values)
+        if outbound is not None:
+            self._take_rows(*outbound)
 
     def _step_local(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
                     slots: list[FlatParam], skip: set[int]) -> None:
@@ -153,34 +169,42 @@ class WholeUpdates:
         self._run(optimizer, [s for s in slots if self.tensors[s].grad is not None])
         self._release(slots)
 
-    def _step_owned(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
-                    slots: list[FlatParam], skip: set[int]) -> None:
+    def _by_owner(self, slots: list[FlatParam]) -> list[list[FlatParam]]:
+        return [[s for s in slots if self.owner[s] == q] for q in range(self.size)]
+
+    def _send_rows(self, b: FlatBucket, slots: list[FlatParam]) -> tuple[Pending, list[int]]:
+        """Start sending this rank's rows of master and gradient to their owners."""
         n, me = self.size, self.rank
-        mine = [s for s in slots if self.owner[s] == me]
-        to = [[s for s in slots if self.owner[s] == q] for q in range(n)]
-        dtype = b.master_dtype
-        grad = b.master_grad
-        # 1. my rows of master and gradient, to each owner in turn
+        dtype, device, grad = b.master_dtype, b.master_device, b.master_grad
         send = []
-        for q in range(n):
-            for s in to[q]:
+        for group in self._by_owner(slots):
+            for s in group:
                 lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
                 send.append(b.master_range(lo, hi))
                 send.append(grad[lo:hi].to(dtype) if grad is not None
-                            else torch.zeros(hi - lo, dtype=dtype, device=b.master_device))
-        inp = _cat(send, dtype, b.master_device)
-        in_splits = [sum(2 * s.rows_of(me) * s.row for s in to[q]) for q in range(n)]
+                            else torch.zeros(hi - lo, dtype=dtype, device=device))
+        mine = [s for s in slots if self.owner[s] == me]
+        in_splits = [sum(2 * s.rows_of(me) * s.row for s in group)
+                     for group in self._by_owner(slots)]
         out_splits = [sum(2 * s.rows_of(r) * s.row for s in mine) for r in range(n)]
-        out = torch.empty(sum(out_splits), dtype=dtype, device=b.master_device)
-        total = 2 * sum(s.numel for s in slots)
-        self.comm.all_to_all(out, inp, out_splits, in_splits, total=total,
-                             unit=b.name, phase="step")
-        del send, inp
-        # 2. whole master and gradient of each parameter owned here; step
-        values = {s: torch.empty(s.numel, dtype=dtype, device=b.master_device) for s in mine}
-        grads = {s: torch.empty(s.numel, dtype=dtype, device=b.master_device) for s in mine}
+        out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        pending = self.comm.all_to_all(
+            out, _cat(send, dtype, device), out_splits, in_splits, unit=b.name,
+            total=2 * sum(s.numel for s in slots), phase="step", async_op=True)
+        return pending, in_splits
+
+    def _step_owned(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
+                    slots: list[FlatParam], arrived: tuple[Pending, list[int]],
+                    skip: set[int]) -> dict[FlatParam, torch.Tensor]:
+        """Assemble the owned parameters' whole master and gradient from every rank's
+        rows (rank order is row order) and step them; their new values."""
+        mine = [s for s in slots if self.owner[s] == self.rank]
+        out = arrived[0].wait()
+        dtype, device = b.master_dtype, b.master_device
+        values = {s: torch.empty(s.numel, dtype=dtype, device=device) for s in mine}
+        grads = {s: torch.empty(s.numel, dtype=dtype, device=device) for s in mine}
         at = 0
-        for r in range(n):
+        for r in range(self.size):
             for s in mine:
                 lo, hi = s.piece(r)
                 k = hi - lo
@@ -191,21 +215,36 @@ class WholeUpdates:
         for s in mine:
             t = self.tensors[s]
             t.data = values[s].view(s.shape)
-            t.grad = None if s.index in skip or grad is None else grads[s].view(s.shape)
+            t.grad = (None if s.index in skip or b.master_grad is None
+                      else grads[s].view(s.shape))
         self._run(optimizer, [s for s in mine if self.tensors[s].grad is not None])
-        del grads
-        # 3. each rank its rows of the new values
-        back = [values[s][slice(*s.piece(r))] for r in range(n) for s in mine]
-        inp = _cat(back, dtype, b.master_device)
-        got = torch.empty(sum(in_splits) // 2, dtype=dtype, device=b.master_device)
-        self.comm.all_to_all(got, inp, [k // 2 for k in in_splits],
-                             [k // 2 for k in out_splits], total=total // 2, unit=b.name,
-                             phase="step")
         self._release(mine)
+        return values
+
+    def _return_rows(self, b: FlatBucket, slots: list[FlatParam],
+                     values: dict[FlatParam, torch.Tensor]
+                     ) -> tuple[FlatBucket, list[FlatParam], Pending]:
+        """Start sending each rank its rows of the new values."""
+        n, me = self.size, self.rank
+        mine = [s for s in slots if self.owner[s] == me]
+        dtype, device = b.master_dtype, b.master_device
+        back = [values[s][slice(*s.piece(r))] for r in range(n) for s in mine]
+        out_splits = [sum(s.rows_of(me) * s.row for s in group)
+                      for group in self._by_owner(slots)]
+        in_splits = [sum(s.rows_of(r) * s.row for s in mine) for r in range(n)]
+        got = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        pending = self.comm.all_to_all(got, _cat(back, dtype, device), out_splits, in_splits,
+                                       total=sum(s.numel for s in slots), unit=b.name,
+                                       phase="step", async_op=True)
+        return b, slots, pending
+
+    def _take_rows(self, b: FlatBucket, slots: list[FlatParam], pending: Pending) -> None:
+        """This rank's rows of the new values, into its masters."""
+        got = pending.wait()
         at = 0
-        for q in range(n):
-            for s in to[q]:
-                lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
+        for group in self._by_owner(slots):
+            for s in group:
+                lo, hi = s.shard_offset, s.shard_offset + s.rows_of(self.rank) * s.row
                 b.master_range(lo, hi).copy_(got[at : at + hi - lo])
                 at += hi - lo
 
