@@ -43,12 +43,14 @@ def train(model, optimizer, steps: int, rank: int, world: int) -> list[float]:
     return losses
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    args = parser.parse_args(argv)
+    launched = not dist.is_initialized()  # under torchrun; tests call main() in ranks
+    if launched:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     model = build_model(PRESET, seed=0)
@@ -66,8 +68,6 @@ def main() -> None:
           f"{len(ref_optimizer.param_groups[0]['params'])} matrices; last loss "
           f"{losses[-1]:.4f} (DDP {ref_losses[-1]:.4f}); largest weight difference from "
           f"DDP + Muon: {worst:.1e}")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    if launched:
+        dist.destroy_process_group()
+    return {"losses": losses, "ddp_losses": ref_losses, "worst": worst, "owned": owned}

@@ -332,6 +332,27 @@ def test_clipping_accumulation_and_bf16_step_torch_s_update(stage, clip, accum, 
         assert torch.equal(ranks[0]["weights"][name], w), name
 
 
+def _example(rank: int, world: int) -> list[dict]:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_muon.py"
+    spec = importlib.util.spec_from_file_location("train_muon", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [module.main(["--stage", str(stage), "--steps", "4"]) for stage in (1, 3)]
+
+
+def test_example_trains_as_ddp_plus_muon() -> None:
+    """examples/train_muon.py at stages 1 and 3: DDP's losses and weights, exactly, with
+    the matrices split between the ranks."""
+    ranks = run_ranks(_example, 2, timeout=300)
+    for runs in ranks:
+        for r in runs:
+            assert r["worst"] == 0.0 and r["losses"] == r["ddp_losses"], r
+    for a, b in zip(*ranks):
+        assert a["owned"] + b["owned"] == 16 and a["owned"] > 0, (a["owned"], b["owned"])
+
+
 def _refusals(rank: int, world: int, root: str) -> dict[str, str]:
     out = {}
 
