@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, optimizer = zeroshard.shard(model, muon(model), stage=args.stage)
     losses = train(model, optimizer, args.steps, rank, world)
     weights = zeroshard.full_state_dict(model)  # collective: every rank calls it
-    owned = len(optimizer.state)  # this rank's matrices (their momentum lives here only)
+    owned = sum(1 for st in optimizer.state.values() if st)  # momentum held on this rank
 
     reference = build_model(PRESET, seed=0)
     ref_optimizer = muon(reference)

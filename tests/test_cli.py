@@ -29,6 +29,22 @@ def test_plan_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.count("\n   8 ") == 12  # 4 stages x 3 policies
 
 
+def test_plan_muon_owner_balance(capsys: pytest.CaptureFixture[str]) -> None:
+    """--muon: per sharding-group size, work and byte balance of Muon's owners (the work
+    decides; both shown), the busiest rank's share of the orthogonalisation."""
+    assert main(["plan", "--model", "llama-1b", "--gpus", "2,4", "--muon"]) == 0
+    out = capsys.readouterr().out
+    assert "balanced by Newton-Schulz work" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("      ")]
+    assert [r[0] for r in rows] == ["2", "4"]
+    for r in rows:
+        ranks, work, share = int(r[0]), float(r[2].rstrip("x")), float(r[4].rstrip("%"))
+        assert 1.0 <= work <= 1.05 and abs(share - 100 * work / ranks) < 0.1, r
+    assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--muon", "--json"]) == 0
+    owners = json.loads(capsys.readouterr().out)["muon_owners"]
+    assert owners[0]["ranks"] == 4 and owners[0]["matrices"] == 113
+
+
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*BASE, "--json", "--interconnect", "ib", "--policies", "none,full"]) == 0
     data = json.loads(capsys.readouterr().out)

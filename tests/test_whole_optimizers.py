@@ -132,6 +132,7 @@ def _train(rank: int, world: int, stage: int, opt: str, steps: int = STEPS,
     ledger = zeroshard.engine_of(model).comm.ledger.last_step()
     return {"weights": zeroshard.full_state_dict(model), "grads": grads[:-1],
             "state": optim.state_dict(), "whole": optim.whole, "model": model,
+            "optimizer": optim,
             "a2a": sum(r.wire_bytes for r in ledger if r.op == "all_to_all")}
 
 
@@ -332,6 +333,87 @@ def test_clipping_accumulation_and_bf16_step_torch_s_update(stage, clip, accum, 
         assert torch.equal(ranks[0]["weights"][name], w), name
 
 
+def _dcp(rank: int, world: int, root: str) -> dict:
+    """torch's DCP resume (torchtitan's): get_state_dict + dcp.save at stage 3, then
+    get_state_dict -> dcp.load -> set_state_dict into a fresh model at stage 1."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    first = _train(rank, world, 3, "muon", steps=3)
+    msd, osd = get_state_dict(first["model"], first["optimizer"])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    model = make_model(PRESET, seed=5)
+    model, optim = zeroshard.shard(model, _muon(model), stage=1)
+    sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
+    dcp.load(sd, checkpoint_id=root)
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    data = loader(PRESET, rank, world)
+    for _ in range(3):
+        next(data)
+    for _ in range(STEPS - 3):
+        x, y = next(data)
+        loss_of(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+    return {"weights": zeroshard.full_state_dict(model),
+            "owned": sum(1 for st in optim.state.values() if st)}
+
+
+def test_dcp_get_state_dict_resume_at_another_stage() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_ranks(_dcp, 2, root, timeout=300)
+    want = _results2()[0]["muon"]["ddp"]["weights"]  # the uninterrupted run (DDP's)
+    for name, w in want.items():
+        assert torch.equal(ranks[0]["weights"][name], w), name
+    assert all(r["owned"] > 0 for r in ranks)
+
+
+def _two_matrices() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 4, bias=False))
+
+
+def _few(rank: int, world: int, root: str) -> dict:
+    """World 4, two matrices: ranks 2 and 3 own nothing; they still train, save through
+    torch's DCP and resume with the others."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def steps(model, optim, seed: int, n: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            x = torch.randn(8, 8, generator=g)
+            model(x[rank * 2 : (rank + 1) * 2]).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+
+    model = _two_matrices()
+    model, optim = zeroshard.shard(model, torch.optim.Muon(model.parameters(), lr=0.1),
+                                   stage=3, units=[model[0], model[2]])
+    steps(model, optim, 0, 3)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    steps(model, optim, 1, 2)
+    model2 = _two_matrices()
+    model2, optim2 = zeroshard.shard(model2, torch.optim.Muon(model2.parameters(), lr=0.1),
+                                     stage=1)
+    sd = dict(zip(("model", "optim"), get_state_dict(model2, optim2)))
+    dcp.load(sd, checkpoint_id=root)
+    set_state_dict(model2, optim2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    steps(model2, optim2, 1, 2)
+    return {"want": zeroshard.full_state_dict(model), "got": zeroshard.full_state_dict(model2),
+            "owned": [sum(1 for st in o.state.values() if st) for o in (optim, optim2)]}
+
+
+def test_ranks_owning_nothing_train_and_resume_through_dcp() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_ranks(_few, 4, root, timeout=300)
+    assert [r["owned"] for r in ranks] == [[1, 1], [1, 1], [0, 0], [0, 0]]
+    for name, w in ranks[0]["want"].items():
+        assert torch.equal(ranks[0]["got"][name], w), name
+
+
 def _example(rank: int, world: int) -> list[dict]:
     import importlib.util
 
@@ -384,6 +466,27 @@ def _refusals(rank: int, world: int, root: str) -> dict[str, str]:
     save_checkpoint(Path(root) / "w", model)  # the weights alone are fine
     out["weights_only"] = "ok"
     return out
+
+
+def _with_tp(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroshard.models import parallelize_llama
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model(PRESET)
+    parallelize_llama(model, mesh["tp"])
+    try:
+        zeroshard.shard(model, _muon(model), stage=1, mesh=mesh)
+    except NotImplementedError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_tensor_parallelism_is_refused_clearly() -> None:
+    for msg in run_ranks(_with_tp, 2, timeout=120):
+        assert "with tensor parallelism is not supported" in msg, msg
+        assert "Use an elementwise optimizer (AdamW) with tp" in msg, msg
 
 
 @functools.cache

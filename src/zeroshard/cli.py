@@ -10,6 +10,7 @@ fix and exits 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -204,6 +205,9 @@ def _add_plan(subparsers: Any) -> None:
                    help="tensor-parallel degree (Llama shapes, torchtitan's plan): each of N "
                    "devices holds 1/tp of the blocks, ZeRO shards over N/tp (default 1; "
                    "docs/tensor-parallel.md)")
+    p.add_argument("--muon", action="store_true",
+                   help="also show how a whole-parameter optimizer (torch.optim.Muon) spreads "
+                   "the matrices over the ranks: work and bytes per rank (docs/optimizers.md)")
     p.add_argument("--traced", action="store_true",
                    help="also trace one real step per row on fake tensors (slow: seconds to "
                    "minutes per row; see docs/planning.md)")
@@ -267,8 +271,42 @@ def _run_plan(args: argparse.Namespace) -> int:
         result = _trace(result)
     name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
                           f"--params {args.params / 1e9:g}B -> Llama-like shape")
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result, name))
+    if args.json:
+        out = result.to_dict()
+        if args.muon:
+            out["muon_owners"] = [dataclasses.asdict(b) for b in _owners(result, args.gpus)]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(format_plan(result, name))
+    if args.muon:
+        print(format_owners(_owners(result, args.gpus)))
     return 0
+
+
+def _owners(p: Plan, gpus: list[int]) -> list:
+    """Muon's owner balance over each count's sharding group (G ranks when hybrid)."""
+    from zeroshard.memory.owners import matrix_shapes, owner_balance
+
+    shapes = matrix_shapes(p.config)
+    g = p.gpus_per_node
+    groups = sorted({min(n, g) if g else n for n in gpus})
+    return [owner_balance(shapes, max(1, n // p.tp)) for n in groups]
+
+
+def format_owners(balances: list) -> str:
+    """The ``--muon`` section: one line per sharding-group size."""
+    lines = ["", "Muon (torch.optim.Muon over the 2-D parameters; docs/optimizers.md): each "
+             "matrix is stepped whole by one", "owner rank, owners balanced by Newton-Schulz "
+             "work (m*n*min(m,n)), not bytes; largest rank over the mean:",
+             f"  {'ranks':>5} {'matrices':>8} {'work':>6} {'bytes':>6} "
+             f"{'NS share':>9} {'most elements':>14} {'largest matrix':>15}"]
+    for b in balances:
+        lines.append(f"  {b.ranks:>5} {b.matrices:>8} {b.work_ratio:>5.2f}x {b.bytes_ratio:>5.2f}x "
+                     f"{b.share:>8.1%} {b.max_elements / 1e6:>13.1f}M "
+                     f"{f'{b.largest[0]}x{b.largest[1]}':>15}")
+    lines.append("  NS share: the busiest rank's part of all the orthogonalisation (DDP + Muon: "
+                 "100% on every rank)")
+    return "\n".join(lines)
 
 
 def _trace(p: Plan) -> Plan:

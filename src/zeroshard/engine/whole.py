@@ -106,6 +106,7 @@ class WholeUpdates:
             s: nn.Parameter(_placeholder(s), requires_grad=True)
             for s in every if self.owner[s] == self.rank}
         self.work_done: list[torch.Size] = []  # shapes stepped here (tests count the work)
+        self.started = False  # stepped (or loaded) once: see whole_state.whole_state_view
 
     # -- what the optimizer is built over ------------------------------------------------
     def optimizer_groups(self, groups: list[list[str]], options: list[dict[str, Any]]
@@ -140,6 +141,7 @@ class WholeUpdates:
         steps, so a rank with less work in one bucket gets on with the next instead of
         waiting for the slowest owner of each (the owners are balanced over the whole
         model, not per bucket). Every rank posts the exchanges in the same order."""
+        self.started = True
         if self.size == 1:
             for b, slots in self.plans:
                 self._step_local(optimizer, b, slots, unused.get(b, set()))

@@ -59,6 +59,7 @@ def load_whole_state(whole: WholeUpdates, inner: torch.optim.Optimizer,
                      by_param: dict[torch.Tensor, Any]) -> None:
     """Each owned parameter's entry of ``by_param`` (user parameter -> torch-format
     state, None: never stepped) into ``inner``, cast as torch's own load casts it."""
+    whole.started = whole.started or any(bool(v) for v in by_param.values())
     for s, t in whole.tensors.items():
         st = by_param.get(s.user)
         if not st:
@@ -81,5 +82,18 @@ def _cast(key: str, value: Any, param: torch.Tensor) -> Any:
 
 def whole_state_view(whole: WholeUpdates, inner: torch.optim.Optimizer
                      ) -> dict[Any, dict[str, Any]]:
-    """``optimizer.state`` by user parameter: the parameters this rank owns."""
-    return {s.user: inner.state[t] for s, t in whole.tensors.items() if inner.state.get(t)}
+    """``optimizer.state`` by user parameter: the state of the parameters this rank owns;
+    once the optimizer has stepped (or loaded state), an empty entry for each parameter
+    another rank owns. So the view is empty on every rank or on none: torch's DCP
+    ``get_state_dict`` runs a step (a collective here) on a fresh optimizer, which it
+    recognises by an empty ``optimizer.state``, and a rank owning no parameter must not
+    look fresh alone."""
+    out: dict[Any, dict[str, Any]] = {}
+    for s in whole.owner:
+        t = whole.tensors.get(s)
+        st = inner.state.get(t) if t is not None else None
+        if st:
+            out[s.user] = st
+        elif whole.started and t is None:
+            out[s.user] = {}
+    return out

@@ -1,0 +1,56 @@
+"""Owner balance of a whole-parameter optimizer (Muon) for a model shape: what ``zeroshard
+plan --muon`` prints (see [Note: whole-parameter updates] in engine/whole.py).
+
+Owners are balanced by the update's work (Newton–Schulz, ∝ m·n·min(m, n)), not by bytes:
+where a model's matrices differ in shape the two disagree, and the work decides. The
+plan shows both, as the largest rank's share over the mean: work for step time, bytes
+for the optimizer state a rank holds (Muon's momentum) and the whole parameter and
+gradient it assembles at the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.whole import assign_owners, newton_schulz_cost
+from ..models.config import ModelConfig
+
+__all__ = ["OwnerBalance", "owner_balance", "matrix_shapes"]
+
+
+@dataclass(frozen=True)
+class OwnerBalance:
+    ranks: int
+    matrices: int
+    work_ratio: float  # the busiest rank's Newton–Schulz work over the mean
+    bytes_ratio: float  # the rank owning the most elements, over the mean
+    max_elements: int  # elements the rank owning the most owns
+    largest: tuple[int, int]  # the largest matrix's shape (the bound's "one parameter")
+    share: float  # the busiest rank's fraction of all the work (DDP + Muon: 1.0)
+
+
+def matrix_shapes(config: ModelConfig) -> list[torch.Size]:
+    """The 2-D parameters of ``config``'s model (built on the meta device: no memory)."""
+    from ..models import build_model
+
+    with torch.device("meta"):
+        model = build_model(config)
+    return [p.shape for p in model.parameters() if p.ndim == 2]
+
+
+def owner_balance(shapes: list[torch.Size], ranks: int) -> OwnerBalance:
+    owner = assign_owners(shapes, ranks, newton_schulz_cost)
+    work, size = [0] * ranks, [0] * ranks
+    for s, q in zip(shapes, owner):
+        work[q] += newton_schulz_cost(s)
+        size[q] += s.numel()
+    total_work, total = sum(work), sum(size)
+    big = max(shapes, key=lambda s: s.numel())
+    return OwnerBalance(
+        ranks=ranks, matrices=len(shapes),
+        work_ratio=max(work) * ranks / total_work if total_work else 1.0,
+        bytes_ratio=max(size) * ranks / total if total else 1.0,
+        max_elements=max(size), largest=(big[0], big[1]),
+        share=max(work) / total_work if total_work else 0.0)
