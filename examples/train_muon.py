@@ -71,3 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     if launched:
         dist.destroy_process_group()
     return {"losses": losses, "ddp_losses": ref_losses, "worst": worst, "owned": owned}
+
+
+if __name__ == "__main__":
+    main()

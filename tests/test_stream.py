@@ -45,9 +45,12 @@ def _stream(rank: int, world: int, preset: str) -> dict:
             }
         out[f"{key}-want"] = list(ref)
         out[f"{key}-buckets"] = len(engine.all_buckets)
-        # The largest unit's bytes as streamed (fp32 masters; its compute dtype may be 16-bit).
-        out[f"{key}-largest"] = 4 * max((sum(b.padded_numel for b in u.buckets)
-                                         for u in engine.units), default=0)
+        # The two largest units' bytes as streamed (fp32 masters; their compute dtype may
+        # be 16-bit), and the whole model's.
+        sizes = sorted((4 * sum(b.padded_numel for b in u.buckets) for u in engine.units),
+                       reverse=True)
+        out[f"{key}-largest"] = sum(sizes[:2])
+        out[f"{key}-model"] = sum(sizes)
         to_one = [n for n, _ in zeroshard.stream_weights(model, to_rank=1)]
         out[f"{key}-to-rank-1"] = len(to_one)
         try:
@@ -86,8 +89,11 @@ def test_one_collective_per_bucket_and_about_one_unit_of_memory(streamed) -> Non
         for dtype in (None, torch.bfloat16):
             got = r[f"{key}-{dtype}"]
             assert got["gathers"] == (r[f"{key}-buckets"] if sharded else 0), (key, got)
-        if stage == 3:  # extra bytes alive while streaming: about the largest unit
-            assert 0 < r[f"{key}-None"]["peak"] <= 1.25 * r[f"{key}-largest"], (key, r)
+        if stage == 3:  # extra bytes alive while streaming: one unit, two for an instant
+            # (gloo's worker thread drops the previous unit's buffer a moment after the
+            # collective completes: on a loaded machine the next unit is allocated first)
+            peak = r[f"{key}-None"]["peak"]
+            assert 0 < peak <= 1.1 * r[f"{key}-largest"] < r[f"{key}-model"], (key, r)
 
 
 def test_to_rank_gives_one_rank_the_tensors_and_checks_the_rank(streamed) -> None:

@@ -427,6 +427,8 @@ def _example(rank: int, world: int) -> list[dict]:
 def test_example_trains_as_ddp_plus_muon() -> None:
     """examples/train_muon.py at stages 1 and 3: DDP's losses and weights, exactly, with
     the matrices split between the ranks."""
+    text = (Path(__file__).resolve().parent.parent / "examples" / "train_muon.py").read_text()
+    assert '\nif __name__ == "__main__":\n    main()' in text  # torchrun runs it
     ranks = run_ranks(_example, 2, timeout=300)
     for runs in ranks:
         for r in runs:

@@ -425,7 +425,7 @@ def _build_inner(engine: Engine, spec: OptimizerSpec,
         )
     if whole is None and whole_kind(inner) is not None:
         raise ValueError(
-            f"the optimizer factory returned a {type(inner).__name__}, whose update needs "
+            f"the optimizer factory returned {type(inner).__name__}, whose update needs "
             "whole parameters: pass its class or an instance instead of a factory "
             f"(zeroshard.shard(model, torch.optim.{type(inner).__name__}, lr=...)), or "
             "shard with whole_params=True")

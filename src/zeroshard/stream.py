@@ -12,7 +12,10 @@ On gloo (``Comm.decompose``) a bucket's pieces are broadcast straight into place
 parameter-major buffer: one unit's bytes, no copy. Elsewhere (NCCL) the all-gather lands
 rank-major and each tensor is copied out as it is yielded: one unit plus one tensor.
 The tensors yielded are views of that buffer (or those copies): nothing is freed under
-the caller, and a caller that keeps them all keeps the whole model, as it asked.
+the caller, and a caller that keeps them all keeps the whole model, as it asked. A unit's
+buffer is freed when the caller lets go of its tensors and the collective's worker thread
+of it: gloo's lets go a moment after the collective completes, so on a loaded machine the
+next unit's buffer may be allocated first — two units' bytes for an instant.
 """
 
 from __future__ import annotations
