@@ -129,8 +129,14 @@ def _train(rank: int, world: int, stage: int, opt: str, steps: int = STEPS,
         optim.step()
         optim.zero_grad()
         grads.append({})
-    ledger = zeroshard.engine_of(model).comm.ledger.last_step()
+    engine = zeroshard.engine_of(model)
+    ledger = engine.comm.ledger.last_step()
+    with zeroshard.memory_tracker(model, optim) as tracker:  # bytes by category, now
+        optim_bytes = tracker.current().get("optim", 0)
+    masters = sum(t.numel() * t.element_size()
+                  for t in engine.memory_sources()().get("optim", []))
     return {"weights": zeroshard.full_state_dict(model), "grads": grads[:-1],
+            "optim_bytes": optim_bytes - masters,
             "state": optim.state_dict(), "whole": optim.whole, "model": model,
             "optimizer": optim,
             "a2a": sum(r.wire_bytes for r in ledger if r.op == "all_to_all")}
@@ -160,6 +166,7 @@ def _world2(rank: int, world: int) -> dict:
             out[opt][stage] = {"weights": r["weights"], "state": r["state"],
                                "work": [tuple(x) for x in r["whole"].work_done],
                                "balance": r["whole"].balance(),
+                               "optim_bytes": r["optim_bytes"],
                                "a2a": (r["a2a"], _sent_away(r["whole"]) if stage else 0)}
     # a resume at another stage: 3 steps at stage 3, then 2 at stage 1 from its state
     first = _train(rank, world, 3, "muon", steps=3)
@@ -212,6 +219,19 @@ def test_newton_schulz_work_is_split_between_the_ranks() -> None:
             assert mine <= sum(costs) / 2 + max(costs), (stage, mine, sum(costs))
     # stage 0 (unsharded optimizer) is DDP's: every rank does all of it
     assert len(ranks[0]["muon"][0]["work"]) == len(shapes) * STEPS
+
+
+def test_optimizer_state_bytes_are_split_between_the_ranks() -> None:
+    """The tracker's optimizer bytes beyond the masters (Muon's momentum): per rank
+    <= 1/N of DDP's plus one largest matrix; together exactly DDP's."""
+    ranks = _results2()
+    shapes = [p.shape for p in make_model(PRESET).parameters() if p.ndim == 2]
+    whole, largest = 4 * sum(s.numel() for s in shapes), 4 * max(s.numel() for s in shapes)
+    for stage in (1, 2, 3):
+        mine = [r["muon"][stage]["optim_bytes"] for r in ranks]
+        assert sum(mine) == whole, (stage, mine, whole)
+        assert max(mine) <= whole / 2 + largest, (stage, mine)
+    assert ranks[0]["muon"][0]["optim_bytes"] == whole  # stage 0: DDP's, on every rank
 
 
 def test_all_to_all_bytes_are_the_owner_schemes() -> None:
