@@ -117,9 +117,6 @@ class WholeUpdates:
         return [{**opts, "params": [self.tensors[by_name[n]] for n in names if n in by_name]}
                 for names, opts in zip(groups, options)]
 
-    def owned(self) -> dict[FlatParam, nn.Parameter]:
-        return self.tensors
-
     def balance(self) -> dict[str, list[int]]:
         """Per rank: the work (``cost``) and elements of the parameters it owns."""
         work, size = [0] * self.size, [0] * self.size
