@@ -57,6 +57,65 @@ class MyLamb(TrustSGD):
     """Named like a whole-tensor optimizer: refused unless whole_params=True."""
 
 
+class MuonWithAuxAdam(torch.optim.Optimizer):
+    """The MuonWithAuxAdam pattern (KellerJordan/Muon): groups with ``use_muon=True``
+    take torch's Muon update (momentum, Newton-Schulz), the others AdamW's; counts its
+    steps per group, as such optimizers may (so it must be stepped once per step)."""
+
+    def __init__(self, groups) -> None:
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim._muon import _zeropower_via_newtonschulz as orthogonalise
+
+        for g in self.param_groups:
+            g["calls"] = g.get("calls", 0) + 1
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if g["use_muon"]:
+                    buf = st.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.lerp_(p.grad, 1 - 0.95)
+                    update = orthogonalise(p.grad.lerp(buf, 0.95), (3.4445, -4.775, 2.0315),
+                                           5, 1e-7)
+                    p.mul_(1 - g["lr"] * 0.1)
+                    p.add_(update, alpha=-g["lr"] * max(1, p.shape[0] / p.shape[1]) ** 0.5)
+                    continue
+                st["step"] = st.get("step", 0) + 1
+                m = st.setdefault("exp_avg", torch.zeros_like(p))
+                v = st.setdefault("exp_avg_sq", torch.zeros_like(p))
+                m.lerp_(p.grad, 0.1)
+                v.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                denom = (v / (1 - 0.999 ** st["step"])).sqrt_().add_(1e-8)
+                p.mul_(1 - g["lr"] * 0.01)
+                p.addcdiv_(m, denom, value=-g["lr"] / (1 - 0.9 ** st["step"]))
+
+
+def _mixed(model: torch.nn.Module) -> torch.optim.Optimizer:
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "emb" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "emb" not in n)]
+    return MuonWithAuxAdam([{"params": matrices, "use_muon": True, "lr": 0.02},
+                            {"params": rest, "use_muon": False, "lr": 3e-3}])
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """Elementwise, but writes its groups at each step (as D-Adaptation's and Prodigy's
+    ``d``): the flat path must keep what it wrote, not reset it from the user's groups."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["k"] = g.get("k", 0) + 1
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] / g["k"])
+
+
 def _muon(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02,
                             weight_decay=0.1)
@@ -70,7 +129,13 @@ def _trust(model: torch.nn.Module) -> torch.optim.Optimizer:
     return TrustSGD(model.parameters(), lr=0.01)
 
 
-OPTIMIZERS = {"muon": _muon, "adafactor": _adafactor, "trust": _trust}
+def _counting(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return CountingSGD(model.parameters(), lr=0.05)
+
+
+OPTIMIZERS = {"muon": _muon, "adafactor": _adafactor, "trust": _trust, "mixed": _mixed,
+              "counting": _counting}
+WHOLE = [k for k in OPTIMIZERS if k != "counting"]  # counting: the flat path
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -98,7 +163,7 @@ def _ddp(rank: int, world: int, opt: str, steps: int = STEPS) -> dict:
 
 def _owner_grads(optim) -> list[dict[str, torch.Tensor]]:
     """Per step, the gradient each owned parameter was stepped with (on its owner)."""
-    names = {t: s.names[0] for s, t in optim.whole.tensors.items()}
+    names = {t: s.names[0] for s, t in optim.whole.tensors.items()} if optim.whole else {}
     steps: list[dict[str, torch.Tensor]] = [{}]
 
     def seen(o, args, kwargs) -> None:
@@ -163,11 +228,11 @@ def _world2(rank: int, world: int) -> dict:
         out[opt] = {"ddp": _ddp(rank, world, opt)}
         for stage in range(4):
             r = _train(rank, world, stage, opt)
+            whole = r["whole"]
             out[opt][stage] = {"weights": r["weights"], "state": r["state"],
-                               "work": [tuple(x) for x in r["whole"].work_done],
-                               "balance": r["whole"].balance(),
+                               "work": [tuple(x) for x in whole.work_done] if whole else [],
                                "optim_bytes": r["optim_bytes"],
-                               "a2a": (r["a2a"], _sent_away(r["whole"]) if stage else 0)}
+                               "a2a": (r["a2a"], _sent_away(whole) if stage and whole else 0)}
     # a resume at another stage: 3 steps at stage 3, then 2 at stage 1 from its state
     first = _train(rank, world, 3, "muon", steps=3)
     model = make_model(PRESET, seed=7)
@@ -236,7 +301,7 @@ def test_optimizer_state_bytes_are_split_between_the_ranks() -> None:
 
 def test_all_to_all_bytes_are_the_owner_schemes() -> None:
     for r in _results2():
-        for opt in OPTIMIZERS:
+        for opt in WHOLE:
             for stage in (1, 2, 3):
                 got, want = r[opt][stage]["a2a"]
                 assert got == want > 0, (opt, stage, got, want)
@@ -523,7 +588,7 @@ def _refused() -> dict[str, str]:
     ("named", "MyLamb looks not elementwise.*whole_params=True"),
     ("factory", "flat (1-D) master chunks.*as a class or an instance"),
     ("offload", "NotImplementedError.*offload=.*drop offload="),
-    ("flag", "whole_params='yes' must be True or False"),
+    ("flag", "whole_params='yes' must be True, False, or a function"),
     ("save", "NotImplementedError.*do not hold the state of a whole-parameter optimizer "
              "(Muon).*optimizer=None"),
     ("full_state", "NotImplementedError.*whole-parameter optimizer"),

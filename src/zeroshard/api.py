@@ -25,6 +25,7 @@ from .engine.optimizer_spec import (
     spec_from_class,
     spec_from_instance,
     whole_kind,
+    whole_plan,
 )
 from .engine.outside_unit import explain_outside_read
 from .engine.units import UnitSpec
@@ -371,7 +372,6 @@ def shard(
     for message in ignored_options(config, set(ours)):
         warnings.warn(message, UserWarning, stacklevel=2)
     _check_model(model, stage)
-    kind = whole_kind(optimizer, config.whole_params)
     if isinstance(optimizer, torch.optim.Optimizer):
         spec = spec_from_instance(model, optimizer, optim_kwargs)
     else:
@@ -385,7 +385,8 @@ def shard(
         # The host step is the offload bottleneck: torch's fused CPU Adam(W) kernel is
         # 7.1x faster than its single-tensor loop on a 100M-element shard (docs/offload.md).
         spec.kwargs["fused"] = True
-    whole = whole_updates(engine, spec.group_of, kind) if kind is not None else None
+    plan = whole_plan(optimizer, spec.options, config.whole_params)
+    whole = whole_updates(engine, spec.group_of, plan) if plan is not None else None
     inner = _build_inner(engine, spec, whole)
     optim = ShardedOptimizer(engine, inner, _user_groups(engine, spec, inner),
                              defaults=spec.defaults or None, replaces=spec.instance,
@@ -404,8 +405,10 @@ def _build_inner(engine: Engine, spec: OptimizerSpec,
                  whole: WholeUpdates | None) -> torch.optim.Optimizer:
     """The torch optimizer over this rank's master chunks (or, for a whole-parameter
     optimizer, the whole parameters this rank owns), one group per user group."""
-    groups = (whole.optimizer_groups(spec.groups, spec.options) if whole is not None
-              else engine.optimizer_groups(spec.options))
+    groups = engine.optimizer_groups(spec.options)  # the flat chunks of every group
+    if whole is not None:  # ... the whole-parameter groups hold this rank's owned tensors
+        owned = whole.optimizer_groups(spec.groups, spec.options)
+        groups = [owned[i] if i in whole.groups else g for i, g in enumerate(groups)]
     if len(groups) == 1 and spec.instance is None and not spec.options[0]:
         params: Any = groups[0]["params"]  # a factory may expect a flat list of tensors
     else:

@@ -7,6 +7,7 @@ the fix. :func:`zeroshard.shard` builds a :class:`ShardConfig` from its keywords
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -93,9 +94,11 @@ class ShardConfig:
     generate_budget: int | str | None = None
     #: The optimizer's update needs each parameter whole (a Shampoo, SOAP or LAMB of the
     #: user's own): each parameter is then stepped whole by one owner rank (see
-    #: docs/optimizers.md). Known ones (torch's Muon and Adafactor, transformers'
-    #: Adafactor) are recognised by class without it.
-    whole_params: bool = False
+    #: docs/optimizers.md). A callable takes a param group's options (the group dict
+    #: without "params") and says whether that group is stepped whole (a mixed optimizer;
+    #: groups with a "use_muon" key are told apart by it without this). Known classes
+    #: (torch's Muon and Adafactor, transformers' Adafactor) need nothing.
+    whole_params: bool | Callable[[dict], bool] = False
     #: "optimizer": fp32 master weights, optimizer state and the step live in host memory
     #: (ZeRO-Offload); stages 1-3. "optimizer+params" (stage 3): the compute-dtype weight
     #: slices too. On a CPU-only run host and device coincide: no copies.
@@ -132,8 +135,10 @@ class ShardConfig:
                 f"stage={self.stage} is not a ZeRO stage; use 0 (plain data parallel), "
                 "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)"
             )
-        if not isinstance(self.whole_params, bool):
-            raise TypeError(f"whole_params={self.whole_params!r} must be True or False")
+        if not isinstance(self.whole_params, bool) and not callable(self.whole_params):
+            raise TypeError(f"whole_params={self.whole_params!r} must be True, False, or a "
+                            "function of a param group's options (e.g. lambda g: "
+                            "g['use_muon'])")
         budget = self.generate_budget
         if isinstance(budget, str):
             parse_bytes(budget, what="generate_budget", zero=True)

@@ -65,6 +65,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
 
+    def _publish_hyperparameters(self) -> None:
+        """What the inner optimizer wrote into its groups during the step (D-Adaptation's
+        and Prodigy's ``d``, a step count) -> the user's groups, as torch's optimizer
+        would hold it: the user reads it there, ``state_dict()`` saves it, and the next
+        step's sync must not put the old value back."""
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in inner.items():
+                if k != "params":
+                    outer[k] = v
+
     # -- what the user calls -------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -99,6 +109,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.whole.step(self.optim, dict(unused))
         else:
             self.optim.step()
+        self._publish_hyperparameters()
         old = self._replaces() if self._replaces is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
@@ -136,9 +147,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         at stages >= 1). Whole state in torch's format: ``state_dict()``."""
         if not getattr(self, "_built", False):
             return {}
+        view = state_view(self.engine, self.optim)
         if self.whole is not None:
-            return whole_state_view(self.whole, self.optim)
-        return state_view(self.engine, self.optim)
+            view.update(whole_state_view(self.whole, self.optim))
+        return view
 
     @state.setter
     def state(self, value: Any) -> None:

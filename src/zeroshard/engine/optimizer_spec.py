@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 __all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "check_elementwise",
-           "check_group_keys", "disable", "whole_kind"]
+           "check_group_keys", "disable", "whole_kind", "whole_plan", "WholePlan"]
 
 # Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners):
 # run whole by an owner rank (engine/whole.py) when known or asked for (whole_params=True).
@@ -72,24 +72,56 @@ class OptimizerSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def whole_kind(optimizer: Any, whole_params: bool = False) -> str | None:
+@dataclass(frozen=True)
+class WholePlan:
+    """Which of the user's groups step whole parameters, and how (engine/whole.py)."""
+
+    groups: frozenset[int]  # indices of the user's groups stepped whole
+    cost: str  # "newton_schulz" or "numel": what balances the owners
+    per_bucket: bool  # the optimizer keeps no state beyond each parameter's
+
+
+def whole_plan(optimizer: Any, options: list[dict[str, Any]],
+               whole_params: bool | Callable[[dict[str, Any]], bool] = False
+               ) -> WholePlan | None:
     """How ``optimizer`` (a class, an instance, or a factory) is stepped: None for the
-    flat, elementwise path; else the owner-balancing cost of a whole-parameter optimizer
-    ("newton_schulz" or "numel", engine/whole.py). Raises for the refused ones and for
-    a class whose name says its update is not elementwise, unless ``whole_params``."""
+    flat, elementwise path; else its whole-parameter groups (see docs/optimizers.md):
+
+    * a known class (torch's Muon and Adafactor, transformers' Adafactor): every group;
+    * ``whole_params=True``: every group; ``whole_params=fn``: the groups whose options
+      (the group dict without ``params``) ``fn`` accepts;
+    * groups with a ``use_muon`` key (the MuonWithAuxAdam convention): those where it
+      is true, the others elementwise.
+
+    Raises for the refused classes, and for a class whose name says its update is not
+    elementwise when none of the above applies."""
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    if not isinstance(optimizer, type | torch.optim.Optimizer):
-        return "numel" if whole_params else None  # a factory: checked once built
-    for name, why in _REFUSED.items():
-        if any(k.__name__ == name for k in cls.__mro__):
-            raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
-    known = _WHOLE.get((cls.__module__, cls.__qualname__))
-    if known is not None:
-        return known
-    if whole_params:
-        return "numel"
-    check_elementwise(cls)
+    is_class = isinstance(optimizer, type | torch.optim.Optimizer)
+    if is_class:
+        for name, why in _REFUSED.items():
+            if any(k.__name__ == name for k in cls.__mro__):
+                raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
+        known = _WHOLE.get((cls.__module__, cls.__qualname__))
+        if known is not None:
+            return WholePlan(frozenset(range(len(options))), known, True)
+    cost = "newton_schulz" if "muon" in cls.__name__.lower() else "numel"
+    if whole_params is True:
+        return WholePlan(frozenset(range(len(options))), cost, False)
+    if callable(whole_params):
+        chosen = frozenset(i for i, o in enumerate(options) if whole_params(dict(o)))
+        return WholePlan(chosen, cost, False) if chosen else None
+    if any("use_muon" in o for o in options):
+        chosen = frozenset(i for i, o in enumerate(options) if o.get("use_muon"))
+        return WholePlan(chosen, "newton_schulz", False) if chosen else None
+    if is_class:
+        check_elementwise(cls)
     return None
+
+
+def whole_kind(optimizer: Any) -> str | None:
+    """The cost of a known whole-parameter optimizer class (None: not one of them)."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return _WHOLE.get((cls.__module__, cls.__qualname__))
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:

@@ -58,17 +58,15 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
     """See [Note: torch-format optimizer state]; a whole-parameter optimizer's entries
     come from their owners (whole_state.py)."""
     packed, index = _numbering(groups)
-    if whole is not None:
-        state = whole_state_dict(whole, inner, index, engine.device)
-        return {"state": dict(sorted(state.items())), "param_groups": packed}
     state: dict[int, dict[str, Any]] = {}
     for b in engine.buckets:
         bstate = bucket_state(inner.state, b)
         if not bstate:
             continue
         keys = _per_element(bstate, b)
-        whole = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
-                     if engine.policy.shard_optimizer else bstate[k].detach()) for k in keys}
+        gathered = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
+                        if engine.policy.shard_optimizer else bstate[k].detach())
+                    for k in keys}
         for i, s in enumerate(b.slots):
             scalars = slot_scalars(inner.state, b, i)
             if s.user not in index or engine.group_of.get(s.names[0], 0) < 0 or (
@@ -78,12 +76,14 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
             for k, v in scalars.items():  # torch's key order: scalars (step) first
                 entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
             for k in keys:
-                v = b.slot_view(whole[k], i)
+                v = b.slot_view(gathered[k], i)
                 if engine.tp is not None:  # tp pieces joined, slot by slot on every rank
                     v = engine.tp.whole(s.param, v)
                 entry[k] = v.to("cpu", copy=True)
             state[index[s.user]] = entry
-        del whole
+        del gathered
+    if whole is not None:  # the whole-parameter groups' entries, from their owners
+        state.update(whole_state_dict(whole, inner, index, engine.device))
     return {"state": dict(sorted(state.items())), "param_groups": packed}
 
 
@@ -118,11 +118,11 @@ def load_torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         for k, v in s.items():
             if k != "params":
                 g[k] = copy.deepcopy(v)
+    held_whole = set(whole.owner) if whole is not None else set()
+    for b in engine.buckets:  # the whole-parameter groups' state: on its owners, below
+        _load_bucket(engine, inner, b, by_param, held_whole)
     if whole is not None:
         load_whole_state(whole, inner, by_param)
-        return
-    for b in engine.buckets:
-        _load_bucket(engine, inner, b, by_param)
 
 
 def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
@@ -134,13 +134,13 @@ def _is_per_element(k: str, v: Any, shape: torch.Size) -> bool:
 
 
 def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
-                 by_param: dict[torch.Tensor, Any]) -> None:
+                 by_param: dict[torch.Tensor, Any], held_whole: set) -> None:
     values: dict[str, Any] = {}
     scalars: list[dict[str, Any] | None] = []
     group = _inner_group(inner, b)
     on_device = bool(group and (group.get("capturable") or group.get("fused")))
     for s in b.slots:
-        st = by_param.get(s.user)
+        st = by_param.get(s.user) if s not in held_whole else None
         if not st:  # never stepped: no state, as in torch
             scalars.append(None)
             continue

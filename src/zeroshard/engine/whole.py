@@ -51,6 +51,7 @@ from .flat import FlatBucket, FlatParam
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .optimizer_spec import WholePlan
 
 __all__ = ["WholeUpdates", "assign_owners", "newton_schulz_cost", "numel_cost", "whole_updates"]
 
@@ -90,8 +91,10 @@ class WholeUpdates:
     is not sharded, over this rank alone."""
 
     def __init__(self, buckets: list[FlatBucket], slots: set[FlatParam], comm: Comm,
-                 sharded: bool, cost: Cost) -> None:
+                 sharded: bool, cost: Cost, per_bucket: bool = True) -> None:
         self.comm = comm
+        self.per_bucket = per_bucket  # see step()
+        self.groups: frozenset[int] = frozenset()  # the user's groups stepped whole
         self.size = comm.size if sharded else 1
         self.rank = comm.rank if sharded else 0
         self.cost = cost
@@ -129,19 +132,27 @@ class WholeUpdates:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer,
              unused: dict[FlatBucket, set[int]]) -> None:
-        """Steps every whole-owned parameter (see [Note: whole-parameter updates]);
-        ``unused``: per bucket, slots no rank produced a gradient for (skipped, as torch
-        skips a parameter whose grad is None).
+        """Steps every whole-owned parameter (see [Note: whole-parameter updates]) —
+        and, in the same ``optimizer.step()``, the flat chunks of any elementwise groups
+        (a mixed optimizer); ``unused``: per bucket, slots no rank produced a gradient for
+        (skipped, as torch skips a parameter whose grad is None).
 
-        Buckets are pipelined one deep: the next bucket's rows are on their way to the
-        owners while this one steps, and this one's new rows go back while the next
-        steps, so a rank with less work in one bucket gets on with the next instead of
-        waiting for the slowest owner of each (the owners are balanced over the whole
-        model, not per bucket). Every rank posts the exchanges in the same order."""
+        With ``per_bucket`` (an optimizer known to keep no state beyond each parameter's:
+        torch's Muon and Adafactor), the optimizer steps once per bucket, pipelined one
+        deep: the next bucket's rows travel to the owners while this one steps, and this
+        one's new rows go back while the next steps; a rank with less work in one bucket
+        gets on with the next (the owners are balanced over the whole model, not per
+        bucket), and the owner holds one bucket's whole parameters at a time. Otherwise
+        (a user's optimizer, which may count its steps per group) it steps once, over
+        every bucket's whole parameters. Every rank posts the exchanges in one order."""
         self.started = True
+        if not self.per_bucket:
+            self._step_once(optimizer, unused)
+            return
         if self.size == 1:
             for b, slots in self.plans:
-                self._step_local(optimizer, b, slots, unused.get(b, set()))
+                self._hold_local(b, slots, unused.get(b, set()))
+                self._run(optimizer, slots)
             return
         inbound = self._send_rows(*self.plans[0]) if self.plans else None
         outbound = None
@@ -149,24 +160,39 @@ class WholeUpdates:
             arrived = inbound
             if k + 1 < len(self.plans):
                 inbound = self._send_rows(*self.plans[k + 1])
-            values = self._step_owned(optimizer, b, slots, arrived, unused.get(b, set()))
+            values = self._hold_owned(b, slots, arrived, unused.get(b, set()))
+            self._run(optimizer, slots)
             if outbound is not None:
                 self._take_rows(*outbound)
             outbound = self._return_rows(b, slots, values)
         if outbound is not None:
             self._take_rows(*outbound)
 
-    def _step_local(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
-                    slots: list[FlatParam], skip: set[int]) -> None:
-        """Whole masters and gradients on this rank: step them in place."""
+    def _step_once(self, optimizer: torch.optim.Optimizer,
+                   unused: dict[FlatBucket, set[int]]) -> None:
+        """Every bucket's rows to the owners, one ``optimizer.step()``, rows back."""
+        if self.size == 1:
+            for b, slots in self.plans:
+                self._hold_local(b, slots, unused.get(b, set()))
+            self._run(optimizer, [s for _, ss in self.plans for s in ss], always=True)
+            return
+        inbound = [self._send_rows(b, slots) for b, slots in self.plans]
+        values = [self._hold_owned(b, slots, arrived, unused.get(b, set()))
+                  for (b, slots), arrived in zip(self.plans, inbound)]
+        self._run(optimizer, [s for _, ss in self.plans for s in ss], always=True)
+        outbound = [self._return_rows(b, slots, v) for (b, slots), v in zip(self.plans, values)]
+        for out in outbound:
+            self._take_rows(*out)
+
+    def _hold_local(self, b: FlatBucket, slots: list[FlatParam], skip: set[int]) -> None:
+        """Whole masters and gradients on this rank: the tensors view them (the step
+        updates them in place)."""
         for s in slots:
             t = self.tensors[s]
             t.data = b.master_range(s.shard_offset, s.shard_offset + s.numel).view(s.shape)
             g = b.master_grad
             t.grad = (None if g is None or s.index in skip
                       else g[s.shard_offset : s.shard_offset + s.numel].view(s.shape))
-        self._run(optimizer, [s for s in slots if self.tensors[s].grad is not None])
-        self._release(slots)
 
     def _by_owner(self, slots: list[FlatParam]) -> list[list[FlatParam]]:
         return [[s for s in slots if self.owner[s] == q] for q in range(self.size)]
@@ -192,11 +218,12 @@ class WholeUpdates:
             total=2 * sum(s.numel for s in slots), phase="step", async_op=True)
         return pending, in_splits
 
-    def _step_owned(self, optimizer: torch.optim.Optimizer, b: FlatBucket,
-                    slots: list[FlatParam], arrived: tuple[Pending, list[int]],
-                    skip: set[int]) -> dict[FlatParam, torch.Tensor]:
+    def _hold_owned(self, b: FlatBucket, slots: list[FlatParam],
+                    arrived: tuple[Pending, list[int]], skip: set[int]
+                    ) -> dict[FlatParam, torch.Tensor]:
         """Assemble the owned parameters' whole master and gradient from every rank's
-        rows (rank order is row order) and step them; their new values."""
+        rows (rank order is row order) into the tensors the optimizer steps; their
+        values (what goes back)."""
         mine = [s for s in slots if self.owner[s] == self.rank]
         out = arrived[0].wait()
         dtype, device = b.master_dtype, b.master_device
@@ -210,14 +237,11 @@ class WholeUpdates:
                 values[s][lo:hi].copy_(out[at : at + k])
                 grads[s][lo:hi].copy_(out[at + k : at + 2 * k])
                 at += 2 * k
-        del out
         for s in mine:
             t = self.tensors[s]
             t.data = values[s].view(s.shape)
             t.grad = (None if s.index in skip or b.master_grad is None
                       else grads[s].view(s.shape))
-        self._run(optimizer, [s for s in mine if self.tensors[s].grad is not None])
-        self._release(mine)
         return values
 
     def _return_rows(self, b: FlatBucket, slots: list[FlatParam],
@@ -247,12 +271,16 @@ class WholeUpdates:
                 b.master_range(lo, hi).copy_(got[at : at + hi - lo])
                 at += hi - lo
 
-    def _run(self, optimizer: torch.optim.Optimizer, stepped: list[FlatParam]) -> None:
-        """One step of the user's optimizer over the tensors that now hold values and
-        gradients (the others have none: torch skips them)."""
-        if stepped:
+    def _run(self, optimizer: torch.optim.Optimizer, slots: list[FlatParam],
+             always: bool = False) -> None:
+        """One ``optimizer.step()`` over the tensors of ``slots`` this rank holds with a
+        gradient (torch skips the others), then let go of them. ``always``: step even
+        with none of them (a mixed optimizer's flat chunks step in the same call)."""
+        held = [s for s in slots if s in self.tensors and self.tensors[s].grad is not None]
+        if held or always:
             optimizer.step()
-            self.work_done += [s.shape for s in stepped]
+            self.work_done += [s.shape for s in held]
+        self._release(slots)
 
     def _release(self, slots: list[FlatParam]) -> None:
         for s in slots:
@@ -273,9 +301,10 @@ def _cat(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -
             else torch.empty(0, dtype=dtype, device=device))
 
 
-def whole_updates(engine: Engine, group_of: dict[str, int], kind: str) -> WholeUpdates:
-    """The owner step for every parameter the optimizer steps (``group_of`` >= 0), with
-    the cost ``kind`` (optimizer_spec.whole_kind); refuses what it does not support yet."""
+def whole_updates(engine: Engine, group_of: dict[str, int], plan: WholePlan
+                  ) -> WholeUpdates:
+    """The owner step for the parameters of the whole-parameter groups of ``plan``
+    (optimizer_spec.whole_plan); refuses what it does not support yet."""
     if engine.tp is not None:
         raise NotImplementedError(
             "a whole-parameter optimizer (Muon, Adafactor, whole_params=True) with tensor "
@@ -286,7 +315,11 @@ def whole_updates(engine: Engine, group_of: dict[str, int], kind: str) -> WholeU
         raise NotImplementedError(
             "a whole-parameter optimizer (Muon, Adafactor, whole_params=True) with offload= "
             "is not supported yet: drop offload=, or use an elementwise optimizer (AdamW)")
-    slots = {s for b in engine.buckets for s in b.slots if group_of.get(s.names[0], 0) >= 0}
-    cost = newton_schulz_cost if kind == "newton_schulz" else numel_cost
-    return WholeUpdates(engine.buckets, slots, engine.comm,
-                        sharded=engine.policy.shard_optimizer, cost=cost)
+    slots = {s for b in engine.buckets for s in b.slots
+             if group_of.get(s.names[0], 0) in plan.groups}
+    cost = newton_schulz_cost if plan.cost == "newton_schulz" else numel_cost
+    whole = WholeUpdates(engine.buckets, slots, engine.comm,
+                         sharded=engine.policy.shard_optimizer, cost=cost,
+                         per_bucket=plan.per_bucket)
+    whole.groups = plan.groups
+    return whole
