@@ -222,34 +222,37 @@ def _sent_away(whole) -> int:
     return out
 
 
-def _world2(rank: int, world: int) -> dict:
-    out: dict = {}
-    for opt in OPTIMIZERS:
-        out[opt] = {"ddp": _ddp(rank, world, opt)}
-        for stage in range(4):
-            r = _train(rank, world, stage, opt)
-            whole = r["whole"]
-            out[opt][stage] = {"weights": r["weights"], "state": r["state"],
-                               "work": [tuple(x) for x in whole.work_done] if whole else [],
-                               "optim_bytes": r["optim_bytes"],
-                               "a2a": (r["a2a"], _sent_away(whole) if stage and whole else 0)}
-    # a resume at another stage: 3 steps at stage 3, then 2 at stage 1 from its state
-    first = _train(rank, world, 3, "muon", steps=3)
-    model = make_model(PRESET, seed=7)
-    model.load_state_dict(first["weights"])
-    rest = _train(rank, world, 1, "muon", steps=2, model=model, state=first["state"], skip=3)
-    out["resumed"] = rest["weights"]
+def _world2(rank: int, world: int, opt: str) -> dict:
+    """DDP and stages 0-3 with ``opt``, 5 steps each."""
+    out: dict = {"ddp": _ddp(rank, world, opt)}
+    for stage in range(4):
+        r = _train(rank, world, stage, opt)
+        whole = r["whole"]
+        out[stage] = {"weights": r["weights"], "state": r["state"],
+                      "work": [tuple(x) for x in whole.work_done] if whole else [],
+                      "optim_bytes": r["optim_bytes"],
+                      "a2a": (r["a2a"], _sent_away(whole) if stage and whole else 0)}
     return out
 
 
 @functools.cache
-def _results2() -> list[dict]:
-    return run_ranks(_world2, 2, timeout=600)
+def _results2(opt: str) -> list[dict]:
+    """Per rank, ``_world2``'s results (one run per optimizer, shared by the tests)."""
+    return run_ranks(_world2, 2, opt, timeout=600)
+
+
+def _resumed(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """3 steps at stage 3, then 2 at stage 1 from its torch-format state."""
+    first = _train(rank, world, 3, "muon", steps=3)
+    model = make_model(PRESET, seed=7)
+    model.load_state_dict(first["weights"])
+    rest = _train(rank, world, 1, "muon", steps=2, model=model, state=first["state"], skip=3)
+    return rest["weights"]
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_world2_every_stage_equals_ddp_bitwise(opt: str) -> None:
-    out = _results2()[0][opt]
+    out = _results2(opt)[0]
     ref = out["ddp"]
     for stage in range(4):
         got = out[stage]
@@ -265,17 +268,17 @@ def test_world2_every_stage_equals_ddp_bitwise(opt: str) -> None:
 
 
 def test_resume_at_another_stage_continues_the_run() -> None:
-    out = _results2()[0]
-    for name, w in out["muon"]["ddp"]["weights"].items():
-        assert torch.equal(out["resumed"][name], w), name
+    resumed = run_ranks(_resumed, 2, timeout=300)[0]
+    for name, w in _results2("muon")[0]["ddp"]["weights"].items():
+        assert torch.equal(resumed[name], w), name
 
 
 def test_newton_schulz_work_is_split_between_the_ranks() -> None:
     """Each matrix orthogonalised once in the job; per rank <= 1/N + one largest."""
-    ranks = _results2()
+    ranks = _results2("muon")
     shapes = [tuple(p.shape) for p in make_model(PRESET).parameters() if p.ndim == 2]
     for stage in (1, 2, 3):
-        done = [r["muon"][stage]["work"] for r in ranks]
+        done = [r[stage]["work"] for r in ranks]
         every = sorted(s for d in done for s in d)
         assert every == sorted(shapes * STEPS), stage  # each once per step, on one rank
         costs = [newton_schulz_cost(torch.Size(s)) for s in shapes]
@@ -283,29 +286,29 @@ def test_newton_schulz_work_is_split_between_the_ranks() -> None:
             mine = sum(newton_schulz_cost(torch.Size(s)) for s in d) / STEPS
             assert mine <= sum(costs) / 2 + max(costs), (stage, mine, sum(costs))
     # stage 0 (unsharded optimizer) is DDP's: every rank does all of it
-    assert len(ranks[0]["muon"][0]["work"]) == len(shapes) * STEPS
+    assert len(ranks[0][0]["work"]) == len(shapes) * STEPS
 
 
 def test_optimizer_state_bytes_are_split_between_the_ranks() -> None:
     """The tracker's optimizer bytes beyond the masters (Muon's momentum): per rank
     <= 1/N of DDP's plus one largest matrix; together exactly DDP's."""
-    ranks = _results2()
+    ranks = _results2("muon")
     shapes = [p.shape for p in make_model(PRESET).parameters() if p.ndim == 2]
     whole, largest = 4 * sum(s.numel() for s in shapes), 4 * max(s.numel() for s in shapes)
     for stage in (1, 2, 3):
-        mine = [r["muon"][stage]["optim_bytes"] for r in ranks]
+        mine = [r[stage]["optim_bytes"] for r in ranks]
         assert sum(mine) == whole, (stage, mine, whole)
         assert max(mine) <= whole / 2 + largest, (stage, mine)
-    assert ranks[0]["muon"][0]["optim_bytes"] == whole  # stage 0: DDP's, on every rank
+    assert ranks[0][0]["optim_bytes"] == whole  # stage 0: DDP's, on every rank
 
 
 def test_all_to_all_bytes_are_the_owner_schemes() -> None:
-    for r in _results2():
-        for opt in WHOLE:
+    for opt in WHOLE:
+        for r in _results2(opt):
             for stage in (1, 2, 3):
-                got, want = r[opt][stage]["a2a"]
+                got, want = r[stage]["a2a"]
                 assert got == want > 0, (opt, stage, got, want)
-            assert r[opt][0]["a2a"] == (0, 0)  # stage 0: no exchange
+            assert r[0]["a2a"] == (0, 0)  # stage 0: no exchange
 
 
 def _replay(opt: str, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -447,7 +450,7 @@ def _dcp(rank: int, world: int, root: str) -> dict:
 def test_dcp_get_state_dict_resume_at_another_stage() -> None:
     with tempfile.TemporaryDirectory() as root:
         ranks = run_ranks(_dcp, 2, root, timeout=300)
-    want = _results2()[0]["muon"]["ddp"]["weights"]  # the uninterrupted run (DDP's)
+    want = _results2("muon")[0]["ddp"]["weights"]  # the uninterrupted run (DDP's)
     for name, w in want.items():
         assert torch.equal(ranks[0]["weights"][name], w), name
     assert all(r["owned"] > 0 for r in ranks)
