@@ -456,6 +456,46 @@ def test_dcp_get_state_dict_resume_at_another_stage() -> None:
     assert all(r["owned"] > 0 for r in ranks)
 
 
+def _joined(rank: int, world: int) -> dict:
+    """Uneven data under zeroshard.join: rank 1 runs out after 2 batches, rank 0 has 3;
+    rank 1 shadows the third step (its all-to-alls included)."""
+    model = make_model(PRESET)
+    model, optim = zeroshard.shard(model, _muon(model), stage=2)
+    grads = _owner_grads(optim)
+    data = loader(PRESET, rank, world)
+    batches = [next(data) for _ in range(3 if rank == 0 else 2)]
+    with zeroshard.join(model, optim):
+        for x, y in batches:
+            loss_of(model, x, y).backward()
+            optim.step()
+            optim.zero_grad()
+            grads.append({})
+    # rank 1's third record is its shadow step's, made on leaving the context
+    return {"weights": zeroshard.full_state_dict(model), "grads": grads[:3],
+            "last": batches[-1] if rank == 0 else None}
+
+
+def test_uneven_inputs_under_join_step_the_active_ranks_gradient() -> None:
+    ranks = run_ranks(_joined, 2, timeout=300)
+    steps = [{} for _ in range(3)]
+    for r in ranks:
+        for i, g in enumerate(r["grads"]):
+            steps[i].update(g)
+    # the third step: rank 0's batch alone (zeroshard.join averages over ranks with data)
+    model = make_model(PRESET)
+    model.load_state_dict(_replay("muon", steps[:2]))
+    x, y = ranks[0]["last"]
+    loss_of(model, x, y).backward()
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            err = ((steps[2][name] - p.grad).abs().max() / p.grad.abs().max()).item()
+            assert err < 1e-6, (name, err)
+    want = _replay("muon", steps)
+    for name, w in want.items():
+        assert torch.equal(ranks[0]["weights"][name], w), name
+        assert torch.equal(ranks[1]["weights"][name], w), name
+
+
 def _two_matrices() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(),
