@@ -613,6 +613,24 @@ def _with_tp(rank: int, world: int) -> str:
     return "accepted"
 
 
+def _muon_on_norms(rank: int, world: int) -> str:
+    model = make_model(PRESET)
+    try:
+        zeroshard.shard(model, torch.optim.Muon, lr=0.02, stage=2)  # every parameter
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_muon_given_1d_parameters_fails_alike_on_every_rank() -> None:
+    """Torch's Muon refuses a 1-D parameter at construction; zeroshard builds it over
+    every whole parameter first, so each rank raises (not only the norms' owners, which
+    would leave the others waiting in a collective), naming them and the fix."""
+    for msg in run_ranks(_muon_on_norms, 2, timeout=120):
+        assert "Muon only supports 2D parameters" in msg, msg
+        assert "norm_f.weight" in msg and "use_muon=False" in msg, msg
+
+
 def test_tensor_parallelism_is_refused_clearly() -> None:
     for msg in run_ranks(_with_tp, 2, timeout=120):
         assert "with tensor parallelism is not supported" in msg, msg

@@ -406,22 +406,17 @@ def _build_inner(engine: Engine, spec: OptimizerSpec,
     """The torch optimizer over this rank's master chunks (or, for a whole-parameter
     optimizer, the whole parameters this rank owns), one group per user group."""
     groups = engine.optimizer_groups(spec.options)  # the flat chunks of every group
-    if whole is not None:  # ... the whole-parameter groups hold this rank's owned tensors
+    if whole is not None:
+        # Built once over every whole parameter first (shaped placeholders, no memory), so
+        # that a constructor refusing one (torch's Muon: a 1-D parameter) fails on every
+        # rank alike, not only on its owner while the others go on to the collectives.
+        probe = whole.optimizer_groups(spec.groups, spec.options, every=True)
+        _construct(spec, [probe[i] if i in whole.groups else g for i, g in enumerate(groups)],
+                   whole)
+        # ... the whole-parameter groups hold this rank's owned tensors
         owned = whole.optimizer_groups(spec.groups, spec.options)
         groups = [owned[i] if i in whole.groups else g for i, g in enumerate(groups)]
-    if len(groups) == 1 and spec.instance is None and not spec.options[0]:
-        params: Any = groups[0]["params"]  # a factory may expect a flat list of tensors
-    else:
-        params = groups
-    try:
-        inner = spec.factory(params, **spec.kwargs)
-    except (ValueError, TypeError) as e:
-        if whole is not None or isinstance(spec.factory, type):
-            raise
-        raise ValueError(
-            f"the optimizer factory failed on zeroshard's flat (1-D) master chunks: {e}. An "
-            "optimizer whose update needs whole parameters (Muon, Adafactor) must be passed "
-            "as a class or an instance, or with whole_params=True") from e
+    inner = _construct(spec, groups, whole)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
@@ -436,6 +431,35 @@ def _build_inner(engine: Engine, spec: OptimizerSpec,
     if spec.defaults:
         inner.defaults.update(spec.defaults)
     return inner
+
+
+def _construct(spec: OptimizerSpec, groups: list[dict[str, Any]],
+               whole: WholeUpdates | None) -> Any:
+    """``spec.factory`` over ``groups``; its refusals explained."""
+    if len(groups) == 1 and spec.instance is None and not spec.options[0]:
+        params: Any = groups[0]["params"]  # a factory may expect a flat list of tensors
+    else:
+        params = groups
+    try:
+        return spec.factory(params, **spec.kwargs)
+    except (ValueError, TypeError) as e:
+        if whole is not None:
+            odd = [s.names[0] for s in whole.owner if len(s.shape) != 2]
+            if odd and "2D" in str(e):
+                raise ValueError(
+                    f"{e}: {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} "
+                    f"({len(odd)} parameter(s) not 2-D) are in the optimizer's whole-"
+                    "parameter groups. Give Muon the 2-D parameters only "
+                    "(torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])), "
+                    "or one optimizer with AdamW groups for the rest (use_muon=False; "
+                    "docs/optimizers.md)") from e
+            raise
+        if isinstance(spec.factory, type):
+            raise
+        raise ValueError(
+            f"the optimizer factory failed on zeroshard's flat (1-D) master chunks: {e}. An "
+            "optimizer whose update needs whole parameters (Muon, Adafactor) must be passed "
+            "as a class or an instance, or with whole_params=True") from e
 
 
 def _user_groups(engine: Engine, spec: OptimizerSpec,

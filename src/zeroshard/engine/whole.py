@@ -112,12 +112,14 @@ class WholeUpdates:
         self.started = False  # stepped (or loaded) once: see whole_state.whole_state_view
 
     # -- what the optimizer is built over ------------------------------------------------
-    def optimizer_groups(self, groups: list[list[str]], options: list[dict[str, Any]]
-                         ) -> list[dict[str, Any]]:
+    def optimizer_groups(self, groups: list[list[str]], options: list[dict[str, Any]],
+                         every: bool = False) -> list[dict[str, Any]]:
         """Torch param-group dicts: group i's owned tensors with ``options[i]`` (every
-        group on every rank, empty where this rank owns none of its parameters)."""
-        by_name = {n: s for s in self.tensors for n in s.names}
-        return [{**opts, "params": [self.tensors[by_name[n]] for n in names if n in by_name]}
+        group on every rank, empty where this rank owns none of its parameters).
+        ``every``: placeholders for every whole parameter instead (a probe build)."""
+        tensors = ({s: _placeholder(s) for s in self.owner} if every else self.tensors)
+        by_name = {n: s for s in tensors for n in s.names}
+        return [{**opts, "params": [tensors[by_name[n]] for n in names if n in by_name]}
                 for names, opts in zip(groups, options)]
 
     def balance(self) -> dict[str, list[int]]:
