@@ -5,9 +5,10 @@ The wrapped (inner) optimizer sees 1-D fp32 tensors: each bucket's master (the r
 slice, or the whole bucket at stage 0) in chunks (see [Note: optimizer chunks]), so any
 optimizer whose update is elementwise — AdamW, Adam, SGD with momentum, Adagrad,
 RMSprop, Lion-style — works unchanged and matches the unsharded update. Optimizers whose
-update mixes elements of a parameter (a per-tensor norm, a factored or matrix
-preconditioner) would see flat slices instead of tensors and silently compute something
-else, so the ones we can detect are refused.
+update mixes elements of a parameter (Muon's orthogonalisation, a factored or matrix
+preconditioner, a per-tensor norm) would see flat slices and silently compute something
+else: their parameters are stepped whole, each by one owner rank (``whole``, see [Note:
+whole-parameter updates] in whole.py), and the ones we cannot recognise are refused.
 
 What the user sees (see [Note: optimizer groups] in optimizer_spec.py): ``param_groups``
 hold the model's parameters in the user's groups; hyperparameters set on them (a
