@@ -98,9 +98,7 @@ def whole_plan(optimizer: Any, options: list[dict[str, Any]],
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     is_class = isinstance(optimizer, type | torch.optim.Optimizer)
     if is_class:
-        for name, why in _REFUSED.items():
-            if any(k.__name__ == name for k in cls.__mro__):
-                raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
+        _refuse(cls)
         known = _WHOLE.get((cls.__module__, cls.__qualname__))
         if known is not None:
             return WholePlan(frozenset(range(len(options))), known, True)
@@ -124,14 +122,19 @@ def whole_kind(optimizer: Any) -> str | None:
     return _WHOLE.get((cls.__module__, cls.__qualname__))
 
 
+def _refuse(cls: type) -> None:
+    """The refused optimizers (and their subclasses), each with its reason."""
+    for name, why in _REFUSED.items():
+        if any(k.__name__ == name for k in cls.__mro__):
+            raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer | type) -> None:
     """Refuse a class whose name says its update needs whole tensors (not known to us,
     and ``whole_params`` not given): the flat path would silently compute something
     else."""
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    for name, why in _REFUSED.items():
-        if any(k.__name__ == name for k in cls.__mro__):
-            raise ValueError(f"optimizer {cls.__name__} cannot be sharded: {why}")
+    _refuse(cls)
     for bad in _NOT_ELEMENTWISE:
         if bad.lower() in cls.__name__.lower():
             raise ValueError(

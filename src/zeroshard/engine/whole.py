@@ -91,10 +91,11 @@ class WholeUpdates:
     is not sharded, over this rank alone."""
 
     def __init__(self, buckets: list[FlatBucket], slots: set[FlatParam], comm: Comm,
-                 sharded: bool, cost: Cost, per_bucket: bool = True) -> None:
+                 sharded: bool, cost: Cost, per_bucket: bool = True,
+                 groups: frozenset[int] = frozenset()) -> None:
         self.comm = comm
         self.per_bucket = per_bucket  # see step()
-        self.groups: frozenset[int] = frozenset()  # the user's groups stepped whole
+        self.groups = groups  # the user's groups stepped whole
         self.size = comm.size if sharded else 1
         self.rank = comm.rank if sharded else 0
         self.cost = cost
@@ -103,6 +104,8 @@ class WholeUpdates:
         every = [s for _, ss in self.plans for s in ss]
         owners = assign_owners([s.shape for s in every], self.size, cost)
         self.owner: dict[FlatParam, int] = dict(zip(every, owners))
+        self.to_owner = {b: [[s for s in ss if self.owner[s] == q] for q in range(self.size)]
+                         for b, ss in self.plans}
         # What the torch optimizer holds for each parameter this rank owns: shaped like
         # it (Muon checks ndim at construction) but holding no memory between steps.
         self.tensors: dict[FlatParam, nn.Parameter] = {
@@ -196,15 +199,16 @@ class WholeUpdates:
             t.grad = (None if g is None or s.index in skip
                       else g[s.shard_offset : s.shard_offset + s.numel].view(s.shape))
 
-    def _by_owner(self, slots: list[FlatParam]) -> list[list[FlatParam]]:
-        return [[s for s in slots if self.owner[s] == q] for q in range(self.size)]
+    def _by_owner(self, b: FlatBucket) -> list[list[FlatParam]]:
+        """Per rank q, the bucket's whole parameters q owns (fixed at construction)."""
+        return self.to_owner[b]
 
     def _send_rows(self, b: FlatBucket, slots: list[FlatParam]) -> tuple[Pending, list[int]]:
         """Start sending this rank's rows of master and gradient to their owners."""
         n, me = self.size, self.rank
         dtype, device, grad = b.master_dtype, b.master_device, b.master_grad
         send = []
-        for group in self._by_owner(slots):
+        for group in self._by_owner(b):
             for s in group:
                 lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
                 send.append(b.master_range(lo, hi))
@@ -212,7 +216,7 @@ class WholeUpdates:
                             else torch.zeros(hi - lo, dtype=dtype, device=device))
         mine = [s for s in slots if self.owner[s] == me]
         in_splits = [sum(2 * s.rows_of(me) * s.row for s in group)
-                     for group in self._by_owner(slots)]
+                     for group in self._by_owner(b)]
         out_splits = [sum(2 * s.rows_of(r) * s.row for s in mine) for r in range(n)]
         out = torch.empty(sum(out_splits), dtype=dtype, device=device)
         pending = self.comm.all_to_all(
@@ -255,7 +259,7 @@ class WholeUpdates:
         dtype, device = b.master_dtype, b.master_device
         back = [values[s][slice(*s.piece(r))] for r in range(n) for s in mine]
         out_splits = [sum(s.rows_of(me) * s.row for s in group)
-                      for group in self._by_owner(slots)]
+                      for group in self._by_owner(b)]
         in_splits = [sum(s.rows_of(r) * s.row for s in mine) for r in range(n)]
         got = torch.empty(sum(out_splits), dtype=dtype, device=device)
         pending = self.comm.all_to_all(got, _cat(back, dtype, device), out_splits, in_splits,
@@ -267,7 +271,7 @@ class WholeUpdates:
         """This rank's rows of the new values, into its masters."""
         got = pending.wait()
         at = 0
-        for group in self._by_owner(slots):
+        for group in self._by_owner(b):
             for s in group:
                 lo, hi = s.shard_offset, s.shard_offset + s.rows_of(self.rank) * s.row
                 b.master_range(lo, hi).copy_(got[at : at + hi - lo])
@@ -320,8 +324,6 @@ def whole_updates(engine: Engine, group_of: dict[str, int], plan: WholePlan
     slots = {s for b in engine.buckets for s in b.slots
              if group_of.get(s.names[0], 0) in plan.groups}
     cost = newton_schulz_cost if plan.cost == "newton_schulz" else numel_cost
-    whole = WholeUpdates(engine.buckets, slots, engine.comm,
-                         sharded=engine.policy.shard_optimizer, cost=cost,
-                         per_bucket=plan.per_bucket)
-    whole.groups = plan.groups
-    return whole
+    return WholeUpdates(engine.buckets, slots, engine.comm,
+                        sharded=engine.policy.shard_optimizer, cost=cost,
+                        per_bucket=plan.per_bucket, groups=plan.groups)
