@@ -41,7 +41,8 @@ def test_gpu_check_dry_run_passes_every_part(tmp_path: Path, parts: list[str]) -
     if "parity" in by:
         assert len(by["parity"]["rows"]) == 11
     if "offload" in by:
-        assert all(r["bitwise_equal"] for r in by["offload"]["rows"])
+        checked = [r for r in by["offload"]["rows"] if not r["offload"].startswith("diag")]
+        assert len(checked) == 3 and all(r["bitwise_equal"] for r in checked)
     if "speed" in by:
         assert {r["config"] for r in by["speed"]["rows"]} == {
             "zeroshard s3 selective", "fsdp2 selective", "zeroshard s3 selective compiled",
@@ -56,3 +57,15 @@ def test_every_part_is_checked() -> None:
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert list(gpu_check.PARTS) == ALL_PARTS
+
+
+def test_gpu_profile_dry_run_profiles_both_systems(tmp_path: Path) -> None:
+    """benchmarks/gpu_profile.py (the speed part under torch.profiler) keeps working."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"),
+                           "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (tmp_path / "profile.txt").read_text()
+    assert "## zeroshard:" in text and "## fsdp2:" in text, text[:2000]
+    assert (tmp_path / "trace-zeroshard.json.gz").stat().st_size > 0
+    assert (tmp_path / "trace-fsdp2.json.gz").stat().st_size > 0

@@ -349,13 +349,10 @@ class BackwardPass:
         flags = self._flags
         if flags is None:
             flags = self._flags = torch.empty(n + len(self.buckets), device=self.device)
-        torch.cat([b.used for b in self.buckets], out=flags[:n])
-        if self.by_unit:
-            late = [float(any(leaf.grad is not None for s in b.slots for leaf in s.leaves))
-                    for b in self.buckets]
-            flags[n:].copy_(torch.tensor(late))
-        else:
-            flags[n:].zero_()
+        late = [float(self.by_unit and any(leaf.grad is not None for s in b.slots
+                                           for leaf in s.leaves)) for b in self.buckets]
+        # Built on the host (where the hooks wrote the flags), one copy to the device.
+        flags.copy_(torch.cat([b.used for b in self.buckets] + [torch.tensor(late)]))
         self.world.all_reduce(flags, phase="control", unit="used").wait()
         if is_fake(flags):  # a trace (memory/traced.py) reads no values: all were used
             for b in self.buckets:

@@ -174,7 +174,7 @@ class FlatBucket:
         self.ready = 0  # parameters whose gradient arrived this backward
         self.launched = False  # its reduction was started this backward
         self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
-        self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags
+        self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags (host)
         # slots no rank produced a gradient for in the last synchronised backward
         self.unused: set[int] = set()
 

@@ -223,7 +223,7 @@ class StepGrads:
         if flags is None:
             flags = self.used_flags = torch.empty(sum(len(b.slots) for b in self.buckets),
                                                   device=self.device)
-        torch.cat([b.used for b in self.buckets], out=flags)
+        flags.copy_(torch.cat([b.used for b in self.buckets]))  # host flags: one copy
         self.world.all_reduce(flags, phase="control", unit="used").wait()
         return flags
 

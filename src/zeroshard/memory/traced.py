@@ -109,10 +109,12 @@ class TraceError(RuntimeError):
 
 
 def lm_loss(model: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
-    """Next-token cross-entropy on random tokens (``model.config.vocab``), fp32 logits."""
+    """Next-token cross-entropy on random tokens (``model.config.vocab``), fp32 logits,
+    made on the model's device (a measured run on a GPU; fake tensors in a trace)."""
     vocab = model.config.vocab
-    x = torch.randint(0, vocab, (micro_batch, seq_len))
-    y = torch.randint(0, vocab, (micro_batch, seq_len))
+    dev = next(model.parameters()).device
+    x = torch.randint(0, vocab, (micro_batch, seq_len), device=dev)
+    y = torch.randint(0, vocab, (micro_batch, seq_len), device=dev)
     return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
 
