@@ -29,6 +29,7 @@ from _training import loader, loss_of, make_model
 
 import zeroshard
 from zeroshard.engine.whole import newton_schulz_cost
+from zeroshard.state.manifest import CheckpointError
 from zeroshard.testing import run_ranks
 
 PRESET = "llama-tiny"
@@ -571,7 +572,7 @@ def _refusals(rank: int, world: int, root: str) -> dict[str, str]:
     def attempt(name: str, fn) -> None:
         try:
             fn()
-        except (ValueError, TypeError, NotImplementedError) as e:
+        except (ValueError, TypeError, NotImplementedError, CheckpointError) as e:
             out[name] = f"{type(e).__name__}: {e}"
 
     m = make_model(PRESET)
@@ -589,13 +590,96 @@ def _refusals(rank: int, world: int, root: str) -> dict[str, str]:
                                             whole_params="yes"))
     model = make_model(PRESET)
     model, optim = zeroshard.shard(model, _muon(model), stage=2)
-    from zeroshard.state import full_optimizer_state, save_checkpoint
+    from zeroshard.state import load_checkpoint, save_checkpoint
 
-    attempt("save", lambda: save_checkpoint(Path(root) / "c", model, optim))
-    attempt("full_state", lambda: full_optimizer_state(model, optim))
-    save_checkpoint(Path(root) / "w", model)  # the weights alone are fine
-    out["weights_only"] = "ok"
+    save_checkpoint(Path(root) / "c", model, optim)
+    m3 = make_model(PRESET)
+    m3, adam = zeroshard.shard(m3, torch.optim.AdamW, stage=2)
+    attempt("flat_from_whole", lambda: load_checkpoint(Path(root) / "c", m3, adam))
+    m4 = make_model(PRESET)
+    m4, mixed = zeroshard.shard(m4, _mixed(m4), stage=2)
+    optim.step()  # (no gradients: nothing moves) a state to save: none yet, as in torch
+    save_checkpoint(Path(root) / "m", m4, mixed)
     return out
+
+
+def _ckpt(rank: int, world: int, root: str, opt: str) -> dict:
+    """zeroshard's own checkpoints: 3 steps at stage 3, save_checkpoint; load at stage 1
+    into a fresh model (owners re-assigned) and go on for 2 steps; DDP's 5 steps beside."""
+    from zeroshard.state import full_optimizer_state, load_checkpoint, save_checkpoint
+
+    first = _train(rank, world, 3, opt, steps=3)
+    save_checkpoint(Path(root) / "c", first["model"], first["optimizer"], extra={"step": 3})
+    full = full_optimizer_state(first["model"], first["optimizer"])
+    model = make_model(PRESET, seed=7)
+    optim = OPTIMIZERS[opt](model)
+    whole = {"whole_params": True} if opt == "trust" else {}
+    model, optim = zeroshard.shard(model, optim, stage=1, **whole)
+    assert load_checkpoint(Path(root) / "c", model, optim) == {"step": 3}
+    loaded = optim.state_dict()
+    data = loader(PRESET, rank, world)
+    for _ in range(3):
+        next(data)
+    for _ in range(STEPS - 3):
+        x, y = next(data)
+        loss_of(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+    names = {p: n for n, p in first["model"].named_parameters()}
+    order = [names[p] for g in first["optimizer"].param_groups for p in g["params"]]
+    return {"saved": first["state"], "loaded": loaded, "full": full, "order": order,
+            "weights": zeroshard.full_state_dict(model),
+            "ddp": _ddp(rank, world, opt)["weights"]}
+
+
+def _load_alone(rank: int, world: int, root: str, opt: str) -> dict:
+    """The world-2 checkpoint at world 1 (stage 0: every parameter owned here)."""
+    from zeroshard.state import load_checkpoint
+
+    model = make_model(PRESET, seed=9)
+    optim = OPTIMIZERS[opt](model)
+    whole = {"whole_params": True} if opt == "trust" else {}
+    model, optim = zeroshard.shard(model, optim, stage=0, **whole)
+    load_checkpoint(Path(root) / "c", model, optim)
+    return optim.state_dict()
+
+
+def _same_state(a: dict, b: dict) -> None:
+    def plain(groups: list[dict]) -> list[dict]:  # JSON (the export) keeps tuples as lists
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+                for g in groups]
+
+    assert plain(a["param_groups"]) == plain(b["param_groups"])
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, st in b["state"].items():
+        assert list(a["state"][i]) == list(st), i
+        for k, v in st.items():
+            got = a["state"][i][k]
+            assert torch.equal(got, v) if torch.is_tensor(v) else got == v, (i, k)
+
+
+@pytest.mark.parametrize("opt", ["muon", "adafactor", "mixed"])
+def test_zeroshard_checkpoints_resume_at_another_stage_and_world(opt: str) -> None:
+    """save_checkpoint / load_checkpoint with a whole-parameter optimizer: each owner
+    writes its parameters' state whole; a load at another stage (world 2) continues as
+    DDP's uninterrupted run bit for bit, and at world 1 holds torch's state; the
+    consolidating reader (Lightning's one-file export) gives torch's format too."""
+    from zeroshard.integrations.lightning_checkpoint import optimizer_state_dict
+    from zeroshard.state.consolidate import CheckpointReader
+
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_ranks(_ckpt, 2, root, opt, timeout=300)
+        alone = run_ranks(_load_alone, 1, root, opt, timeout=120)[0]
+        exported = optimizer_state_dict(CheckpointReader(Path(root) / "c"))
+    r = ranks[0]
+    for name, w in r["ddp"].items():
+        assert torch.equal(r["weights"][name], w), name
+    for got in (r["loaded"], alone, exported):
+        _same_state(got, r["saved"])
+    for i, st in r["saved"]["state"].items():  # full_optimizer_state: by name
+        for k, v in st.items():
+            got = r["full"][r["order"][i]][k]
+            assert torch.equal(got, v) if torch.is_tensor(v) else got == v
 
 
 def _with_tp(rank: int, world: int) -> str:
@@ -650,10 +734,7 @@ def _refused() -> dict[str, str]:
     ("factory", "flat (1-D) master chunks.*as a class or an instance"),
     ("offload", "NotImplementedError.*offload=.*drop offload="),
     ("flag", "whole_params='yes' must be True, False, or a function"),
-    ("save", "NotImplementedError.*do not hold the state of a whole-parameter optimizer "
-             "(Muon).*optimizer=None"),
-    ("full_state", "NotImplementedError.*whole-parameter optimizer"),
-    ("weights_only", "ok"),
+    ("flat_from_whole", "holds state of torch.optim.Muon.*AdamW.*optimizer=None"),
 ])
 def test_refusals_name_the_reason_and_the_fix(case: str, needle: str) -> None:
     msgs = _refused()

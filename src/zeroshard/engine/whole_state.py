@@ -17,7 +17,7 @@ import torch
 from ..comm import Comm
 from .whole import WholeUpdates
 
-__all__ = ["whole_state_dict", "load_whole_state", "whole_state_view"]
+__all__ = ["whole_state_dict", "whole_state_by_name", "load_whole_state", "whole_state_view"]
 
 
 def whole_state_dict(whole: WholeUpdates, inner: torch.optim.Optimizer,
@@ -37,6 +37,17 @@ def whole_state_dict(whole: WholeUpdates, inner: torch.optim.Optimizer,
     for part in _all_gather_objects(whole.comm, mine, device):
         out.update(part)
     return out
+
+
+def whole_state_by_name(whole: WholeUpdates, inner: torch.optim.Optimizer,
+                        device: torch.device) -> dict[str, dict[str, Any]]:
+    """``{canonical parameter name: state}`` of every stepped parameter, on every rank
+    (CPU copies; gathered from the owners where the optimizer is sharded)."""
+    names = {s.user: s.names[0] for s in whole.owner}
+    index = {user: i for i, user in enumerate(names)}
+    by_index = whole_state_dict(whole, inner, index, device)
+    users = list(names)
+    return {names[users[i]]: st for i, st in sorted(by_index.items())}
 
 
 def _all_gather_objects(comm: Comm, obj: Any, device: torch.device) -> list[Any]:

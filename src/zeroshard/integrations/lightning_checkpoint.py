@@ -77,9 +77,11 @@ def optimizer_state_dict(reader: Any) -> dict[str, Any] | None:
             info = optim["params"].get(name)
             if info is not None and name not in optim.get("unstepped", []):
                 entry = {k: _scalar(v) for k, v in info["scalars"].items()}
-                for k in info["per_element"]:
+                for k in [*info["per_element"], *info.get("tensors", ())]:
                     entry[k] = reader.optimizer_state(name, k)
-                state[index] = entry
+                # torch's key order (a whole-parameter optimizer's record keeps it)
+                order = info.get("state_keys", list(entry))
+                state[index] = {k: entry[k] for k in order if k in entry} | entry
             ids.append(index)
             index += 1
         groups.append({**hyper, "params": ids})

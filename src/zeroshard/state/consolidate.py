@@ -88,13 +88,17 @@ class CheckpointReader:
         return self.read(dcp_key, shape, dtype if dtype and stored.is_floating_point else stored)
 
     def optimizer_state(self, name: str, key: str) -> torch.Tensor:
-        """The whole per-element optimizer state ``key`` of parameter ``name``."""
+        """The whole optimizer state tensor ``key`` of parameter ``name``: per-element
+        state (shaped like the parameter) or a whole-parameter optimizer's (any shape:
+        Adafactor's row and column factors)."""
         name = self.alias_of.get(name, name)
         dcp_key = optim_key(name, key)
         md = self._meta.state_dict_metadata.get(dcp_key)
         if md is None:
             raise KeyError(f"no optimizer state {key!r} for {name!r} in {str(self.path)!r}")
-        return self.read(dcp_key, tuple(self.params[name]["shape"]), md.properties.dtype)
+        record = ((self.manifest.get("optimizer") or {}).get("params") or {}).get(name, {})
+        shape = md.size if record.get("whole") else self.params[name]["shape"]
+        return self.read(dcp_key, tuple(shape), md.properties.dtype)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
-from .layout import param_entries, refuse_whole
+from ..engine.whole_state import whole_state_by_name
+from .layout import param_entries
 
 __all__ = ["full_optimizer_state"]
 
@@ -32,7 +33,6 @@ def full_optimizer_state(model: nn.Module,
     differently, so their bucket orders differ).
     """
     engine = engine_of(model)
-    refuse_whole(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     out: dict[str, dict[str, Any]] = {}
     pieces: dict[str, list[str]] = {}  # each parameter's per-element keys
@@ -63,4 +63,8 @@ def full_optimizer_state(model: nn.Module,
             if engine.tp is not None:
                 v = engine.tp.whole(e.slot.param, v)
             out[e.name][k] = v.cpu().clone()
+    whole = getattr(optimizer, "whole", None)
+    if whole is not None:  # a whole-parameter optimizer's parameters, from their owners
+        out.update(whole_state_by_name(whole, inner, engine.device))
+        out = {e.name: out[e.name] for e in entries if e.name in out}  # torch's order
     return out

@@ -53,20 +53,7 @@ from ..engine.flat import FlatBucket, FlatParam
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
            "weights_view", "read_v1", "quiet", "global_ranks",
-           "checkpoint_group", "rng_table", "refuse_whole"]
-
-
-def refuse_whole(optimizer: Any) -> None:
-    """Checkpoints keep per-element state in the flat layout; a whole-parameter
-    optimizer's state (Muon's momentum) lives whole on each parameter's owner rank and
-    is not written yet: refuse rather than save or load without it."""
-    if getattr(optimizer, "whole", None) is not None:
-        raise NotImplementedError(
-            f"zeroshard checkpoints (save_checkpoint, load_checkpoint, "
-            f"full_optimizer_state) do not hold the state of a whole-parameter optimizer "
-            f"({type(optimizer.optim).__name__}) yet. Save optimizer.state_dict() (torch's "
-            "format, every rank calls it, rank 0 writes it) beside the weights, or pass "
-            "optimizer=None to save and load only the weights")
+           "checkpoint_group", "rng_table"]
 
 
 def global_ranks(group) -> list[int]:

@@ -24,6 +24,7 @@ from ..api import engine_of
 from ..engine.chunks import bucket_state, set_bucket_state
 from ..engine.engine import Engine
 from ..engine.units import UnitState
+from ..engine.whole_state import load_whole_state
 from . import rng
 from .compat import check_model, check_optimizer
 from .layout import (
@@ -34,7 +35,6 @@ from .layout import (
     optim_key,
     param_entries,
     read_v1,
-    refuse_whole,
     weights_view,
 )
 from .manifest import CheckpointError, read_manifest
@@ -61,8 +61,10 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
     targets: dict[str, Any] = {}
     scalars: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor, dict]] = []
     for b in engine.buckets:
-        # parameters never stepped have no state (as in torch): their slots get none
-        mine = [e for e in by_bucket.get(id(b), []) if e.name in states]
+        # parameters never stepped have no state (as in torch): their slots get none;
+        # a whole-parameter optimizer's are loaded by _prepare_whole
+        mine = [e for e in by_bucket.get(id(b), [])
+                if e.name in states and not states[e.name].get("whole")]
         if not mine:  # saved before the first step, or none of these ever stepped
             set_bucket_state(inner.state, b, {})
             continue
@@ -74,13 +76,55 @@ def _prepare_optim(engine: Engine, entries: list[ParamEntry], inner: torch.optim
             ok = isinstance(t, torch.Tensor) and t.shape == (b.shard_numel,)
             state[k] = t if ok else torch.zeros(b.shard_numel, dtype=b.master_dtype,
                                                 device=b.master_device)
-        group = next(g for g in inner.param_groups if any(p is b.chunks[0] for p in g["params"]))
+        # the group of the bucket's chunks the inner optimizer steps (with a mixed
+        # whole-parameter optimizer, some of its chunks belong to no inner group)
+        group = next(g for g in inner.param_groups
+                     if any(p is c for p in g["params"] for c in b.chunks))
         per_slot = {b.slots.index(e.slot): states[e.name]["scalars"] for e in mine}
         scalars.append((state, per_slot, b, group))
         for e in mine:
             for k in states[e.name]["per_element"]:
                 targets[optim_key(e.name, k)] = bucket_view(engine, e, state[k])
     return targets, scalars
+
+
+def _check_whole(info: dict[str, Any], whole: Any, path: Path) -> None:
+    """The checkpoint's whole-parameter state fits this optimizer's whole parameters."""
+    now = {s.names[0] for s in whole.owner} if whole is not None else set()
+    saved = {n for n, rec in info["params"].items() if rec.get("whole")}
+    flat = {n for n, rec in info["params"].items() if not rec.get("whole")}
+    odd = sorted((saved - now) | (flat & now))
+    if odd:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {len(odd)} parameter(s) were stepped whole when "
+            f"saved and are not now, or the other way round, e.g. {odd[0]!r}; build the "
+            "optimizer as when saving (the same class, groups and whole_params=), or pass "
+            "optimizer=None to load only the weights")
+
+
+def _prepare_whole(whole: Any, info: dict[str, Any], metadata: Any
+                   ) -> tuple[dict[str, torch.Tensor], dict[Any, dict[str, Any] | None]]:
+    """DCP targets for the state of the parameters this rank owns now (owners are
+    re-assigned at each world size), and each one's state, filled once DCP has read."""
+    targets: dict[str, torch.Tensor] = {}
+    by_param: dict[Any, dict[str, Any] | None] = {}
+    for s, t in whole.tensors.items():
+        rec = info["params"].get(s.names[0])
+        if rec is None or s.names[0] in info.get("unstepped", ()):
+            by_param[s.user] = None
+            continue
+        state: dict[str, Any] = {}
+        for k in rec["state_keys"]:
+            if k in rec["tensors"]:
+                md = metadata.state_dict_metadata[optim_key(s.names[0], k)]
+                state[k] = targets[optim_key(s.names[0], k)] = torch.empty(
+                    tuple(md.size), dtype=md.properties.dtype, device=t.device)
+            else:
+                v = rec["scalars"][k]
+                state[k] = (torch.tensor(v["value"], dtype=_dtype(v["dtype"])).reshape(
+                    v["shape"]) if "dtype" in v else v["value"])
+        by_param[s.user] = state
+    return targets, by_param
 
 
 def _set_scalars(inner: torch.optim.Optimizer, fixups: list) -> None:
@@ -131,7 +175,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     different model raises :class:`CheckpointError` listing the mismatched names/shapes.
     """
     engine = engine_of(model)
-    refuse_whole(optimizer)
     path = Path(path)
     manifest = read_manifest(path)
     entries = param_entries(engine)
@@ -150,9 +193,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if k not in pnames:
             sd[model_key(k)] = t.detach()
     fixups: list = []
+    whole = getattr(optimizer, "whole", None)
+    by_param: dict[Any, Any] = {}
     if info is not None:
+        _check_whole(info, whole, path)
         targets, fixups = _prepare_optim(engine, entries, inner, info, path)
         sd.update(targets)
+        if whole is not None:
+            targets, by_param = _prepare_whole(whole, info, metadata)
+            sd.update(targets)
     extra_keys = [k for k in metadata.state_dict_metadata if k.startswith("extra.")]
     rng_keys = [k for k in manifest["rng"]["rows"] if k in metadata.state_dict_metadata]
     loose: dict[str, torch.Tensor] = {}
@@ -177,6 +226,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     engine.refresh_weights(phase="state")
     if info is not None:
         _set_scalars(inner, fixups)
+        if whole is not None:
+            load_whole_state(whole, inner, by_param)
+            # the same on every rank (whole_state_view): whether anything was stepped
+            whole.started = any(rec.get("whole") for rec in info["params"].values())
         _set_groups(inner, info["param_groups"])
         if optimizer is not inner:  # the user's groups, which the next step copies inward
             _set_groups(optimizer, info["param_groups"])

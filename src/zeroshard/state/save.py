@@ -42,7 +42,6 @@ from .layout import (
     model_key,
     optim_key,
     param_entries,
-    refuse_whole,
     rng_table,
     weights_view,
 )
@@ -117,7 +116,8 @@ def _groups_json(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
                 v = v.item()
             if v is None or isinstance(v, (bool, int, float, str)):
                 out[k] = v
-            elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
+            elif isinstance(v, (tuple, list)) and all(
+                    x is None or isinstance(x, (int, float)) for x in v):  # Adafactor's eps
                 out[k] = list(v)
         groups.append(out)
     return groups
@@ -145,14 +145,16 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
     sd: dict[str, Any] = {}
     params, optim_params, unstepped = [], {}, []
     inner = _inner(optim) if optim is not None else None
+    whole = getattr(optim, "whole", None) if optim is not None else None
+    whole_slots = set(whole.owner) if whole is not None else set()
     for e in param_entries(engine):
         info: dict[str, Any] = {"name": e.name, "aliases": list(e.aliases), "shape": list(e.shape),
                                 "trainable": e.trainable, "offset": e.offset,
                                 "bucket": e.bucket.name if e.bucket is not None else None}
         sd[model_key(e.name)], info["dtype"] = _weights(engine, e)
         params.append(info)
-        if inner is None or not e.trainable:
-            continue
+        if inner is None or not e.trainable or e.slot in whole_slots:
+            continue  # (a whole-parameter optimizer's parameters: _whole_state, below)
         numel = e.bucket.shard_numel
         state = bucket_state(inner.state, e.bucket)
         own = slot_scalars(inner.state, e.bucket, e.bucket.slots.index(e.slot))
@@ -164,6 +166,15 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                                 "scalars": _scalars(own, numel, e.name)}
         for k in keys:
             sd[optim_key(e.name, k)] = bucket_view(engine, e, state[k])
+    if whole is not None:
+        records, tensors = _whole_state(engine, whole, inner)
+        sd.update(tensors)
+        for e in param_entries(engine):
+            if e.slot in whole_slots:
+                if e.name in records:
+                    optim_params[e.name] = records[e.name]
+                else:
+                    unstepped.append(e.name)
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = []
     # Buffers may differ across ranks (BatchNorm without SyncBatchNorm, between two
@@ -197,6 +208,34 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                          for e in param_entries(engine) if e.trainable}},
     }
     return sd, layout
+
+
+def _whole_state(engine: Engine, whole: Any, inner: torch.optim.Optimizer
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A whole-parameter optimizer's state (see [Note: whole-parameter updates]): each
+    owner writes its parameters' state tensors whole, as plain tensors under
+    ``optim.<name>.<key>`` (DCP keeps the one copy, so a load at another world size reads
+    them whatever rank now owns them); every rank learns every parameter's record (keys
+    and scalars) for the manifest: one small all-gather per save."""
+    records: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for s, t in whole.tensors.items():
+        st = inner.state.get(t)
+        if not st:  # never stepped, as in torch
+            continue
+        name = s.names[0]
+        big = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 1]
+        records[name] = {"whole": True, "state_keys": list(st), "per_element": [],
+                         "tensors": big, "scalars": _scalars(
+                             {k: v for k, v in st.items() if k not in big}, -1, name)}
+        tensors.update((optim_key(name, k), st[k].detach()) for k in big)
+    group, _, size, _, _ = checkpoint_group(engine)
+    if size > 1:
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, records, group=group)
+        for part in parts:
+            records.update(part)
+    return records, tensors
 
 
 def _weights(engine: Engine, e: ParamEntry) -> tuple[Any, str]:
@@ -238,7 +277,6 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
     """
     engine = engine_of(model)
-    refuse_whole(optimizer)
     path = Path(path)
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
