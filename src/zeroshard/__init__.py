@@ -9,6 +9,7 @@ from .comm import CollectiveError, CollectiveMismatch, CollectiveTimeout, CommLe
 from .config import ShardConfig
 from .engine.outside_unit import ParameterOutsideUnit
 from .gather import gathered, register_forward_method
+from .gathered_params import gathered_parameters
 from .join import join
 from .stream import stream_weights
 
@@ -35,6 +36,7 @@ __all__ = [
     "engine_of",
     "memory_tracker",
     "gathered",
+    "gathered_parameters",
     "register_forward_method",
     "stream_weights",
     "join",

@@ -384,7 +384,7 @@ class Engine:
     def reshard_all(self) -> None:
         """Free every gathered stage-3 unit, resident ones included (between steps; see
         ShardedModule.reshard)."""
-        self._between_steps("reshard()")
+        self.between_steps("reshard()")
         self.schedule.held.clear()
         self.schedule.idle.clear()
         self.schedule.reshard_all()
@@ -393,15 +393,15 @@ class Engine:
         """Gather ``units`` (in unit order) and keep them gathered until :meth:`release`
         (see [Note: resident units] in stage3.py); returns those newly held. Collective:
         every rank, the same units."""
-        self._between_steps("unshard()")
+        self.between_steps("unshard()")
         self.comm.sync_point("unshard", phase="forward")
         return self.schedule.hold([u for u in self.units if u in units], async_op=async_op)
 
     def release(self, units: list[Unit] | None = None) -> None:
-        self._between_steps("reshard()")
+        self.between_steps("reshard()")
         self.schedule.release(units)
 
-    def _between_steps(self, what: str) -> None:
+    def between_steps(self, what: str) -> None:
         if in_backward() or self.backward.queued:
             raise RuntimeError(f"{what} during a backward: zeroshard gathers and frees each "
                                "unit itself there; call it between steps")
