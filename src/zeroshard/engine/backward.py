@@ -148,6 +148,7 @@ class BackwardPass:
         backward and step) or with no backward after it must leave the gradients that
         ``clip_grad_norm_`` and the step read, as under DDP."""
         if self.faces.published:
+            self.grads.rebase()  # before the published .grad are dropped
             self.faces.unpublish(self.buckets)
 
     def queue_finish(self) -> None:
@@ -157,6 +158,8 @@ class BackwardPass:
 
     def on_grad(self, s: FlatParam, k: int, p: torch.Tensor) -> None:
         """Leaf ``k`` of parameter ``s`` (``p``) has its gradient (or a part of it)."""
+        if not self.queued:  # the backward's first gradient: nothing added to ours yet
+            self.grads.rebase()
         self.queue_finish()
         b, i = s.bucket, s.index
         b.used[i] = 1.0

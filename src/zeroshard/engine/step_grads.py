@@ -100,6 +100,42 @@ class StepGrads:
                 b.used[i] = 1.0  # stepped, as torch steps a parameter with a .grad
                 self.faces.publish_slot(b, i)
 
+    def rebase(self) -> None:
+        """As a backward begins after another (no ``zero_grad`` between): the next one must
+        add to the gradients as the user left them.
+
+        [Note: gradients edited between backwards]
+        Under torch, ``p.grad = None`` between two backwards makes the second one start
+        ``p``'s gradient afresh, ``p.grad = p.grad * 0.5`` or ``p.grad.mul_(0.5)`` makes it
+        add to the halved one — what one optimizer's ``zero_grad()`` does when several
+        share a model (a GAN's generator and discriminator), or a script scaling the
+        gradients of the first micro-batches. The engine's backward adds into its own
+        accumulator (the reduced slices, or stage 0's whole buffer), which still held the
+        old sum wherever ``.grad`` is not that accumulator itself (stages 1-3 with the
+        gradient assigned; mixed precision, where ``.grad`` views an fp32 copy): the
+        second backward silently added to it (measured: 0.04 from DDP's weights after 2
+        steps). So here what the user left (zeros for None: the parameter is unused until
+        a gradient reaches it again) is adopted into ``master_grad`` and written back into
+        the accumulator, in its dtype and loss scale. Stage 0 with the user parameters
+        computing needs none of it (their ``.grad`` is the accumulator, and autograd
+        starts a fresh one where it is None). Offload's host copies are not covered yet."""
+        if not self.faces.published or self.offloader.enabled:
+            return
+        if not self.faces.sharded and not self.faces.swap:
+            return
+        self.adopt_user_grads()
+        whole = self.policy.reduce_op == "all_reduce"  # stage 0: the whole-layout buffer
+        for b in self.buckets:
+            acc = b.grad if whole else self.reducer.reduced_slice(b)
+            if acc is None or b.master_grad is None:
+                continue
+            for i in range(len(b.slots)):
+                into = b.slot_view(acc, i) if whole else b.local(acc, i)
+                value = (b.slot_view(b.master_grad, i) if not self.faces.sharded
+                         else b.local(b.master_grad, i))
+                if not same_memory(into, value):
+                    into.copy_(value * self.scaler.scale if self.scaler.enabled else value)
+
     def _local_grad(self, b: FlatBucket, i: int, g: torch.Tensor) -> torch.Tensor:
         """This rank's part of a gradient the user assigned to slot ``i``'s parameter."""
         from torch.distributed.tensor import DTensor
