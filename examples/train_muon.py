@@ -1,10 +1,12 @@
-"""Muon on a sharded model: each matrix is orthogonalised once in the job, by its owner
-rank, and the result is DDP + Muon's (this script trains both and compares).
+"""Muon on a sharded model, the way Muon is trained: Muon for the hidden matrices, AdamW
+for the embeddings, the head and the norms — two optimizers, handed to shard() together.
+Each matrix is orthogonalised once in the job, by its owner rank, and the result is
+DDP + Muon + AdamW's (this script trains both and compares).
 
     torchrun --nproc-per-node 2 examples/train_muon.py [--stage 3] [--steps 10]
 
-torch's Muon takes 2-D parameters only: here it steps the matrices and the 1-D
-parameters (norms) stay as built, in both runs. docs/optimizers.md has the details.
+docs/optimizers.md has the details (and the one-optimizer form, MuonWithAuxAdam's
+``use_muon`` groups).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from zeroshard.models import build_model, get_preset
 PRESET = "llama-tiny"
 
 
-def muon(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02,
-                            weight_decay=0.1)
+def optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, ...]:
+    """Muon for the hidden matrices; AdamW for the embeddings, the head and the norms."""
+    hidden = [p for n, p in model.named_parameters()
+              if p.ndim == 2 and not n.startswith(("tok_emb", "lm_head"))]
+    rest = [p for p in model.parameters() if not any(p is q for q in hidden)]
+    return (torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1),
+            torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01))
 
 
-def train(model, optimizer, steps: int, rank: int, world: int) -> list[float]:
+def train(model, opts, steps: int, rank: int, world: int) -> list[float]:
     cfg = get_preset(PRESET)
     data = TokenLoader(SyntheticLanguage(cfg.vocab, 32, seed=1), global_batch=8, rank=rank,
                        world_size=world)
@@ -37,8 +43,9 @@ def train(model, optimizer, steps: int, rank: int, world: int) -> list[float]:
         x, y = next(data)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for o in opts:
+            o.step()
+            o.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -54,18 +61,18 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     model = build_model(PRESET, seed=0)
-    model, optimizer = zeroshard.shard(model, muon(model), stage=args.stage)
-    losses = train(model, optimizer, args.steps, rank, world)
+    model, (muon, adamw) = zeroshard.shard(model, optimizers(model), stage=args.stage)
+    losses = train(model, (muon, adamw), args.steps, rank, world)
     weights = zeroshard.full_state_dict(model)  # collective: every rank calls it
-    owned = sum(1 for st in optimizer.state.values() if st)  # momentum held on this rank
+    owned = sum(1 for st in muon.state.values() if st)  # momentum held on this rank
 
     reference = build_model(PRESET, seed=0)
-    ref_optimizer = muon(reference)
-    ref_losses = train(DDP(reference), ref_optimizer, args.steps, rank, world)
+    ref_opts = optimizers(reference)
+    ref_losses = train(DDP(reference), ref_opts, args.steps, rank, world)
     worst = max((weights[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
     print(f"rank {rank}: stage {args.stage}, owns {owned} of "
-          f"{len(ref_optimizer.param_groups[0]['params'])} matrices; last loss "
+          f"{len(ref_opts[0].param_groups[0]['params'])} matrices; last loss "
           f"{losses[-1]:.4f} (DDP {ref_losses[-1]:.4f}); largest weight difference from "
           f"DDP + Muon: {worst:.1e}")
     if launched:

@@ -15,15 +15,18 @@ from torch import nn
 from .build import build_engine, finish
 from .config import ShardConfig, ignored_options, suggest_option
 from .engine.buffers import ignored_buffers, rank0_copies
+from .engine.composite import CompositeOptimizer
 from .engine.engine import Engine, ParamInit, engine_of
 from .engine.model_state import load_model_state_dict, model_state_dict
-from .engine.optimizer import ShardedOptimizer
+from .engine.optimizer import OptimizerPart, ShardedOptimizer
 from .engine.optimizer_spec import (
     OptimizerSpec,
+    WholePlan,
     check_group_keys,
     disable,
     spec_from_class,
     spec_from_instance,
+    spec_from_instances,
     whole_kind,
     whole_plan,
 )
@@ -304,7 +307,8 @@ def _check_model(model: nn.Module, stage: int, trainable: bool = True) -> None:
 
 def shard(
     model: nn.Module,
-    optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
+    optimizer: (OptimizerFactory | torch.optim.Optimizer
+                | tuple[torch.optim.Optimizer, ...] | None) = None,
     *,
     stage: int = 0,
     process_group: dist.ProcessGroup | None = None,
@@ -315,7 +319,7 @@ def shard(
     mesh: Any = None,
     param_groups: list[dict[str, Any]] | None = None,
     **options: Any,
-) -> tuple[nn.Module, ShardedOptimizer]:
+) -> tuple[nn.Module, Any]:
     """Shard ``model`` for data-parallel training; return it with its optimizer.
 
     ``optimizer`` is an optimizer class or a callable ``params -> optimizer``; keywords that
@@ -336,6 +340,11 @@ def shard(
     ``shard_size`` consecutive ranks — keep it within a node — and all-reduces the
     reduced slices across the ``replicas`` groups. See docs/hybrid.md.
 
+    Several optimizers (Muon for the matrices, AdamW for the rest): pass a tuple of
+    instances built on the model's parameters, each parameter in one of them;
+    ``model, (muon, adamw) = shard(model, (muon, adamw), stage=3)`` returns one optimizer
+    per instance, in order (see docs/optimizers.md).
+
     ``param_groups``: optimizer parameter groups as torch takes them, e.g.
     ``[{"params": no_decay, "weight_decay": 0.0}]`` (the model's own parameters); each
     group's keys override the optimizer keywords for its parameters, and parameters no
@@ -348,7 +357,8 @@ def shard(
             "(where a DDP script builds it after wrapping, move it above the wrap line) and "
             "pass it: model, optimizer = zeroshard.shard(model, optimizer, stage=2); or pass "
             "its class and keywords: zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)")
-    if isinstance(optimizer, torch.optim.Optimizer):
+    several = isinstance(optimizer, (list, tuple))
+    if several or isinstance(optimizer, torch.optim.Optimizer):
         if param_groups is not None:
             raise TypeError(
                 "param_groups= goes with an optimizer class; a "
@@ -372,7 +382,10 @@ def shard(
     for message in ignored_options(config, set(ours)):
         warnings.warn(message, UserWarning, stacklevel=2)
     _check_model(model, stage)
-    if isinstance(optimizer, torch.optim.Optimizer):
+    parts: list[OptimizerSpec] = []
+    if several:
+        spec, parts = spec_from_instances(model, list(optimizer), optim_kwargs)
+    elif isinstance(optimizer, torch.optim.Optimizer):
         spec = spec_from_instance(model, optimizer, optim_kwargs)
     else:
         spec = spec_from_class(model, optimizer, optim_kwargs, param_groups)
@@ -385,20 +398,58 @@ def shard(
         # The host step is the offload bottleneck: torch's fused CPU Adam(W) kernel is
         # 7.1x faster than its single-tensor loop on a 100M-element shard (docs/offload.md).
         spec.kwargs["fused"] = True
-    plan = whole_plan(optimizer, spec.options, config.whole_params)
+    if several:
+        plan, whole_part = _several_plan(list(optimizer), parts, config)
+    else:
+        plan, whole_part = whole_plan(optimizer, spec.options, config.whole_params), None
     whole = whole_updates(engine, spec.group_of, plan) if plan is not None else None
     inner = _build_inner(engine, spec, whole)
-    optim = ShardedOptimizer(engine, inner, _user_groups(engine, spec, inner),
-                             defaults=spec.defaults or None, replaces=spec.instance,
-                             whole=whole)
-    if spec.state is not None:  # a resumed instance: its state carries over
+    if several:
+        groups = [g for sp in parts for g in _user_groups(engine, sp, inner)]
+    else:
+        groups = _user_groups(engine, spec, inner)
+    optim = ShardedOptimizer(engine, inner, groups, defaults=spec.defaults or None,
+                             replaces=spec.instance, whole=whole, whole_part=whole_part)
+    handed: Any = optim
+    if several:  # one OptimizerPart per optimizer given (see [Note: several optimizers])
+        handed = tuple(OptimizerPart(optim, k, o) for k, o in enumerate(optimizer))
+        for part, sp in zip(handed, parts):
+            if sp.state is not None:
+                part.load_state_dict(sp.state)
+    elif spec.state is not None:  # a resumed instance: its state carries over
         optim.load_state_dict(spec.state)
     model._zeroshard_engine = engine
     _swap_class(model)
     finish(model, engine)
-    if spec.instance is not None:
-        disable(spec.instance)
-    return model, optim
+    for sp in parts or [spec]:
+        if sp.instance is not None:
+            disable(sp.instance)
+    return model, handed
+
+
+def _several_plan(opts: list[torch.optim.Optimizer], parts: list[OptimizerSpec],
+                  config: ShardConfig) -> tuple[WholePlan | None, int | None]:
+    """Several optimizers: which one steps whole parameters (at most one), and its
+    groups' indices among all of them; at most one elementwise one (see [Note: several
+    optimizers] in engine/composite.py)."""
+    plans = [whole_plan(o, sp.options, config.whole_params) for o, sp in zip(opts, parts)]
+    whole = [k for k, p in enumerate(plans) if p is not None]
+    flat = [k for k, p in enumerate(plans) if p is None or len(p.groups) < len(parts[k].options)]
+    if len(whole) > 1 or len(flat) > 1:
+        names = ", ".join(type(o).__name__ for o in opts)
+        raise NotImplementedError(
+            f"shard(model, ({names})): several optimizers may be one that steps whole "
+            "parameters (Muon, Adafactor) and one elementwise (AdamW, SGD), not more of "
+            "either kind yet; merge the elementwise ones into one optimizer with a param "
+            "group each (torch.optim.AdamW([{'params': a, 'lr': 1e-3}, {'params': b, "
+            "'lr': 1e-4}]))")
+    if not whole:
+        return None, None
+    k = whole[0]
+    start = sum(len(sp.options) for sp in parts[:k])
+    p = plans[k]
+    assert p is not None
+    return WholePlan(frozenset(start + g for g in p.groups), p.cost, p.per_bucket), k
 
 
 def _build_inner(engine: Engine, spec: OptimizerSpec,
@@ -417,7 +468,7 @@ def _build_inner(engine: Engine, spec: OptimizerSpec,
         owned = whole.optimizer_groups(spec.groups, spec.options)
         groups = [owned[i] if i in whole.groups else g for i, g in enumerate(groups)]
     inner = _construct(spec, groups, whole)
-    if not isinstance(inner, torch.optim.Optimizer):
+    if not isinstance(inner, torch.optim.Optimizer | CompositeOptimizer):
         raise TypeError(
             f"optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer"
         )

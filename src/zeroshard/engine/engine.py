@@ -414,14 +414,17 @@ class Engine:
         a broadcast of device tensors over gloo may write its input back when done."""
         self.schedule.settle()
 
-    def after_step(self) -> None:
-        """Return updated weights to the compute buffers (and to every rank)."""
+    def after_step(self, close: bool = True) -> None:
+        """Return updated weights to the compute buffers (and to every rank). ``close``:
+        the iteration's step is done (with several optimizers, the last one's; see
+        [Note: several optimizers] in composite.py): the ledger and join's record end it."""
         # Units gathered by a forward no backward followed are now stale (see [Note:
         # between forward and backward] in forward.py).
         self.schedule.reshard_all()
         self.weights.refresh(phase="step")
-        self.replay.step_done()
-        self.comm.ledger.mark_step()
+        if close:
+            self.replay.step_done()
+            self.comm.ledger.mark_step()
 
     def refresh_weights(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
         """Re-derive the compute weights from the masters (refresh.py); resident stage-3

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from .chunks import skip_slots
+from .composite import CompositeOptimizer
 from .engine import Engine
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "OptimizerPart"]
 
 _SCALER_KEY = "zeroshard_loss_scaler"
 
@@ -39,12 +40,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps ``inner`` (built over the engine's master chunks, one inner group per user
     group); ``groups`` are the user's groups over the model's (user) parameters."""
 
-    def __init__(self, engine: Engine, inner: torch.optim.Optimizer,
+    def __init__(self, engine: Engine, inner: torch.optim.Optimizer | CompositeOptimizer,
                  groups: list[dict[str, Any]], defaults: dict[str, Any] | None = None,
                  replaces: torch.optim.Optimizer | None = None,
-                 whole: WholeUpdates | None = None) -> None:
+                 whole: WholeUpdates | None = None, whole_part: int | None = None) -> None:
         self.engine = engine
         self.optim = inner
+        # Several optimizers (a CompositeOptimizer, see [Note: several optimizers]): the
+        # part whose groups ``whole`` steps, and the parts not stepped yet this iteration.
+        self.whole_part = whole_part
+        self._unstepped: set[int] = set()
         # A whole-parameter optimizer (Muon): ``inner`` holds the whole parameters this
         # rank owns, stepped by ``whole`` (see [Note: whole-parameter updates]).
         self.whole = whole
@@ -82,6 +87,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One step; ``closure`` (forward + backward, returning the loss) is run once first
         and its loss returned, as torch's first-order optimizers do (Lightning's automatic
         optimisation steps this way). Optimizers that re-evaluate it (LBFGS) do not shard."""
+        return self.step_part(None, closure)
+
+    @torch.no_grad()
+    def step_part(self, part: int | None, closure: Callable[[], Any] | None = None) -> Any:
+        """:meth:`step` over one part of several optimizers (None: all of them)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -106,16 +116,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, slots in unused:
             skip_slots(b, slots)  # as torch skips a parameter whose grad is None
         engine.settle_gathers()
-        if self.whole is not None:
-            self.whole.step(self.optim, dict(unused))
-        else:
-            self.optim.step()
+        composite = isinstance(self.optim, CompositeOptimizer)
+        if composite:
+            self.optim.active = None if part is None else [part]
+        try:
+            if self.whole is not None and part in (None, self.whole_part):
+                self.whole.step(self.optim, dict(unused))
+            else:
+                self.optim.step()
+        finally:
+            if composite:
+                self.optim.active = None
         self._publish_hyperparameters()
         old = self._replaces() if self._replaces is not None else None
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
-        engine.after_step()
+        engine.after_step(close=self._iteration_done(part))
         return loss
+
+    def _iteration_done(self, part: int | None) -> bool:
+        """Whether this step ends the iteration: always with one optimizer; with several,
+        once each has stepped (the ledger's step and join's record then span them all)."""
+        if part is None or not isinstance(self.optim, CompositeOptimizer):
+            return True
+        if not self._unstepped:
+            self._unstepped = set(range(len(self.optim.parts)))
+        self._unstepped.discard(part)
+        return not self._unstepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
@@ -182,3 +209,141 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         if self.engine.scaler.enabled and _SCALER_KEY in state_dict:
             self.engine.scaler.load_state_dict(state_dict[_SCALER_KEY])
+
+
+class OptimizerPart(torch.optim.Optimizer):
+    """One of several optimizers handed to ``shard()`` (see [Note: several optimizers] in
+    composite.py): its groups are the instance's own group dicts (an LR scheduler built
+    on it before sharding keeps working), over the model's parameters; ``step`` steps its
+    parameters, ``zero_grad`` clears their gradients, ``state_dict`` is torch's format for
+    its groups alone — what torch's optimizer over the unsharded model would give."""
+
+    def __init__(self, core: ShardedOptimizer, index: int, replaces: torch.optim.Optimizer
+                 ) -> None:
+        self.core = core
+        self.index = index
+        self._replaces = weakref.ref(replaces)
+        self._built = False
+        super().__init__(replaces.param_groups, dict(replaces.defaults))
+        self._built = True
+        self._step_supports_amp_scaling = core._step_supports_amp_scaling
+
+    @property
+    def engine(self) -> Engine:
+        return self.core.engine
+
+    @property
+    def _range(self) -> range:
+        assert isinstance(self.core.optim, CompositeOptimizer)
+        return self.core.optim.group_ranges()[self.index]
+
+    def _mine(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = self.core.step_part(self.index, closure)
+        old = self._replaces()
+        if old is not None:
+            old._opt_called = True  # type: ignore[attr-defined]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this optimizer's parameters' gradients, as torch's ``zero_grad`` (the
+        next backward starts them afresh: [Note: gradients edited between backwards]);
+        once no parameter has one left, the engine's buffers are freed too."""
+        mine = self._mine()
+        if set_to_none:
+            held = set(mine)
+            if all(p.grad is None for g in self.core.param_groups for p in g["params"]
+                   if p not in held):
+                self.core.zero_grad(True)
+                return
+        for p in mine:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_built", True):
+            return super().add_param_group(param_group)
+        self.core.add_param_group(param_group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Over every parameter of the model (all optimizers'), as the engine clips."""
+        return self.core.clip_grad_norm_(max_norm, norm_type)
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, dict[str, Any]]:
+        if not getattr(self, "_built", False):
+            return {}
+        held = set(self._mine())
+        return {p: st for p, st in self.core.state.items() if p in held}
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """See ShardedOptimizer.state."""
+
+    @property
+    def loss_scale(self) -> float:
+        return self.core.loss_scale
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's format for this optimizer's groups (collective, as the core's)."""
+        return _part_of(self.core.state_dict(), self._range)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's format for this optimizer's groups. A collective where the optimizer
+        is sharded: the other optimizers' state is read back first (each optimizer's
+        state lives in one engine)."""
+        whole = self.core.state_dict()
+        self.core.load_state_dict(_with_part(whole, state_dict, self._range))
+
+
+def _part_of(sd: dict[str, Any], groups: range) -> dict[str, Any]:
+    """The entries of ``groups`` of a torch-format state dict, numbered from 0."""
+    mine = [dict(g) for g in sd["param_groups"][groups.start : groups.stop]]
+    ids = [i for g in mine for i in g["params"]]
+    base = min(ids, default=0)
+    for g in mine:
+        g["params"] = [i - base for i in g["params"]]
+    held = set(ids)
+    out = {"state": {i - base: v for i, v in sd["state"].items() if i in held},
+           "param_groups": mine}
+    if _SCALER_KEY in sd:
+        out[_SCALER_KEY] = sd[_SCALER_KEY]
+    return out
+
+
+def _with_part(sd: dict[str, Any], part: dict[str, Any], groups: range) -> dict[str, Any]:
+    """``sd`` with the entries of ``groups`` replaced by ``part`` (numbered from 0)."""
+    if not isinstance(part, dict) or "state" not in part or "param_groups" not in part:
+        raise ValueError("optimizer.load_state_dict() takes torch's format, a dict with "
+                         "'state' and 'param_groups' (what optimizer.state_dict() returns)")
+    if len(part["param_groups"]) != len(groups):
+        raise ValueError(f"loaded optimizer state has {len(part['param_groups'])} parameter "
+                         f"group(s), this optimizer has {len(groups)}; build it with the "
+                         "same groups")
+    old = sd["param_groups"][groups.start : groups.stop]
+    ids = [i for g in old for i in g["params"]]
+    base = min(ids, default=0)
+    held = set(ids)
+    state = {i: v for i, v in sd["state"].items() if i not in held}
+    state.update((base + i, v) for i, v in part["state"].items())
+    new = []
+    for g_old, g in zip(old, part["param_groups"]):
+        if len(g["params"]) != len(g_old["params"]):
+            raise ValueError(f"a parameter group of the loaded state holds "
+                             f"{len(g['params'])} parameters, this optimizer's "
+                             f"{len(g_old['params'])}; build it over the same parameters "
+                             "in the same order")
+        new.append({**g, "params": [base + i for i in g["params"]]})
+    groups_all = list(sd["param_groups"])
+    groups_all[groups.start : groups.stop] = new
+    out = {"state": state, "param_groups": groups_all}
+    if _SCALER_KEY in part:
+        out[_SCALER_KEY] = part[_SCALER_KEY]
+    elif _SCALER_KEY in sd:
+        out[_SCALER_KEY] = sd[_SCALER_KEY]
+    return out

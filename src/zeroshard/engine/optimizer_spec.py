@@ -29,7 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "check_elementwise",
+from .composite import CompositeOptimizer
+
+__all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "spec_from_instances",
+           "check_elementwise",
            "check_group_keys", "disable", "whole_kind", "whole_plan", "WholePlan"]
 
 # Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners):
@@ -272,6 +275,54 @@ def spec_from_instance(model: nn.Module, opt: torch.optim.Optimizer,
     return OptimizerSpec(factory=cls, kwargs=kwargs, groups=members, options=options,
                          group_of=group_of, state=state, instance=opt, check_keys=False,
                          defaults=dict(opt.defaults))
+
+
+def spec_from_instances(model: nn.Module, opts: list[torch.optim.Optimizer],
+                        extra: dict[str, Any]) -> tuple[OptimizerSpec, list[OptimizerSpec]]:
+    """Several torch optimizers built on ``model``'s parameters (see [Note: several
+    optimizers] in composite.py) -> one spec over all their groups, in order, whose
+    factory builds a :class:`CompositeOptimizer`; and each one's own spec."""
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        got = ", ".join(type(o).__name__ for o in opts) or "nothing"
+        raise TypeError(
+            f"optimizer=({got}): several optimizers go to shard() as a tuple of torch "
+            "optimizer instances built on model.parameters() (e.g. (torch.optim.Muon("
+            "matrices, lr=0.02), torch.optim.AdamW(rest, lr=3e-4))); pass one optimizer "
+            "class or instance otherwise")
+    if len({id(o) for o in opts}) < len(opts):
+        raise ValueError("the same optimizer appears twice in the tuple given to shard()")
+    specs = [spec_from_instance(model, o, extra) for o in opts]
+    where: dict[str, int] = {}
+    for k, sp in enumerate(specs):
+        for n in (n for names in sp.groups for n in names):
+            if n in where:
+                raise ValueError(
+                    f"parameter {n!r} is in optimizer {where[n]} ({type(opts[where[n]]).__name__}) "
+                    f"and optimizer {k} ({type(opts[k]).__name__}); give each parameter to "
+                    "one optimizer")
+            where[n] = k
+    groups: list[list[str]] = []
+    options: list[dict[str, Any]] = []
+    group_of: dict[str, int] = {}
+    for sp in specs:
+        for n, g in sp.group_of.items():
+            if g >= 0:
+                group_of[n] = len(groups) + g
+            else:
+                group_of.setdefault(n, NOT_STEPPED)
+        groups += sp.groups
+        options += sp.options
+
+    def factory(params: list[dict[str, Any]], **_: Any) -> CompositeOptimizer:
+        parts, start = [], 0
+        for sp in specs:  # each part over its own groups, as its class builds them
+            parts.append(sp.factory(params[start : start + len(sp.groups)], **sp.kwargs))
+            start += len(sp.groups)
+        return CompositeOptimizer(parts)
+
+    combined = OptimizerSpec(factory=factory, kwargs={}, groups=groups, options=options,
+                             group_of=group_of, check_keys=False)
+    return combined, specs
 
 
 def _constructor_keys(cls: type) -> set[str] | None:

@@ -69,6 +69,13 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
             f"checkpoint {str(path)!r} holds state of {info['class']}, but the optimizer is "
             f"{mine}; build the same optimizer class, or pass optimizer=None to load only "
             "the weights")
+    parts = [f"{type(p).__module__}.{type(p).__qualname__}"
+             for p in getattr(inner, "parts", ())] or None
+    if info.get("parts") != parts:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds the state of optimizers {info.get('parts')}, "
+            f"these are {parts}; build the same optimizers in the same order, or pass "
+            "optimizer=None to load only the weights")
     if len(info["param_groups"]) != len(inner.param_groups):
         raise CheckpointError(
             f"checkpoint {str(path)!r} has {len(info['param_groups'])} optimizer param groups, "

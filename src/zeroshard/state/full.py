@@ -16,7 +16,7 @@ from torch import nn
 from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.whole_state import whole_state_by_name
-from .layout import param_entries
+from .layout import one_optimizer, param_entries
 
 __all__ = ["full_optimizer_state"]
 
@@ -33,6 +33,7 @@ def full_optimizer_state(model: nn.Module,
     differently, so their bucket orders differ).
     """
     engine = engine_of(model)
+    optimizer = one_optimizer(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     out: dict[str, dict[str, Any]] = {}
     pieces: dict[str, list[str]] = {}  # each parameter's per-element keys

@@ -32,6 +32,7 @@ from .layout import (
     bucket_view,
     checkpoint_group,
     model_key,
+    one_optimizer,
     optim_key,
     param_entries,
     read_v1,
@@ -175,6 +176,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     different model raises :class:`CheckpointError` listing the mismatched names/shapes.
     """
     engine = engine_of(model)
+    optimizer = one_optimizer(optimizer)
     path = Path(path)
     manifest = read_manifest(path)
     entries = param_entries(engine)

@@ -40,6 +40,7 @@ from .layout import (
     bucket_view,
     checkpoint_group,
     model_key,
+    one_optimizer,
     optim_key,
     param_entries,
     rng_table,
@@ -194,6 +195,9 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
                     for b in engine.all_buckets],
         "optimizer": None if inner is None else {
             "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            # several optimizers (engine/composite.py): each one's class, in order
+            **({"parts": [f"{type(p).__module__}.{type(p).__qualname__}"
+                          for p in inner.parts]} if hasattr(inner, "parts") else {}),
             # the hyperparameters the user's groups hold now (an LR scheduler sets those;
             # the inner optimizer's catch up at the next step)
             "param_groups": _groups_json(optim), "params": optim_params,
@@ -277,6 +281,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
     """
     engine = engine_of(model)
+    optimizer = one_optimizer(optimizer)
     path = Path(path)
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
