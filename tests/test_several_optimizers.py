@@ -184,3 +184,48 @@ def test_refusals_name_the_fix(case: str, needle: str) -> None:
     msgs = run_ranks(_refusals, 1, timeout=120)[0]
     assert case in msgs, f"{case} was accepted"
     assert all(part in msgs[case] for part in needle.split(".*")), msgs[case]
+
+
+def _dcp(rank: int, world: int, root: str) -> dict:
+    """torch's DCP with the two optimizers (torchtitan's resume): get_state_dict(model,
+    (muon, adamw)) + dcp.save at stage 3, then dcp.load + set_state_dict at stage 1."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = make_model(PRESET)
+    model, opts = zeroshard.shard(model, _optimizers(model), stage=3)
+    _loop(model, opts, rank, world, 2)
+    msd, osd = get_state_dict(model, opts)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    model = make_model(PRESET, seed=5)
+    model, opts = zeroshard.shard(model, _optimizers(model), stage=1)
+    sd = dict(zip(("model", "optim"), get_state_dict(model, opts)))
+    dcp.load(sd, checkpoint_id=root)
+    set_state_dict(model, opts, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _loop(model, opts, rank, world, STEPS - 2, skip=2)
+    return zeroshard.full_state_dict(model)
+
+
+def test_torch_dcp_resume_with_both_optimizers_at_another_stage() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        got = run_ranks(_dcp, 2, root, timeout=300)[0]
+    for name, w in _results()["ddp"]["weights"].items():
+        assert torch.equal(got[name], w), name
+
+
+def _tracked(rank: int, world: int) -> dict[str, int]:
+    model = make_model(PRESET)
+    model, opts = zeroshard.shard(model, _optimizers(model), stage=2)
+    with zeroshard.memory_tracker(model, opts) as tracker:
+        _loop(model, opts, rank, world, 1)
+    moments = sum(t.numel() * t.element_size() for o in opts for st in o.state.values()
+                  for t in st.values() if torch.is_tensor(t) and t.numel() > 1)
+    return {"optim": tracker.current().get("optim", 0), "moments": moments}
+
+
+def test_the_memory_tracker_takes_the_tuple() -> None:
+    """Both optimizers' state is filed under optimizer state (with the fp32 masters)."""
+    for r in run_ranks(_tracked, 2, timeout=120):
+        assert r["optim"] >= r["moments"] > 0, r

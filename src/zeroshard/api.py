@@ -18,7 +18,7 @@ from .engine.buffers import ignored_buffers, rank0_copies
 from .engine.composite import CompositeOptimizer
 from .engine.engine import Engine, ParamInit, engine_of
 from .engine.model_state import load_model_state_dict, model_state_dict
-from .engine.optimizer import OptimizerPart, ShardedOptimizer
+from .engine.optimizer import OptimizerPart, ShardedOptimizer, one_optimizer
 from .engine.optimizer_spec import (
     OptimizerSpec,
     WholePlan,
@@ -565,7 +565,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def memory_tracker(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module, optimizer: Any = None
 ) -> MemoryTracker:
     """A :class:`~zeroshard.memory.MemoryTracker` that knows the sharded model's buffers.
 
@@ -579,13 +579,19 @@ def memory_tracker(
     device = engine.device if engine is not None else next(model.parameters()).device
     tracker = MemoryTracker(compute_device=device)
     tracker.track_module(model, params=engine is None)
-    if optimizer is not None:  # the inner optimizer holds the (chunked) state
-        tracker.track_optimizer(getattr(optimizer, "optim", optimizer))
+    if isinstance(optimizer, (list, tuple)):  # several optimizers: their shared core
+        optimizer = one_optimizer(optimizer)
+    inner = getattr(optimizer, "optim", optimizer)
+    # the inner optimizer holds the (chunked) state; several: each part its own
+    inners = list(inner.parts) if isinstance(inner, CompositeOptimizer) else [inner]
+    for o in inners if optimizer is not None else []:
+        tracker.track_optimizer(o)
     if engine is not None:
         tracker.add_source(engine.memory_sources())
         tracker.add_host_source(lambda: _host_tensors(engine, optimizer))
         if engine.offload and optimizer is not None:  # the inner (host) optimizer's step
-            tracker.track_host_step(getattr(optimizer, "optim", optimizer))
+            for o in inners:
+                tracker.track_host_step(o)
     return tracker
 
 

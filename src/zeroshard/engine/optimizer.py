@@ -31,7 +31,7 @@ from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
-__all__ = ["ShardedOptimizer", "OptimizerPart"]
+__all__ = ["ShardedOptimizer", "OptimizerPart", "one_optimizer"]
 
 _SCALER_KEY = "zeroshard_loss_scaler"
 
@@ -317,7 +317,9 @@ def _part_of(sd: dict[str, Any], groups: range) -> dict[str, Any]:
 
 
 def _with_part(sd: dict[str, Any], part: dict[str, Any], groups: range) -> dict[str, Any]:
-    """``sd`` with the entries of ``groups`` replaced by ``part`` (numbered from 0)."""
+    """``sd`` with the entries of ``groups`` replaced by ``part``'s, matched by position
+    as torch's ``load_state_dict`` matches them (``part`` may key its state by any ids:
+    torch's DCP ``set_state_dict`` passes parameter names)."""
     if not isinstance(part, dict) or "state" not in part or "param_groups" not in part:
         raise ValueError("optimizer.load_state_dict() takes torch's format, a dict with "
                          "'state' and 'param_groups' (what optimizer.state_dict() returns)")
@@ -326,11 +328,8 @@ def _with_part(sd: dict[str, Any], part: dict[str, Any], groups: range) -> dict[
                          f"group(s), this optimizer has {len(groups)}; build it with the "
                          "same groups")
     old = sd["param_groups"][groups.start : groups.stop]
-    ids = [i for g in old for i in g["params"]]
-    base = min(ids, default=0)
-    held = set(ids)
+    held = {i for g in old for i in g["params"]}
     state = {i: v for i, v in sd["state"].items() if i not in held}
-    state.update((base + i, v) for i, v in part["state"].items())
     new = []
     for g_old, g in zip(old, part["param_groups"]):
         if len(g["params"]) != len(g_old["params"]):
@@ -338,7 +337,10 @@ def _with_part(sd: dict[str, Any], part: dict[str, Any], groups: range) -> dict[
                              f"{len(g['params'])} parameters, this optimizer's "
                              f"{len(g_old['params'])}; build it over the same parameters "
                              "in the same order")
-        new.append({**g, "params": [base + i for i in g["params"]]})
+        for mine, theirs in zip(g_old["params"], g["params"]):
+            if theirs in part["state"]:
+                state[mine] = part["state"][theirs]
+        new.append({**g, "params": list(g_old["params"])})
     groups_all = list(sd["param_groups"])
     groups_all[groups.start : groups.stop] = new
     out = {"state": state, "param_groups": groups_all}
@@ -347,3 +349,22 @@ def _with_part(sd: dict[str, Any], part: dict[str, Any], groups: range) -> dict[
     elif _SCALER_KEY in sd:
         out[_SCALER_KEY] = sd[_SCALER_KEY]
     return out
+
+
+def one_optimizer(optimizer: Any) -> Any:
+    """What the checkpoint functions take: an optimizer ``shard()`` returned, or the tuple
+    it returned for several optimizers (their shared core; see [Note: several
+    optimizers] in engine/composite.py)."""
+    core = getattr(optimizer, "core", None)
+    if core is not None:  # one part alone would save or load part of the state
+        raise TypeError("this optimizer is one of several shard() returned: pass all of "
+                        "them, as the tuple shard() returned (model, opts = shard(model, "
+                        "(muon, adamw)); save_checkpoint(path, model, opts))")
+    if not isinstance(optimizer, (list, tuple)):
+        return optimizer
+    cores = {id(getattr(o, "core", None)) for o in optimizer}
+    core = getattr(optimizer[0], "core", None) if optimizer else None
+    if core is None or len(cores) != 1 or len(optimizer) != len(core.optim.parts):
+        raise TypeError("a tuple of optimizers here must be the one shard() returned for "
+                        "several optimizers, all of them in its order")
+    return core

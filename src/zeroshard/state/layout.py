@@ -50,29 +50,11 @@ from torch import nn
 from ..engine.dtensors import dtensor, make_spec
 from ..engine.engine import Engine
 from ..engine.flat import FlatBucket, FlatParam
+from ..engine.optimizer import one_optimizer  # re-exported for the checkpoint functions
 
 __all__ = ["ParamEntry", "param_entries", "model_key", "optim_key", "bucket_view",
            "weights_view", "read_v1", "quiet", "global_ranks",
            "checkpoint_group", "rng_table", "one_optimizer"]
-
-
-def one_optimizer(optimizer: Any) -> Any:
-    """What the checkpoint functions take: an optimizer ``shard()`` returned, or the tuple
-    it returned for several optimizers (their shared core; see [Note: several
-    optimizers] in engine/composite.py)."""
-    core = getattr(optimizer, "core", None)
-    if core is not None:  # one part alone would save or load part of the state
-        raise TypeError("this optimizer is one of several shard() returned: pass all of "
-                        "them, as the tuple shard() returned (model, opts = shard(model, "
-                        "(muon, adamw)); save_checkpoint(path, model, opts))")
-    if not isinstance(optimizer, (list, tuple)):
-        return optimizer
-    cores = {id(getattr(o, "core", None)) for o in optimizer}
-    core = getattr(optimizer[0], "core", None) if optimizer else None
-    if core is None or len(cores) != 1 or len(optimizer) != len(core.optim.parts):
-        raise TypeError("a tuple of optimizers here must be the one shard() returned for "
-                        "several optimizers, all of them in its order")
-    return core
 
 
 def global_ranks(group) -> list[int]:
