@@ -740,3 +740,48 @@ def test_refusals_name_the_reason_and_the_fix(case: str, needle: str) -> None:
     msgs = _refused()
     assert case in msgs, f"{case} was accepted"
     assert all(part in msgs[case] for part in needle.split(".*")), msgs[case]
+
+
+def _save_at_2(rank: int, world: int, root: str, opt: str) -> dict:
+    """3 steps at world 2, stage 3, then zeroshard's checkpoint; DDP's 5 steps beside."""
+    from zeroshard.state import save_checkpoint
+
+    first = _train(rank, world, 3, opt, steps=3)
+    save_checkpoint(Path(root) / "c", first["model"], first["optimizer"])
+    return {"ddp": _ddp(rank, world, opt)["weights"]}
+
+
+def _resume_at_4(rank: int, world: int, root: str, opt: str) -> dict:
+    """The world-2 checkpoint at world 4, stage 1 (owners re-assigned), 2 more steps on
+    the same global batches."""
+    from zeroshard.state import load_checkpoint
+
+    model = make_model(PRESET, seed=11)
+    optim = OPTIMIZERS[opt](model)
+    model, optim = zeroshard.shard(model, optim, stage=1)
+    load_checkpoint(Path(root) / "c", model, optim)
+    data = loader(PRESET, rank, world)
+    for _ in range(3):
+        next(data)
+    for _ in range(STEPS - 3):
+        x, y = next(data)
+        loss_of(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+    return zeroshard.full_state_dict(model)
+
+
+@pytest.mark.parametrize(("opt", "bound"), [("adafactor", 1e-4), ("muon", 2e-2)])
+def test_checkpoint_from_world_2_resumes_at_world_4(opt: str, bound: float) -> None:
+    """Saved at world 2 stage 3, resumed at world 4 stage 1: the uninterrupted run's
+    weights within ``bound`` relative (per parameter; the world-4 sums run in another
+    order). Adafactor (fp32): 1e-4, the issue's figure. Muon: its bf16 Newton-Schulz turns
+    last-bit differences into bf16 ones, as DDP at another world does (docs/optimizers.md,
+    'Exactness at other world sizes'): the bound is what that allows."""
+    with tempfile.TemporaryDirectory() as root:
+        want = run_ranks(_save_at_2, 2, root, opt, timeout=300)[0]["ddp"]
+        got = run_ranks(_resume_at_4, 4, root, opt, timeout=300)[0]
+    rel = {n: float((got[n] - w).norm() / w.norm()) for n, w in want.items()}
+    worst = max(rel.values())
+    print(f"{opt}: worst relative weight difference {worst:.1e}")
+    assert worst <= bound, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
