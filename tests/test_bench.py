@@ -183,6 +183,8 @@ def test_table_is_printed(fast_run: dict[str, Any]) -> None:
     (["--model", "gpt2-tiny", "--seq", "500"], ["--seq 500", "64"]),
     (["--baseline", "fsdp2", "--configs", "ddp"], ["--baseline 'fsdp2'", "--configs"]),
     (["--model-factory", "no_such_module_x:make"], ["no_such_module_x", "module:function"]),
+    (["--optimizer", "muon", "--configs", "ddp,fsdp2"], ["--optimizer muon runs", "drop fsdp2"]),
+    (["--configs", "ddp,naive-muon"], ["naive-muon", "add --optimizer muon"]),
 ])
 def test_bad_arguments_exit_2_naming_value_and_fix(
         argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -260,3 +262,24 @@ def test_tensor_parallel_rows(tmp_path) -> None:  # noqa: ANN001
 def test_tensor_parallel_rows_at_stage_1(tmp_path) -> None:  # noqa: ANN001
     """test_tensor_parallel_rows's checks (its twin) on zeroshard stage 1 + TP."""
     _check_tp_rows(tmp_path, ["zs-s1-tp2"])
+
+
+def test_muon_rows(tmp_path) -> None:  # noqa: ANN001
+    """--optimizer muon: DDP, the naive sharded Muon and zeroshard stages 1 and 3 train
+    Muon + AdamW to the same loss; the naive one moves more bytes per step than the owner
+    scheme (each full gradient all-gathered on every rank). Speed: docs/optimizers.md."""
+    out = tmp_path / "m.json"
+    code = run(_args("--optimizer", "muon", "--model", "llama-tiny", "--seq", "32",
+                     "--micro-batch", "2", "--world-size", "2", "--warmup", "1", "--steps", "2",
+                     "--quiet", "--json", str(out)))
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = _rows(result)
+    assert list(rows) == ["ddp", "naive-muon", "zs-s1", "zs-s3"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["naive-muon"]["system"] == "naive_muon"
+    for r in rows.values():
+        assert r["loss"] == pytest.approx(rows["ddp"]["loss"], rel=1e-3) and r["loss_ok"]
+    assert rows["naive-muon"]["comm_bytes_per_step"] > rows["zs-s1"]["comm_bytes_per_step"]
+    assert "--optimizer muon" in result["command"]
+    assert result["settings"]["optimizer"] == "muon"

@@ -210,14 +210,16 @@ def _train(rank: int, world: int, stage: int, opt: str, steps: int = STEPS,
 
 def _sent_away(whole) -> int:
     """Bytes this rank's two all-to-alls of one step send to other ranks, from the owner
-    scheme: its rows of master and gradient of each parameter it does not own, and the
-    other ranks' rows of each parameter it does."""
+    scheme: its rows of master (not where every rank holds the whole masters: stages 1-2
+    in fp32) and gradient of each parameter it does not own, and the other ranks' rows of
+    each parameter it does."""
     n, me = whole.size, whole.rank
     out = 0
     for s, q in whole.owner.items():
         item = s.bucket.master_dtype.itemsize
+        parts = 1 if s.bucket.master_in_full else 2
         if q != me:
-            out += 2 * s.rows_of(me) * s.row * item
+            out += parts * s.rows_of(me) * s.row * item
         else:
             out += sum(s.rows_of(r) * s.row for r in range(n) if r != me) * item
     return out

@@ -15,6 +15,7 @@ import time
 from zeroshard.bench.configs import (
     DEFAULT_CONFIGS,
     HF_FACTORY,
+    MUON_CONFIGS,
     BenchSettings,
     describe_configs,
     parse_bytes,
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--compile-backend", default="inductor",
       help="torch.compile backend with --compile (default inductor; aot_eager compiles fast)")
     a("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    a("--optimizer", choices=["adamw", "muon"], default="adamw",
+      help="adamw (default), or muon: torch's Muon (lr 0.02) for the hidden matrices and "
+           "AdamW for the rest, as two optimizers; runs ddp, naive-muon and zs-s* "
+           f"(default --configs {','.join(MUON_CONFIGS)}; docs/optimizers.md)")
     a("--seed", type=int, default=0, help="model and data seed (default 0)")
     a("--timeout", type=float, default=120.0, metavar="SECONDS",
       help="how long a rank waits in one collective before failing its configuration")
@@ -71,6 +76,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     from zeroshard.launch import under_torchrun
 
     factory, vocab, configs = args.model_factory, args.vocab, args.configs
+    optimizer = getattr(args, "optimizer", "adamw")
+    if optimizer == "muon" and configs == ",".join(DEFAULT_CONFIGS):
+        configs = ",".join(MUON_CONFIGS)  # the default list, for Muon
     label = None
     if getattr(args, "hf_config", None) is not None:
         factory, vocab, label = _hf_model(args.hf_config, vocab)
@@ -110,7 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         baseline=args.baseline, mixed_precision=args.mixed_precision,
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
         lr=args.lr, seed=args.seed, timeout_s=args.timeout, compile=args.compile,
-        compile_backend=args.compile_backend)
+        compile_backend=args.compile_backend, optimizer=optimizer)
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings
@@ -169,6 +177,8 @@ def _command(s: BenchSettings) -> str:
         parts += ["--baseline", s.baseline]
     if s.mixed_precision:
         parts += ["--mixed-precision", s.mixed_precision]
+    if s.optimizer != "adamw":
+        parts += ["--optimizer", s.optimizer]
     if s.budget_bytes is not None:
         parts += ["--budget", f"{s.budget_bytes}B" if s.budget_bytes % 2**20 else
                   f"{s.budget_bytes // 2**20}MiB"]

@@ -19,6 +19,8 @@ __all__ = [
     "BenchSettings",
     "ConfigSpec",
     "DEFAULT_CONFIGS",
+    "MUON_CONFIGS",
+    "MUON_SYSTEMS",
     "SYSTEMS",
     "describe_configs",
     "parse_bytes",
@@ -40,7 +42,15 @@ SYSTEMS: dict[str, tuple[str, int, str]] = {
     "zs-s1": ("zeroshard", 1, "zeroshard stage 1 (optimizer state sharded)"),
     "zs-s2": ("zeroshard", 2, "zeroshard stage 2 (+ gradients sharded)"),
     "zs-s3": ("zeroshard", 3, "zeroshard stage 3 (+ parameters sharded, per block)"),
+    "naive-muon": (
+        "naive_muon", 1,
+        "--optimizer muon only: sharded Muon as Megatron and Moonlight run it (ZeRO-1 layout,"
+        " each full gradient all-gathered, Newton-Schulz on every rank)"),
 }
+#: The configurations ``--optimizer muon`` runs (Muon + AdamW where the system takes two
+#: optimizers), and its default list.
+MUON_SYSTEMS = ("ddp", "naive-muon", "zs-s0", "zs-s1", "zs-s2", "zs-s3")
+MUON_CONFIGS = ("ddp", "naive-muon", "zs-s1", "zs-s3")
 #: Test-only (not listed): a DDP run whose step raises on rank 1.
 HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1")}
 _RESHARDABLE = ("fsdp2", "zs-s3")
@@ -178,6 +188,9 @@ class BenchSettings:
     compile: str | None = None
     """torch.compile every configuration: "block" (each block in place) or "whole"."""
     compile_backend: str = "inductor"
+    optimizer: str = "adamw"
+    """"adamw" (every parameter), or "muon": torch's Muon for the hidden matrices and
+    AdamW for the rest (embeddings, head, norms, biases), as two optimizers."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch", "seq", "steps"):
@@ -202,6 +215,16 @@ class BenchSettings:
             raise ValueError(f"--model-factory {self.model_factory!r} is not module:function; "
                              "e.g. --model-factory mypkg.models:build")
         names = [c.name for c in self.configs]
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or muon")
+        if self.optimizer == "muon":
+            odd = [c.name for c in self.configs if c.prefix not in MUON_SYSTEMS]
+            if odd:
+                raise ValueError(f"--optimizer muon runs {', '.join(MUON_SYSTEMS)} (any "
+                                 f"checkpointing suffix); drop {', '.join(odd)} from --configs")
+        elif any(c.prefix == "naive-muon" for c in self.configs):
+            raise ValueError("naive-muon compares sharded Muon implementations: add "
+                             "--optimizer muon, or drop it from --configs")
         if self.baseline not in names:
             raise ValueError(f"--baseline {self.baseline!r} is not among the configurations "
                              f"run ({', '.join(names)}); add it to --configs or pick one of them")

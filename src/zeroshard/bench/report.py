@@ -182,6 +182,7 @@ def build_result(s: BenchSettings, meta: dict[str, Any], command: str,
         "global_batch": s.global_batch, "tokens_per_step": s.global_batch * s.seq,
         "warmup": s.warmup, "steps": s.steps, "mixed_precision": s.mixed_precision,
         "lr": s.lr, "seed": s.seed, "baseline": s.baseline, "loss_tolerance": s.tolerance,
+        "optimizer": s.optimizer,
         "timeout_s": s.timeout_s, "backend": meta["backend"], "device": meta["device"],
         "threads_per_rank": meta["threads_per_rank"], "interleaved": meta["interleaved"],
     }

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroshard.bench.configs import BenchSettings, ConfigSpec
+from zeroshard.bench.muon import make_naive, muon_optimizers
 from zeroshard.comm import CommLedger
 from zeroshard.memory.tracker import Category, MemoryTracker
 
@@ -160,8 +161,10 @@ def _no_mark(label: str) -> None:
     pass
 
 
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, cast,
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer | tuple, cast,
                 after_backward: Callable[[], None] | None = None) -> Callable:
+    opts = opt if isinstance(opt, tuple) else (opt,)  # --optimizer muon: (Muon, AdamW)
+
     def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None] = _no_mark
              ) -> torch.Tensor:
         mark("forward")
@@ -172,10 +175,18 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, cast,
         if after_backward is not None:
             after_backward()
         mark("step")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
         return loss.detach()
     return step
+
+
+def _optimizers(model: nn.Module, s: BenchSettings) -> tuple[torch.optim.Optimizer, ...]:
+    """What every system trains ``model`` with: AdamW, or (Muon, AdamW) (bench/muon.py)."""
+    if s.optimizer == "muon":
+        return muon_optimizers(model, s.lr)
+    return (torch.optim.AdamW(model.parameters(), lr=s.lr),)
 
 
 def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner:
@@ -183,12 +194,22 @@ def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Ru
 
     extra = {} if spec.stage != 3 else {"reshard_after_forward": bool(spec.reshard_after_forward)}
     where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
-    model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage,
-                                 mixed_precision=s.mixed_precision, lr=s.lr, **where, **extra)
+    if s.optimizer == "adamw":
+        model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage,
+                                     mixed_precision=s.mixed_precision, lr=s.lr, **where, **extra)
+        inners = [opt.optim]
+    else:  # (Muon, AdamW); naive-muon: the same at stage 1, stepped the naive way
+        model, opt = zeroshard.shard(model, _optimizers(model, s), stage=spec.stage,
+                                     mixed_precision=s.mixed_precision, **where, **extra)
+        if spec.prefix == "naive-muon":
+            make_naive(opt[0].core)
+        inners = opt[0].core.optim.parts
 
     def tracker() -> MemoryTracker:  # what zeroshard.memory_tracker does, with a device filter
         t = MemoryTracker(device=_tracker_device(device)).track_module(model, params=False)
-        return t.track_optimizer(opt.optim).add_source(zeroshard.engine_of(model).memory_sources())
+        for o in inners:
+            t.track_optimizer(o)
+        return t.add_source(zeroshard.engine_of(model).memory_sources())
 
     compiled = _compiled(model, _blocks(model), s)
     if tp_mesh is not None:  # no ledger: the measured step counts every collective (dp and
@@ -210,7 +231,8 @@ def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
             model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group, lr=s.lr)
         inner = opt.optim  # the local optimizer over this rank's whole parameters
     else:
-        opt = inner = torch.optim.AdamW(model.parameters(), lr=s.lr)
+        opt = _optimizers(model, s)
+        inner = opt[0] if len(opt) == 1 else None
     buckets: dict[int, weakref.ref] = {}  # DDP's gradient bucket storages (see the Note)
 
     def note_buckets() -> None:  # weakly: a bucket rebuild frees the old ones, as it should
@@ -239,7 +261,9 @@ def _ddp(spec, model, group, s: BenchSettings, device, *, zero: bool = False,
         t.add_source(bucket_tensors)
         if zero:
             t.add_source(_held_source(opt))
-        return t.track_optimizer(inner)
+        for o in [inner] if inner is not None else opt:
+            t.track_optimizer(o)
+        return t
 
     return Runner(step, tracker)
 
@@ -394,7 +418,7 @@ def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,
         return wrap(spec, model, group, settings, device, tp_mesh=tp_mesh)
     if spec.prefix == "fail":
         return _ddp(spec, model, group, settings, device, fail_rank=1)
-    if spec.system == "zeroshard":
+    if spec.system in ("zeroshard", "naive_muon"):
         return _zeroshard(spec, model, group, settings, device)
     if spec.system in ("ddp", "ddp_zero_redundancy"):
         return _ddp(spec, model, group, settings, device, zero=spec.system != "ddp")

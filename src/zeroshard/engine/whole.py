@@ -203,25 +203,34 @@ class WholeUpdates:
         """Per rank q, the bucket's whole parameters q owns (fixed at construction)."""
         return self.to_owner[b]
 
+    @staticmethod
+    def _parts(b: FlatBucket) -> int:
+        """What travels to the owner per row: master and gradient, or the gradient alone
+        where every rank holds the whole masters already (stages 1-2 in full precision:
+        the masters are the weights' own chunks, ``master_in_full``)."""
+        return 1 if b.master_in_full else 2
+
     def _send_rows(self, b: FlatBucket, slots: list[FlatParam]) -> tuple[Pending, list[int]]:
-        """Start sending this rank's rows of master and gradient to their owners."""
-        n, me = self.size, self.rank
+        """Start sending this rank's rows of master (unless the owner holds them: see
+        _parts) and gradient to their owners."""
+        n, me, k = self.size, self.rank, self._parts(b)
         dtype, device, grad = b.master_dtype, b.master_device, b.master_grad
         send = []
         for group in self._by_owner(b):
             for s in group:
                 lo, hi = s.shard_offset, s.shard_offset + s.rows_of(me) * s.row
-                send.append(b.master_range(lo, hi))
+                if k == 2:
+                    send.append(b.master_range(lo, hi))
                 send.append(grad[lo:hi].to(dtype) if grad is not None
                             else torch.zeros(hi - lo, dtype=dtype, device=device))
         mine = [s for s in slots if self.owner[s] == me]
-        in_splits = [sum(2 * s.rows_of(me) * s.row for s in group)
+        in_splits = [sum(k * s.rows_of(me) * s.row for s in group)
                      for group in self._by_owner(b)]
-        out_splits = [sum(2 * s.rows_of(r) * s.row for s in mine) for r in range(n)]
+        out_splits = [sum(k * s.rows_of(r) * s.row for s in mine) for r in range(n)]
         out = torch.empty(sum(out_splits), dtype=dtype, device=device)
         pending = self.comm.all_to_all(
             out, _cat(send, dtype, device), out_splits, in_splits, unit=b.name,
-            total=2 * sum(s.numel for s in slots), phase="step", async_op=True)
+            total=k * sum(s.numel for s in slots), phase="step", async_op=True)
         return pending, in_splits
 
     def _hold_owned(self, b: FlatBucket, slots: list[FlatParam],
@@ -232,17 +241,21 @@ class WholeUpdates:
         values (what goes back)."""
         mine = [s for s in slots if self.owner[s] == self.rank]
         out = arrived[0].wait()
-        dtype, device = b.master_dtype, b.master_device
+        dtype, device, parts = b.master_dtype, b.master_device, self._parts(b)
         values = {s: torch.empty(s.numel, dtype=dtype, device=device) for s in mine}
         grads = {s: torch.empty(s.numel, dtype=dtype, device=device) for s in mine}
+        if parts == 1:  # the whole masters are here, in the weights (see _parts)
+            for s in mine:
+                values[s].copy_(b.slot_view(b.full, s.index).reshape(-1))
         at = 0
         for r in range(self.size):
             for s in mine:
                 lo, hi = s.piece(r)
                 k = hi - lo
-                values[s][lo:hi].copy_(out[at : at + k])
-                grads[s][lo:hi].copy_(out[at + k : at + 2 * k])
-                at += 2 * k
+                if parts == 2:
+                    values[s][lo:hi].copy_(out[at : at + k])
+                grads[s][lo:hi].copy_(out[at + (parts - 1) * k : at + parts * k])
+                at += parts * k
         for s in mine:
             t = self.tensors[s]
             t.data = values[s].view(s.shape)
