@@ -385,14 +385,36 @@ def part_memory(args: argparse.Namespace) -> dict:
     return {"ok": True, "rows": rows, "preset": preset}
 
 
-def part_speed(args: argparse.Namespace) -> dict:
+def speed_model(system: str, preset: str, dev):
+    """The speed part's model and optimizer: zeroshard stage 3 or FSDP2 ``fully_shard``
+    per block + root, bf16, selective checkpointing (also benchmarks/gpu_profile.py's)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import zeroshard
     from zeroshard.checkpointing import apply_checkpointing
-    from zeroshard.models import build_model, get_preset
+    from zeroshard.models import build_model
+
+    if system == "zeroshard":
+        model = build_model(preset, device="meta")
+        apply_checkpointing(model, "selective")
+        return zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-4,
+                               mixed_precision="bf16", device=dev)
+    model = build_model(preset, seed=0).to(dev)
+    apply_checkpointing(model, "selective")
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, dev.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def part_speed(args: argparse.Namespace) -> dict:
+    import torch
+
+    from zeroshard.models import get_preset
 
     dev = _world1(args)
     preset, mb, seq, steps = (("gpt2-tiny", 2, 64, 4) if args.dry_run
@@ -421,28 +443,14 @@ def part_speed(args: argparse.Namespace) -> dict:
                      if dev.type == "cuda" else None, "compile_s": ts[0]})
 
     for compiled in (False, True):
-        model = build_model(preset, device="meta")
-        apply_checkpointing(model, "selective")
-        model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-4,
-                                       mixed_precision="bf16", device=dev)
-        if compiled:
-            for b in model.blocks:
-                b.compile(backend=backend)
-        timed("zeroshard s3 selective" + (" compiled" if compiled else ""), model, optim)
-        del model, optim
-        model = build_model(preset, seed=0).to(dev)
-        apply_checkpointing(model, "selective")
-        mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, dev.type)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        if compiled:
-            for b in model.blocks:
-                b.compile(backend=backend)
-        timed("fsdp2 selective" + (" compiled" if compiled else ""),
-              model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        del model
+        for system in ("zeroshard", "fsdp2"):
+            model, optim = speed_model(system, preset, dev)
+            if compiled:
+                for b in model.blocks:
+                    b.compile(backend=backend)
+            label = "zeroshard s3" if system == "zeroshard" else "fsdp2"
+            timed(f"{label} selective" + (" compiled" if compiled else ""), model, optim)
+            del model, optim
     try:
         import megatron_fsdp  # noqa: F401
         megatron = "importable, not yet wired into this check"

@@ -23,31 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import _batches, _loss, _sync, _world1  # noqa: E402
-
-
-def _build(system: str, preset: str, dev):
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import zeroshard
-    from zeroshard.checkpointing import apply_checkpointing
-    from zeroshard.models import build_model
-
-    if system == "zeroshard":
-        model = build_model(preset, device="meta")
-        apply_checkpointing(model, "selective")
-        return zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-4,
-                               mixed_precision="bf16", device=dev)
-    model = build_model(preset, seed=0).to(dev)
-    apply_checkpointing(model, "selective")
-    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, dev.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+from gpu_check import _batches, _loss, _sync, _world1, speed_model  # noqa: E402
 
 
 def _step(model, optim, x) -> None:
@@ -64,7 +40,7 @@ def profile(system: str, preset: str, mb: int, seq: int, dev, out: Path | None) 
 
     from zeroshard.models import get_preset
 
-    model, optim = _build(system, preset, dev)
+    model, optim = speed_model(system, preset, dev)
     xs = _batches(get_preset(preset).vocab, 5, mb, seq, dev)
     for x in xs[:3]:
         _step(model, optim, x)

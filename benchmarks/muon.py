@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard.bench.muon import make_naive
 from zeroshard.testing import run_ranks
 
 ROWS = ("ddp", "naive", "zs-s0", "zs-s1", "zs-s3")
@@ -62,39 +63,6 @@ class _Timed:
         return out
 
 
-def _naive(optim, engine) -> None:
-    """Turn zeroshard stage 1's owner step into the naive one (see the module doc)."""
-    from zeroshard.engine.whole import _placeholder
-
-    whole = optim.whole
-    whole.tensors = {s: nn.Parameter(_placeholder(s)) for s in whole.owner}
-    whole.work_done = []
-
-    @torch.no_grad()
-    def step_all(inner, b, slots, skip) -> None:
-        grad = engine.gather_shard(b, b.master_grad, phase="step")  # the full gradient
-        for s in slots:  # stage 1 keeps whole weights: they are the masters' values
-            t = whole.tensors[s]
-            t.data = b.slot_view(b.full, s.index).detach().clone()
-            t.grad = b.slot_view(grad, s.index)
-        inner.step()
-        whole.work_done += [s.shape for s in slots]
-        for s in slots:  # each rank keeps its rows
-            lo, hi = s.piece(b.rank)
-            b.master_range(s.shard_offset, s.shard_offset + hi - lo).copy_(
-                whole.tensors[s].data.reshape(-1)[lo:hi])
-        whole._release(slots)
-
-    def step(inner, unused) -> None:
-        for b, slots in whole.plans:
-            step_all(inner, b, slots, unused.get(b, set()))
-
-    whole.step = step
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": list(whole.tensors.values())} for g in optim.optim.param_groups]
-    optim.optim = torch.optim.Muon(groups)
-
-
 def _systems(rank: int, world: int) -> dict:
     import zeroshard
     from zeroshard.models import build_model
@@ -110,7 +78,7 @@ def _systems(rank: int, world: int) -> dict:
         model, optim = zeroshard.shard(model, _muon(model), stage=stage)
         engine = zeroshard.engine_of(model)
         if row == "naive":
-            _naive(optim, engine)
+            make_naive(optim)  # zeroshard.bench.muon: the same naive scheme as the bench's
         out[row] = (model, optim, engine, optim.optim)
     return out
 

@@ -40,19 +40,23 @@ def muon_optimizers(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer,
 
 
 def make_naive(core: Any) -> None:
-    """Turn a stage-1 ``shard(model, (muon, adamw))``'s owner step into the naive one (see
-    the module doc): every rank holds every matrix whole and steps all of them."""
+    """Turn a stage-1 zeroshard Muon's owner step into the naive one (see the module doc):
+    every rank holds every matrix whole and steps all of them. ``core``: the optimizer
+    ``shard(model, muon)`` returned, or the core of ``shard(model, (muon, adamw))``'s."""
     from zeroshard.engine.composite import CompositeOptimizer
     from zeroshard.engine.whole import _placeholder
 
     engine, whole, inner = core.engine, core.whole, core.optim
-    assert isinstance(inner, CompositeOptimizer) and core.whole_part is not None
     whole.tensors = {s: nn.Parameter(_placeholder(s)) for s in whole.owner}
-    part = inner.parts[core.whole_part]
+    whole.work_done = []
+    part = inner.parts[core.whole_part] if isinstance(inner, CompositeOptimizer) else inner
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": list(whole.tensors.values())} for g in part.param_groups]
-    inner.parts[core.whole_part] = torch.optim.Muon(groups)
-    inner.state._owner = None  # the parts' groups changed: route the state afresh
+    if isinstance(inner, CompositeOptimizer):
+        inner.parts[core.whole_part] = torch.optim.Muon(groups)
+        inner.state._owner = None  # the parts' groups changed: route the state afresh
+    else:
+        core.optim = torch.optim.Muon(groups)
 
     @torch.no_grad()
     def step_all(optimizer: Any, b: Any, slots: list) -> None:
