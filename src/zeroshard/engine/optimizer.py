@@ -31,7 +31,7 @@ from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
-__all__ = ["ShardedOptimizer", "OptimizerPart", "one_optimizer"]
+__all__ = ["ShardedOptimizer", "OptimizerPart", "one_optimizer", "part_state_dict"]
 
 _SCALER_KEY = "zeroshard_loss_scaler"
 
@@ -291,7 +291,7 @@ class OptimizerPart(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's format for this optimizer's groups (collective, as the core's)."""
-        return _part_of(self.core.state_dict(), self._range)
+        return part_state_dict(self.core.state_dict(), self._range)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's format for this optimizer's groups. A collective where the optimizer
@@ -301,8 +301,9 @@ class OptimizerPart(torch.optim.Optimizer):
         self.core.load_state_dict(_with_part(whole, state_dict, self._range))
 
 
-def _part_of(sd: dict[str, Any], groups: range) -> dict[str, Any]:
-    """The entries of ``groups`` of a torch-format state dict, numbered from 0."""
+def part_state_dict(sd: dict[str, Any], groups: range) -> dict[str, Any]:
+    """The entries of ``groups`` of a torch-format state dict, numbered from 0 (one of
+    several optimizers' own state dict)."""
     mine = [dict(g) for g in sd["param_groups"][groups.start : groups.stop]]
     ids = [i for g in mine for i in g["params"]]
     base = min(ids, default=0)

@@ -88,6 +88,20 @@ def optimizer_state_dict(reader: Any) -> dict[str, Any] | None:
     return {"state": state, "param_groups": groups}
 
 
+def _per_optimizer(osd: dict[str, Any] | None, manifest: dict[str, Any]) -> list[dict]:
+    """Lightning's ``optimizer_states``: one torch-format dict per optimizer (several:
+    the saved state split by each one's groups, see engine/composite.py)."""
+    if osd is None:
+        return []
+    counts = (manifest.get("optimizer") or {}).get("part_groups")
+    if not counts:
+        return [osd]
+    from ..engine.optimizer import part_state_dict
+
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [part_state_dict(osd, range(a, a + n)) for a, n in zip(starts, counts)]
+
+
 def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                             optimizer: bool = True) -> Path:
     """Write the zeroshard Lightning checkpoint directory ``checkpoint`` as Lightning's
@@ -107,7 +121,7 @@ def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLik
     ckpt = torch.load(path / LIGHTNING_STATE, weights_only=False)
     ckpt["state_dict"] = whole_state_dict(reader)
     osd = optimizer_state_dict(reader) if optimizer else None
-    ckpt["optimizer_states"] = [osd] if osd is not None else []
+    ckpt["optimizer_states"] = _per_optimizer(osd, reader.manifest)
     if not optimizer:
         ckpt.pop("lr_schedulers", None)
     out = Path(out)

@@ -102,7 +102,10 @@ def _strategy_class() -> type:
                         "a model once: build a new one (or a new Trainer over the same "
                         "checkpoint: fit(ckpt_path=...))")
                 self.setup_optimizers(trainer)
-                optimizer = one_optimizer(self.optimizers, "configure_optimizers returned")
+                # several (manual optimisation: Muon + AdamW) are sharded together; see
+                # [Note: several optimizers] in engine/composite.py
+                optimizer = (tuple(self.optimizers) if len(self.optimizers) > 1 else
+                             one_optimizer(self.optimizers, "configure_optimizers returned"))
                 try:
                     _, optimizer = zeroshard.shard(self.lightning_module, optimizer,
                                                    **self.shard_options)
@@ -110,7 +113,7 @@ def _strategy_class() -> type:
                     if _on_meta(self.lightning_module):  # so Lightning's teardown, which
                         self.lightning_module.to_empty(device="cpu")  # moves it, shows this
                     raise
-                self.optimizers = [optimizer]
+                self.optimizers = list(optimizer) if isinstance(optimizer, tuple) else [optimizer]
             self.setup_precision_plugin()
             if trainer.state.fn == TrainerFn.FITTING:
                 _optimizers_to_device(self.optimizers, self.root_device)
@@ -192,8 +195,7 @@ def _strategy_class() -> type:
                 if self.is_global_zero:
                     path.unlink()
                 self.barrier()
-            zeroshard.save_checkpoint(path, self.lightning_module,
-                                      _inner(self.optimizers[0]) if self.optimizers else None)
+            zeroshard.save_checkpoint(path, self.lightning_module, _inner(self.optimizers))
             if self.is_global_zero:
                 checkpoint = {k: v for k, v in checkpoint.items()
                               if k not in ("state_dict", "optimizer_states")}
@@ -216,8 +218,7 @@ def _strategy_class() -> type:
 
                 checkpoint["state_dict"] = whole_state_dict(CheckpointReader(path))
                 return checkpoint
-            optimizer = _inner(self.optimizers[0]) if self.optimizers else None
-            zeroshard.load_checkpoint(path, self.lightning_module, optimizer)
+            zeroshard.load_checkpoint(path, self.lightning_module, _inner(self.optimizers))
             checkpoint["state_dict"] = {}  # loaded above, into the shards
             return checkpoint
 
@@ -250,9 +251,11 @@ def _on_meta(module: torch.nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def _inner(optimizer: Any) -> Any:
-    """The optimizer under Lightning's ``LightningOptimizer``."""
-    return getattr(optimizer, "_optimizer", optimizer)
+def _inner(optimizers: list[Any]) -> Any:
+    """What zeroshard's checkpoint functions take for the strategy's optimizers (under
+    Lightning's ``LightningOptimizer``): None, the one, or the tuple of several."""
+    inner = [getattr(o, "_optimizer", o) for o in optimizers]
+    return None if not inner else inner[0] if len(inner) == 1 else tuple(inner)
 
 
 #: Built (and registered by name with Lightning) when this module is imported.

@@ -197,7 +197,9 @@ def _collect(engine: Engine, model: nn.Module, optim: torch.optim.Optimizer | No
             "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
             # several optimizers (engine/composite.py): each one's class, in order
             **({"parts": [f"{type(p).__module__}.{type(p).__qualname__}"
-                          for p in inner.parts]} if hasattr(inner, "parts") else {}),
+                          for p in inner.parts],
+                "part_groups": [len(p.param_groups) for p in inner.parts]}
+               if hasattr(inner, "parts") else {}),
             # the hyperparameters the user's groups hold now (an LR scheduler sets those;
             # the inner optimizer's catch up at the next step)
             "param_groups": _groups_json(optim), "params": optim_params,
