@@ -5,7 +5,8 @@ several optimizers] in engine/composite.py). World 2: the per-step losses and th
 weights equal Lightning's DDP strategy's with the same module (a sum of two gradients is
 order-free: bit for bit), at stages 0 and 3; a sharded checkpoint of the stage-3 run
 resumed at stage 3, and converted to Lightning's one-file format and resumed under DDP,
-continues as the uninterrupted run.
+continues as the uninterrupted run. Fabric (``fabric.setup(model, muon, adamw)``): the
+same, with ``fabric.save``/``fabric.load``.
 """
 
 from __future__ import annotations
@@ -123,3 +124,63 @@ def test_checkpoint_resume_continues_the_run(run: str) -> None:
     out = _results()
     for name, w in out[3]["weights"].items():
         assert torch.equal(out[run]["weights"][name], w), name
+
+
+def _fabric(rank: int, world: int, root: str, strategy: str, resume: bool = False) -> dict:
+    """Fabric with two optimizers (fabric.setup(model, muon, adamw)): 4 steps, a
+    fabric.save of both at step 2; ``resume``: load it and run steps 3-4 instead."""
+    import warnings
+
+    import lightning as L
+    import torch.nn.functional as F
+
+    import zeroshard
+    import zeroshard.integrations.lightning_fabric  # noqa: F401  (registers the names)
+    from zeroshard.data import SyntheticLanguage
+    from zeroshard.models import build_model, get_preset
+
+    warnings.filterwarnings("ignore")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = build_model("llama-tiny", seed=0)
+    hidden = [p for n, p in model.named_parameters()
+              if p.ndim == 2 and not n.startswith(("tok_emb", "lm_head"))]
+    rest = [p for p in model.parameters() if not any(p is q for q in hidden)]
+    model, muon, adamw = fabric.setup(model, torch.optim.Muon(hidden, lr=0.02),
+                                      torch.optim.AdamW(rest, lr=3e-3))
+    rows = SyntheticLanguage(get_preset("llama-tiny").vocab, 17, seed=1).batch(0, 16)
+    state = {"model": model, "muon": muon, "adamw": adamw, "step": 0}
+    start = 0
+    if resume:
+        fabric.load(f"{root}/fabric-ckpt", state)
+        start = state["step"]
+    for step in range(start, 4):
+        batch = rows[(2 * step + rank) * 2 : (2 * step + rank) * 2 + 2]
+        x, y = batch[:, :-1], batch[:, 1:]
+        fabric.backward(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()))
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+        if step == 1 and not resume:
+            state["step"] = 2
+            fabric.save(f"{root}/fabric-ckpt", state)
+    module = getattr(model, "module", model)
+    if getattr(module, "_zeroshard_engine", None) is not None:
+        return zeroshard.full_state_dict(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _fabric_all(rank: int, world: int, root: str) -> dict:
+    return {"ddp": _fabric(rank, world, root, "ddp"),
+            "s3": _fabric(rank, world, root, "zeroshard_stage_3"),
+            "resumed": _fabric(rank, world, root, "zeroshard_stage_3", resume=True)}
+
+
+def test_fabric_with_two_optimizers() -> None:
+    """fabric.setup(model, muon, adamw) at stage 3: DDP's weights bit for bit; a
+    fabric.save of both optimizers at step 2, loaded, continues the run."""
+    root = tempfile.mkdtemp(prefix="zs-fabric2-")
+    out = run_ranks(_fabric_all, 2, root, timeout=600)[0]
+    for name, w in out["ddp"].items():
+        assert torch.equal(out["s3"][name], w), name
+        assert torch.equal(out["resumed"][name], w), name

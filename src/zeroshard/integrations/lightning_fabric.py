@@ -131,9 +131,13 @@ def _strategy_class() -> type:
             import zeroshard
 
             check_precision(getattr(self.precision, "precision", "32-true"), self.shard_options)
-            optimizer = one_optimizer(optimizers, "fabric.setup got")
+            # several (fabric.setup(model, muon, adamw)) are sharded together; see [Note:
+            # several optimizers] in engine/composite.py
+            optimizer = (tuple(optimizers) if len(optimizers) > 1
+                         else one_optimizer(optimizers, "fabric.setup got"))
             module, optimizer = zeroshard.shard(module, optimizer, **self.shard_options)
-            return module, [optimizer], scheduler
+            return module, list(optimizer) if isinstance(optimizer, tuple) else [optimizer], \
+                scheduler
 
         def setup_module(self, module: nn.Module) -> nn.Module:
             raise NotImplementedError(self._err_msg_joint_setup_required())
@@ -199,8 +203,10 @@ def _strategy_class() -> type:
 
 
 def _split(state: dict[str, Any]) -> tuple[nn.Module | None, Any, dict[str, Any]]:
-    """(the sharded model, its optimizer, everything else) of a Fabric state dict."""
-    model = optimizer = None
+    """(the sharded model, its optimizer — or the tuple of several, in shard()'s order —,
+    everything else) of a Fabric state dict."""
+    model = None
+    optimizers: list[Any] = []
     extra: dict[str, Any] = {}
     for k, v in state.items():
         if getattr(v, "_zeroshard_engine", None) is not None:
@@ -208,10 +214,12 @@ def _split(state: dict[str, Any]) -> tuple[nn.Module | None, Any, dict[str, Any]
                 raise ValueError("ZeroShardStrategy checkpoints one sharded model per file")
             model = v
         elif getattr(v, "engine", None) is not None and isinstance(v, torch.optim.Optimizer):
-            optimizer = v
+            optimizers.append(v)
         else:
             extra[k] = v.state_dict() if hasattr(v, "state_dict") else v
-    return model, optimizer, extra
+    if len(optimizers) > 1:  # parts of one shard(): zeroshard's functions take them in order
+        return model, tuple(sorted(optimizers, key=lambda o: getattr(o, "index", 0))), extra
+    return model, (optimizers[0] if optimizers else None), extra
 
 
 #: Built (and registered by name with Fabric) when this module is imported.
