@@ -346,7 +346,7 @@ def _load_into_other_models(rank: int, world: int, ckpt: str) -> list[str]:
             load_checkpoint(ckpt, model, optim)
         errors.append(str(info.value))
     model, optim = zeroshard.shard(make_model(PRESET), torch.optim.SGD, stage=2, lr=0.1)
-    with pytest.raises(CheckpointError, match="holds state of torch.optim.adamw.AdamW"):
+    with pytest.raises(CheckpointError, match="holds the state of torch.optim.adamw.AdamW"):
         load_checkpoint(ckpt, model, optim)
     load_checkpoint(ckpt, model)  # weights only is fine
     return errors

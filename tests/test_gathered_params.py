@@ -148,3 +148,43 @@ def test_hybrid_sharding_takes_the_modifier_s_values_everywhere() -> None:
     for r in run_ranks(_hybrid, 4, timeout=300):
         assert torch.equal(r["master"], torch.full_like(r["master"], 3.0))
         torch.testing.assert_close(r["logits"], want, rtol=1e-6, atol=1e-6)
+
+
+def _misuse(rank: int, world: int) -> dict[str, str]:
+    """gpt2-tiny (lm_head.weight is tok_emb.weight's alias) at stage 3."""
+    model = make_model("gpt2-tiny")
+    model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-2)
+    out = {}
+    with zeroshard.gathered_parameters(model, ["lm_head.weight"], modifier_rank=0) as full:
+        out["alias_keys"] = ",".join(full)  # the name given
+        if rank == 0:
+            full["lm_head.weight"][0].fill_(1.0)
+    out["alias_written"] = str(float(zeroshard.full_state_dict(model)["tok_emb.weight"][0, 0]))
+    try:
+        with zeroshard.gathered_parameters(model, ["norm_f.weight"], modifier_rank=0) as full:
+            if rank == 0:  # a larger tensor where the copy was: refused on every rank
+                full["norm_f.weight"] = torch.zeros(full["norm_f.weight"].numel() + 8)
+    except ValueError as e:
+        out["resized"] = str(e)
+    try:
+        with zeroshard.gathered_parameters(model, ["norm_f.weight"], modifier_rank=1):
+            if rank == 1:
+                raise KeyError("user code failed on rank 1")
+    except KeyError as e:
+        out["raised"] = f"KeyError: {e}"
+    except RuntimeError as e:
+        out["raised"] = f"RuntimeError: {e}"
+    return out
+
+
+def test_misuse_is_named_on_every_rank_and_writes_nothing() -> None:
+    """Keys are the names given (an alias included); a resized copy, or an exception in
+    the block on one rank, ends the block on every rank with an error, nothing written."""
+    r0, r1 = run_ranks(_misuse, 2, timeout=120)
+    for r in (r0, r1):
+        assert r["alias_keys"] == "lm_head.weight" and r["alias_written"] == "1.0", r
+        assert "changed shape or dtype" in r["resized"], r
+        assert "resize the model before zeroshard.shard()" in r["resized"], r
+    assert "'norm_f.weight' is now (" in r0["resized"]
+    assert r1["raised"] == "KeyError: 'user code failed on rank 1'"
+    assert r0["raised"].startswith("RuntimeError: gathered_parameters(): another rank raised")

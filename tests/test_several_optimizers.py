@@ -136,6 +136,12 @@ def _ckpt(rank: int, world: int, root: str) -> dict:
         save_checkpoint(Path(root) / "d", model, opts[0])
     except TypeError as e:
         out["one_part"] = str(e)
+    other = make_model(PRESET)
+    other, adam = zeroshard.shard(other, torch.optim.AdamW, stage=1)
+    try:  # the two optimizers' checkpoint into one AdamW: named as the user built them
+        load_checkpoint(Path(root) / "c", other, adam)
+    except Exception as e:  # noqa: BLE001 - its text is checked
+        out["into_adamw"] = f"{type(e).__name__}: {e}"
     model = make_model(PRESET, seed=3)
     model, opts = zeroshard.shard(model, _optimizers(model), stage=1)
     load_checkpoint(Path(root) / "c", model, opts)
@@ -152,6 +158,8 @@ def test_zeroshard_checkpoints_take_the_tuple() -> None:
     for name, w in _results()["ddp"]["weights"].items():
         assert torch.equal(out["weights"][name], w), name
     assert "pass all of them, as the tuple shard() returned" in out["one_part"]
+    assert ("holds the state of (torch.optim.Muon, torch.optim.adamw.AdamW), but the "
+            "optimizer is torch.optim.adamw.AdamW") in out["into_adamw"], out["into_adamw"]
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:

@@ -736,7 +736,7 @@ def _refused() -> dict[str, str]:
     ("factory", "flat (1-D) master chunks.*as a class or an instance"),
     ("offload", "NotImplementedError.*offload=.*drop offload="),
     ("flag", "whole_params='yes' must be True, False, or a function"),
-    ("flat_from_whole", "holds state of torch.optim.Muon.*AdamW.*optimizer=None"),
+    ("flat_from_whole", "holds the state of torch.optim.Muon.*AdamW.*optimizer=None"),
 ])
 def test_refusals_name_the_reason_and_the_fix(case: str, needle: str) -> None:
     msgs = _refused()

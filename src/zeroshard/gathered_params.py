@@ -27,11 +27,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .engine.engine import engine_of
 from .engine.flat import FlatParam
-from .engine.model_state import load_model_state_dict
+from .engine.model_state import check_outside_forward, load_model_state_dict
 
 __all__ = ["gathered_parameters"]
 
@@ -42,7 +43,8 @@ def gathered_parameters(model: nn.Module,
                         *, modifier_rank: int | None = None
                         ) -> Iterator[dict[str, torch.Tensor]]:
     """Whole fp32 copies of ``params`` (parameters of the sharded ``model`` or their names;
-    None: all of them), ``{name: tensor}`` in model order, on every rank. ``modifier_rank``:
+    None: all of them), ``{name: tensor}`` in model order, keyed by the names given (any
+    alias; a parameter given as a tensor: its first name), on every rank. ``modifier_rank``:
     the rank (in the model's process group) whose copies, as the block leaves them, are
     written back into every rank's shards and masters on exit; None: edits are discarded.
     See [Note: editing gathered parameters]."""
@@ -67,27 +69,65 @@ def gathered_parameters(model: nn.Module,
         if mine:
             full = engine.full_master(b)
             for s in mine:
-                copies[s.names[0]] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+                copies[wanted[s]] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
     order = {n: i for i, n in enumerate(engine.user_params_by_name())}  # model order
     copies = dict(sorted(copies.items(), key=lambda kv: order[kv[0]]))
-    yield copies
-    if modifier_rank is None:
-        return
+    shapes = {n: (t.shape, t.dtype) for n, t in copies.items()}
+    failed = False
+    try:
+        yield copies
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if modifier_rank is not None:
+            _write_back(model, engine, copies, shapes, modifier_rank, failed)
+
+
+def _write_back(model: nn.Module, engine, copies: dict[str, torch.Tensor], shapes: dict,
+                modifier_rank: int, failed: bool) -> None:
+    """Every rank, on leaving the block: agree that nothing went wrong anywhere (a rank
+    that raised inside the block, or a copy replaced by another shape), then the
+    modifier's copies to every rank and into the shards and masters."""
+    odd = [n for n, (shape, dtype) in shapes.items()
+           if not isinstance(copies.get(n), torch.Tensor) or copies[n].shape != shape
+           or copies[n].dtype != dtype]
+    if set(copies) != set(shapes):
+        odd += sorted(set(copies) ^ set(shapes))
+    flags = torch.tensor([float(failed), float(bool(odd))], device=engine.device)
+    engine.world.all_reduce(flags, op=dist.ReduceOp.MAX, phase="state",
+                            unit="gathered_parameters").wait()
+    if failed:
+        return  # this rank's own exception goes on
+    if flags[0] > 0:
+        raise RuntimeError("gathered_parameters(): another rank raised inside the block; "
+                           "nothing was written back (its error says why)")
+    if flags[1] > 0:
+        where = (f": {odd[0]!r} is now {tuple(copies[odd[0]].shape) if odd[0] in copies else 'gone'}"
+                 f", was {tuple(shapes[odd[0]][0])} {shapes[odd[0]][1]}" if odd else
+                 " on another rank")
+        raise ValueError(
+            f"gathered_parameters(): a copy changed shape or dtype, or a key came or went, "
+            f"inside the block{where}; nothing was written back. Edit the copies in place "
+            "(or assign tensors of the same shape and dtype); to resize a parameter (a larger "
+            "vocabulary), resize the model before zeroshard.shard()")
+    check_outside_forward(engine, "gathered_parameters()' write-back")
     for name, t in copies.items():
         engine.world.broadcast(t, modifier_rank, phase="state", unit=name)
     load_model_state_dict(model, engine, copies, strict=False)
 
 
-def _slots(engine, params) -> set[FlatParam]:
-    """The slots of ``params`` (parameters or names, any alias)."""
+def _slots(engine, params) -> dict[FlatParam, str]:
+    """The slots of ``params`` (parameters or names, any alias), each with the name its
+    copy goes by (the name given; a tensor: its parameter's first name)."""
     slots = [s for b in engine.all_buckets for s in b.slots]
     if params is None:
-        return set(slots)
+        return {s: s.names[0] for s in slots}
     if isinstance(params, (str, nn.Parameter, torch.Tensor)):
         params = [params]
     by_name = {n: s for s in slots for n in s.names}
     by_user = {s.user: s for s in slots}
-    out: set[FlatParam] = set()
+    out: dict[FlatParam, str] = {}
     for p in params:
         s = by_name.get(p) if isinstance(p, str) else by_user.get(p)
         if s is None:
@@ -96,6 +136,5 @@ def _slots(engine, params) -> set[FlatParam]:
                 f"{what} is not a parameter of the sharded {type(engine.model).__name__}; "
                 "pass its parameters (as model.parameters() gives them after shard()) or "
                 "their names (model.named_parameters())")
-        out.add(s)
+        out.setdefault(s, p if isinstance(p, str) else s.names[0])
     return out
-

@@ -22,6 +22,15 @@ def _ckpt(r: dict[str, Any]) -> str:
     return r["activation_checkpointing"]
 
 
+def _plan(r: dict[str, Any]) -> str:
+    p = r["predicted_model_state_bytes"]
+    return "-" if p is None else f"{_mib(p['total'])}"
+
+
+def _optimizer(s: dict[str, Any]) -> str:
+    return "Muon + AdamW (two optimizers), " if s.get("optimizer") == "muon" else ""
+
+
 def format_table(result: dict[str, Any]) -> str:
     s, rows = result["settings"], result["rows"]
     base = s["baseline"]
@@ -32,7 +41,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"model {s['model']} ({s['params'] / 1e6:.1f}M params), world {s['world_size']} x "
         f"micro-batch {s['micro_batch']} x seq {s['seq']} = {s['tokens_per_step']:,} tokens/step, "
-        f"{s['mixed_precision'] or 'fp32'}, {s['backend']} on {s['device']}, "
+        f"{s['mixed_precision'] or 'fp32'}, {_optimizer(s)}{s['backend']} on {s['device']}, "
         f"{s['warmup']} warm-up + {s['steps']} timed + 1 measured step per configuration, "
         f"{'interleaved' if s['interleaved'] else 'sequential'}",
         "", head, "-" * len(head)]
@@ -54,7 +63,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_mib(pk['params']):>6} {_mib(pk['grads']):>6} {_mib(pk['optim']):>6} "
             f"{_mib(pk['activations']):>5} {_mib(pk['comm'] + pk['other']):>5} "
             f"{_mib(pk['total']):>6} {pratio:>6} {_mib(r['measured_model_state_bytes']):>6} "
-            f"{_mib(r['predicted_model_state_bytes']['total']):>6} {_mib(r['rss_bytes']):>6} "
+            f"{_plan(r):>6} {_mib(r['rss_bytes']):>6} "
             f"{_mib(r['comm_bytes_per_step']):>7} {r['loss']:>7.4f} {dloss:>6}{flag}")
     lines += [
         "",
@@ -67,7 +76,12 @@ def format_table(result: dict[str, Any]) -> str:
         "RSS once the configuration is dropped). "
         "comm/st = logical collective MiB per step "
         f"(2 Psi all-reduce, 3 Psi stage 3). dloss: relative deviation of the final loss "
-        f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%.",
+        f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%."
+        + (" --optimizer muon: torch's Muon over the hidden matrices and AdamW over the "
+           "rest on every row; naive-muon is sharded Muon as Megatron and Moonlight run it "
+           "(stage 1's layout, each full gradient all-gathered, Newton-Schulz on every "
+           "rank); zeroshard's comm/st includes its owner all-to-alls; plan: - (the planner "
+           "knows AdamW's recipe only)." if s.get("optimizer") == "muon" else ""),
     ]
     lines = lines[:-1] + textwrap.wrap(lines[-1], width=100)
     if any(r.get("mfu") is not None for r in rows):
@@ -117,8 +131,11 @@ def plot(result: dict[str, Any], path: str | Path) -> list[str]:
         vals = [r["peak_bytes"][cat] / MIB for r in rows]
         ax1.bar(names, vals, bottom=bottom, label=cat)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.scatter(names, [r["predicted_model_state_bytes"]["total"] / MIB for r in rows],
-                marker="_", s=400, color="black", label="planned model state", zorder=3)
+    planned = [(n, r["predicted_model_state_bytes"]["total"] / MIB)
+               for n, r in zip(names, rows) if r["predicted_model_state_bytes"] is not None]
+    if planned:
+        ax1.scatter([n for n, _ in planned], [v for _, v in planned], marker="_", s=400,
+                    color="black", label="planned model state", zorder=3)
     ax1.set_ylabel("peak MiB per rank")
     ax1.set_title("Peak memory by category")
     ax1.tick_params(axis="x", rotation=60)

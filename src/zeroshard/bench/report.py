@@ -84,8 +84,9 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
                activation_checkpointing=spec.activation_checkpointing, world_size=world,
                status=raw["status"], error=raw["error"] or None, note=raw["note"] or None,
                time_s={k: round(raw.get("time_s", {}).get(k, 0.0), 3) for k in PHASES},
-               predicted_model_state_bytes=predicted_state(local, spec.stage, ranks,
-                                                           s.mixed_precision, spec.system),
+               # the planner knows AdamW's recipe: no prediction for Muon's rows
+               predicted_model_state_bytes=None if s.optimizer != "adamw" else predicted_state(
+                   local, spec.stage, ranks, s.mixed_precision, spec.system),
                tp=spec.tp)
     if raw["status"] != "ok":
         return row

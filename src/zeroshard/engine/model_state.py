@@ -46,11 +46,13 @@ def needs_collective(engine: Engine) -> bool:
         engine.policy.shard_optimizer and engine.faces.swap)  # masters apart: gather them
 
 
-def _check_outside_forward(engine: Engine, what: str) -> None:
+def check_outside_forward(engine: Engine, what: str) -> None:
+    """Refuse ``what`` while stage-3 units are gathered (inside forward, or before its
+    backward finished)."""
     busy = [u.name for u in engine.schedule.in_use()]
     if busy:
         raise RuntimeError(
-            f"model.{what}() was called while units {busy} are gathered (inside forward or "
+            f"{what} was called while units {busy} are gathered (inside forward or "
             "before backward finished); call it between training steps")
 
 
@@ -99,7 +101,7 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
 def model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = None,
                      prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     """See [Note: model state dicts]."""
-    _check_outside_forward(engine, "state_dict")
+    check_outside_forward(engine, "model.state_dict()")
     values = _values(engine, keep_vars)
     if destination is None:
         destination = OrderedDict()
@@ -139,7 +141,7 @@ def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
     if not isinstance(state_dict, dict):
         raise TypeError(f"expected a dict of tensors (model.state_dict()), got "
                         f"{type(state_dict).__name__}")
-    _check_outside_forward(engine, "load_state_dict")
+    check_outside_forward(engine, "model.load_state_dict()")
     expected = list(nn.Module.state_dict(model, keep_vars=True))
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(expected)]

@@ -360,7 +360,8 @@ def one_optimizer(optimizer: Any) -> Any:
     if core is not None:  # one part alone would save or load part of the state
         raise TypeError("this optimizer is one of several shard() returned: pass all of "
                         "them, as the tuple shard() returned (model, opts = shard(model, "
-                        "(muon, adamw)); save_checkpoint(path, model, opts))")
+                        "(muon, adamw)); then save_checkpoint / load_checkpoint / "
+                        "full_optimizer_state(..., model, opts))")
     if not isinstance(optimizer, (list, tuple)):
         return optimizer
     cores = {id(getattr(o, "core", None)) for o in optimizer}

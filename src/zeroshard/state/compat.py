@@ -55,6 +55,11 @@ def check_model(manifest: dict[str, Any], entries: list[ParamEntry], model: nn.M
         raise CheckpointError("\n".join(lines))
 
 
+def _named(parts: list[str] | None) -> str | None:
+    """Several optimizers as the user built them: ``(torch.optim.Muon, torch.optim.AdamW)``."""
+    return f"({', '.join(parts)})" if parts else None
+
+
 def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_of: dict[str, int],
                     inner: torch.optim.Optimizer, path: Path) -> dict[str, Any] | None:
     """The manifest's optimizer section if it fits ``inner`` (None: nothing to load)."""
@@ -64,18 +69,14 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
             f"checkpoint {str(path)!r} was saved without an optimizer; call "
             "load_checkpoint(path, model) without one to load the weights only")
     mine = f"{type(inner).__module__}.{type(inner).__qualname__}"
-    if info["class"] != mine:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} holds state of {info['class']}, but the optimizer is "
-            f"{mine}; build the same optimizer class, or pass optimizer=None to load only "
-            "the weights")
     parts = [f"{type(p).__module__}.{type(p).__qualname__}"
              for p in getattr(inner, "parts", ())] or None
-    if info.get("parts") != parts:
+    saved = _named(info.get("parts")) or info["class"]
+    if info["class"] != mine or info.get("parts") != parts:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} holds the state of optimizers {info.get('parts')}, "
-            f"these are {parts}; build the same optimizers in the same order, or pass "
-            "optimizer=None to load only the weights")
+            f"checkpoint {str(path)!r} holds the state of {saved}, but the optimizer is "
+            f"{_named(parts) or mine}; build the same optimizer (the same classes, in the "
+            "same order), or pass optimizer=None to load only the weights")
     if len(info["param_groups"]) != len(inner.param_groups):
         raise CheckpointError(
             f"checkpoint {str(path)!r} has {len(info['param_groups'])} optimizer param groups, "
@@ -83,6 +84,12 @@ def check_optimizer(manifest: dict[str, Any], entries: list[ParamEntry], group_o
     moved = [(e.name, info["group_of"].get(e.name, 0), group_of.get(e.name, 0))
              for e in entries if e.trainable and "group_of" in info
              and info["group_of"].get(e.name, 0) != group_of.get(e.name, 0)]
+    if moved and parts:  # several optimizers: the groups of all of them, in order
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {len(moved)} parameter(s) are stepped by another "
+            f"optimizer or group than when saved, e.g. {moved[0][0]!r}; give each optimizer "
+            "the same parameters (and groups) as when saving, or pass optimizer=None to "
+            "load only the weights")
     if moved:  # hyperparameters load by group position: they would land on other params
         name, was, now = moved[0]
         raise CheckpointError(
