@@ -237,3 +237,42 @@ def test_the_memory_tracker_takes_the_tuple() -> None:
     """Both optimizers' state is filed under optimizer state (with the fp32 masters)."""
     for r in run_ranks(_tracked, 2, timeout=120):
         assert r["optim"] >= r["moments"] > 0, r
+
+
+def _joined(rank: int, world: int, system: str) -> dict[str, torch.Tensor]:
+    """Uneven data: rank 1 runs out after 2 batches, rank 0 has 3. zeroshard.join with
+    both optimizers (rank 1 shadows the third step of each), or DDP's own Join averaging
+    over the ranks with data (divide_by_initial_world_size=False: zeroshard's rule)."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model(PRESET)
+    opts = _optimizers(model)
+    if system == "ddp":
+        net = DDP(model)
+        ctx = Join([net], divide_by_initial_world_size=False)
+    else:
+        net, opts = zeroshard.shard(model, opts, stage=3)
+        ctx = zeroshard.join(net, opts)
+    data = loader(PRESET, rank, world)
+    batches = [next(data) for _ in range(3 if rank == 0 else 2)]
+    with ctx:
+        for x, y in batches:
+            loss_of(net, x, y).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    if system == "ddp":
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return zeroshard.full_state_dict(net)
+
+
+def _join_both(rank: int, world: int) -> dict:
+    return {s: _joined(rank, world, s) for s in ("ddp", "zeroshard")}
+
+
+def test_uneven_inputs_under_join_with_both_optimizers() -> None:
+    """zeroshard.join(model, (muon, adamw)) at stage 3: DDP's Join result bit for bit."""
+    for r in run_ranks(_join_both, 2, timeout=300):
+        for name, w in r["ddp"].items():
+            assert torch.equal(r["zeroshard"][name], w), name

@@ -74,7 +74,7 @@ class ZeroJoinable(Joinable):
         return self.engine.world.group
 
 
-def join(model: nn.Module, optimizer: ShardedOptimizer, *, enable: bool = True,
+def join(model: nn.Module, optimizer: ShardedOptimizer | tuple, *, enable: bool = True,
          throw_on_early_termination: bool = False) -> Join:
     """A ``Join`` context for uneven inputs (see [Note: join])::
 
@@ -83,10 +83,17 @@ def join(model: nn.Module, optimizer: ShardedOptimizer, *, enable: bool = True,
                 loss_fn(model(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+
+    With several optimizers, pass the tuple ``shard()`` returned: a rank out of data
+    steps each of them in turn, as the loop ``for o in opts: o.step(); o.zero_grad()``.
     """
     from .api import engine_of
+    from .engine.optimizer import one_optimizer
 
     engine = engine_of(model)
+    if isinstance(optimizer, (list, tuple)) or getattr(optimizer, "core", None) is not None:
+        one_optimizer(optimizer)  # several optimizers: all of them, as shard() returned them
+        optimizer = tuple(optimizer)
     replay = engine.replay
     if replay.joinable is None or replay.joinable.optimizer is not optimizer:
         replay.joinable = ZeroJoinable(engine, optimizer)

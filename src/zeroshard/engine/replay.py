@@ -100,10 +100,12 @@ class JoinReplay:
         try:
             with torch.enable_grad():  # the real iteration's forward gathers ran with grad
                 self._replay_backward()
-            if self._last_clip is not None:
-                optimizer.clip_grad_norm_(*self._last_clip)
-            optimizer.step()
-            optimizer.zero_grad()
+            opts = optimizer if isinstance(optimizer, tuple) else (optimizer,)  # several
+            if self._last_clip is not None:  # the global norm, whichever clips
+                opts[0].clip_grad_norm_(*self._last_clip)
+            for o in opts:  # as the active ranks' loop: each optimizer's step in turn
+                o.step()
+                o.zero_grad()
         finally:
             self._replaying = False
 
