@@ -168,7 +168,51 @@ def part_parity(args: argparse.Namespace) -> dict:
         rows.append({"stage": stage, "mixed_precision": mp, "checkpointing": ckpt,
                      "rel_dev": dev_, "bound": bound, "ok": ok,
                      "vs_fp32_plain": _rel(got, ref)})
+    rows += _muon_rows(steps, dev)
     return {"ok": all(r["ok"] for r in rows), "rows": rows, "device": str(dev)}
+
+
+def _muon_opts(model):
+    """torch's Muon over llama-tiny's hidden matrices, AdamW over the rest (two optimizers,
+    docs/optimizers.md)."""
+    import torch
+
+    hidden = [p for n, p in model.named_parameters()
+              if p.ndim == 2 and not n.startswith(("tok_emb", "lm_head"))]
+    rest = [p for p in model.parameters() if not any(p is q for q in hidden)]
+    return torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)
+
+
+def _muon_rows(steps: int, dev) -> list[dict]:
+    """Muon + AdamW as two optimizers (whole-parameter steps, the CUDA bf16 Newton-Schulz)
+    at stages 0 and 3 over NCCL, against the same two over the plain model: bit for bit
+    (world 1: the same kernels on the same values)."""
+    import zeroshard
+    from zeroshard.models import build_model, get_preset
+
+    batches = _batches(get_preset("llama-tiny").vocab, steps, 4, 32, dev)
+
+    def run(model, opts) -> None:
+        for x in batches[:steps]:
+            _loss(model, x).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+
+    plain = build_model("llama-tiny", seed=0).to(dev)
+    run(plain, _muon_opts(plain))
+    ref = {k: v.detach().float().cpu() for k, v in plain.state_dict().items()}
+    rows = []
+    for stage in (0, 3):
+        model = build_model("llama-tiny", seed=0).to(dev)
+        model, opts = zeroshard.shard(model, _muon_opts(model), stage=stage)
+        run(model, opts)
+        got = zeroshard.full_state_dict(model)
+        rel = _rel(got, ref)
+        rows.append({"stage": stage, "mixed_precision": None, "checkpointing": "none",
+                     "optimizer": "muon+adamw", "rel_dev": rel,
+                     "bound": "bitwise vs plain Muon+AdamW", "ok": rel == 0.0})
+    return rows
 
 
 def _shared_rank(rank: int, world: int, dry: bool) -> dict:

@@ -39,7 +39,7 @@ def test_gpu_check_dry_run_passes_every_part(tmp_path: Path, parts: list[str]) -
         assert f"== {part}: PASS" in text, text
     by = {r["part"]: r for r in results}
     if "parity" in by:
-        assert len(by["parity"]["rows"]) == 11
+        assert len(by["parity"]["rows"]) == 13  # + Muon + AdamW at stages 0 and 3
     if "offload" in by:
         checked = [r for r in by["offload"]["rows"] if not r["offload"].startswith("diag")]
         assert len(checked) == 3 and all(r["bitwise_equal"] for r in checked)
