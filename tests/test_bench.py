@@ -283,3 +283,5 @@ def test_muon_rows(tmp_path) -> None:  # noqa: ANN001
     assert rows["naive-muon"]["comm_bytes_per_step"] > rows["zs-s1"]["comm_bytes_per_step"]
     assert "--optimizer muon" in result["command"]
     assert result["settings"]["optimizer"] == "muon"
+    for r in rows.values():  # the optimizer step's time, within the step's
+        assert 0 < r["optimizer_step_s_median"] <= r["step_s_median"], r

@@ -185,15 +185,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """Run one step; return (seconds, local loss). Ranks are aligned by the caller."""
+def timed_step(step: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+               device: torch.device) -> tuple[float, float, float]:
+    """Run one step; return (seconds, local loss, seconds from the optimizer step's start
+    to the end: the runner's ``mark("step")``). Ranks are aligned by the caller."""
+    marks: dict[str, float] = {}
+
+    def mark(phase: str) -> None:
+        if phase == "step":  # one wait for the device, where backward's work is done anyway
+            sync(device)
+            marks[phase] = time.perf_counter()
+
     sync(device)
     t0 = time.perf_counter()
-    loss = step(x, y)
+    loss = step(x, y, mark=mark)
     value = float(loss)  # waits for the device
     sync(device)
-    return time.perf_counter() - t0, value
+    end = time.perf_counter()
+    return end - t0, value, end - marks.get("step", end)
 
 
 @dataclass

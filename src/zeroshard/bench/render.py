@@ -84,6 +84,11 @@ def format_table(result: dict[str, Any]) -> str:
            "knows AdamW's recipe only)." if s.get("optimizer") == "muon" else ""),
     ]
     lines = lines[:-1] + textwrap.wrap(lines[-1], width=100)
+    if s.get("optimizer") == "muon":
+        lines.append("optimizer step s (share of the step), rank 0: " + ", ".join(
+            f"{r['name']} {r['optimizer_step_s_median']:.3f} "
+            f"({100 * r['optimizer_step_s_median'] / r['step_s_median']:.0f}%)"
+            for r in rows if r["status"] == "ok" and r.get("optimizer_step_s_median")))
     if any(r.get("mfu") is not None for r in rows):
         lines.append("MFU: " + ", ".join(f"{r['name']} {100 * r['mfu']:.1f}%"
                                          for r in rows if r.get("mfu") is not None))

@@ -90,6 +90,7 @@ class _Config:
     note: str = ""
     runner: Runner | None = None
     step_s: list[float] = field(default_factory=list)
+    optimizer_s: list[float] = field(default_factory=list)
     comm: list[int] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, Any] = field(default_factory=dict)
@@ -188,7 +189,7 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     configuration])."""
     assert c.runner is not None
     x, y = batches[k]
-    err, secs, loss, mem = "", 0.0, float("nan"), None
+    err, secs, loss, mem, opt_secs = "", 0.0, float("nan"), None, 0.0
     try:
         if kind == "measured":
             ledger = c.runner.ledger
@@ -197,7 +198,7 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
                                 count_comm=ledger is None)
             loss = mem.loss
         else:
-            secs, loss = timed_step(c.runner.step, x, y, device)
+            secs, loss, opt_secs = timed_step(c.runner.step, x, y, device)
         if not math.isfinite(loss):
             err = f"loss is {loss} at step {k}"
     except Exception as exc:
@@ -210,6 +211,7 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     ledger = c.runner.ledger
     if kind == "timed":
         c.step_s.append(secs)
+        c.optimizer_s.append(opt_secs)  # this rank's (rank 0's reaches the report)
         if ledger is not None:
             c.comm.append(ledger.totals(ledger.last_step())["logical_bytes"])
     elif kind == "measured":
@@ -322,7 +324,7 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         "threads_per_rank": torch.get_num_threads(),
         "entered": entered, "setup_s": setup_s, "ranks_s": time.time() - entered,
         "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
-                  "step_s": c.step_s, "comm": c.comm, "loss": c.loss, "memory": c.memory,
+                  "step_s": c.step_s, "optimizer_s": c.optimizer_s, "comm": c.comm, "loss": c.loss, "memory": c.memory,
                   "time_s": c.time_s}
                  for c in configs],
     }
