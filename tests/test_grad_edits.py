@@ -64,6 +64,18 @@ def _run(rank: int, world: int) -> dict:
                                            mixed_precision=mp)
             _loop(model, model, optim, rank, world)
             out[(mp, stage)] = zeroshard.full_state_dict(model)
+    import zeroshard.engine.engine as engine_module
+
+    engine_module._FORCE_HOST_COPIES = True  # offload's host copies, as on a GPU machine
+    try:
+        for stage in (1, 2, 3):
+            model = make_model(PRESET)
+            model, optim = zeroshard.shard(model, torch.optim.SGD, stage=stage, lr=LR,
+                                           offload="optimizer")
+            _loop(model, model, optim, rank, world)
+            out[("offload", stage)] = zeroshard.full_state_dict(model)
+    finally:
+        engine_module._FORCE_HOST_COPIES = False
     return out
 
 
@@ -110,6 +122,15 @@ def _change_error(got: dict, want: dict) -> dict[str, float]:
 def test_fp32_edits_between_backwards_train_as_ddp(stage: int) -> None:
     out = _results()
     err = _change_error(out[(None, stage)], out["ddp"])
+    assert max(err.values()) <= 1e-5, sorted(err.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_edits_between_backwards_with_offload_train_as_ddp(stage: int) -> None:
+    """Offload (forced host copies): at stages 2-3 later reductions add on the host, which
+    the edits must reach (before the fix: 1.24 off, as without offload)."""
+    out = _results()
+    err = _change_error(out[("offload", stage)], out["ddp"])
     assert max(err.values()) <= 1e-5, sorted(err.items(), key=lambda kv: -kv[1])[:3]
 
 

@@ -180,6 +180,15 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     attempt("two_flat", lambda: zeroshard.shard(
         m, (torch.optim.AdamW(ps[:3]), torch.optim.SGD(ps[3:], lr=1)), stage=1))
     attempt("class", lambda: zeroshard.shard(m, (torch.optim.AdamW,), stage=1))
+    m = make_model(PRESET)
+    m, opts = zeroshard.shard(m, _optimizers(m), stage=2, mixed_precision="fp16")
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(loader(PRESET, rank, world))
+    scaler.scale(loss_of(m, x, y)).backward()
+    try:  # zeroshard's fp16 scales the loss itself: a GradScaler on one part is refused
+        scaler.step(opts[1])
+    except RuntimeError as e:
+        out["grad_scaler"] = f"RuntimeError: {e}"
     return out
 
 
@@ -187,6 +196,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     ("overlap", "is in optimizer 0 (AdamW) and optimizer 1 (SGD); give each parameter to one"),
     ("two_flat", "NotImplementedError.*one that steps whole parameters.*one elementwise"),
     ("class", "a tuple of torch optimizer instances"),
+    ("grad_scaler", "GradScaler is stepping this optimizer.*scaled twice"),
 ])
 def test_refusals_name_the_fix(case: str, needle: str) -> None:
     msgs = run_ranks(_refusals, 1, timeout=120)[0]

@@ -103,9 +103,7 @@ def _write_back(model: nn.Module, engine, copies: dict[str, torch.Tensor], shape
         raise RuntimeError("gathered_parameters(): another rank raised inside the block; "
                            "nothing was written back (its error says why)")
     if flags[1] > 0:
-        where = (f": {odd[0]!r} is now {tuple(copies[odd[0]].shape) if odd[0] in copies else 'gone'}"
-                 f", was {tuple(shapes[odd[0]][0])} {shapes[odd[0]][1]}" if odd else
-                 " on another rank")
+        where = f": {_describe(odd[0], copies, shapes)}" if odd else " on another rank"
         raise ValueError(
             f"gathered_parameters(): a copy changed shape or dtype, or a key came or went, "
             f"inside the block{where}; nothing was written back. Edit the copies in place "
@@ -115,6 +113,15 @@ def _write_back(model: nn.Module, engine, copies: dict[str, torch.Tensor], shape
     for name, t in copies.items():
         engine.world.broadcast(t, modifier_rank, phase="state", unit=name)
     load_model_state_dict(model, engine, copies, strict=False)
+
+
+def _describe(name: str, copies: dict, shapes: dict) -> str:
+    """What became of one copy: ``'w' is now (3, 4) torch.float32, was (2, 4) ...``."""
+    now = copies.get(name)
+    now_s = (f"{tuple(now.shape)} {now.dtype}" if isinstance(now, torch.Tensor)
+             else "gone" if name not in copies else f"a {type(now).__name__}")
+    was_s = f"{tuple(shapes[name][0])} {shapes[name][1]}" if name in shapes else "not a copy"
+    return f"{name!r} is now {now_s}, was {was_s}"
 
 
 def _slots(engine, params) -> dict[FlatParam, str]:

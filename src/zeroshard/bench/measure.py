@@ -186,19 +186,21 @@ def sync(device: torch.device) -> None:
 
 
 def timed_step(step: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-               device: torch.device) -> tuple[float, float, float]:
+               device: torch.device, time_optimizer: bool = False
+               ) -> tuple[float, float, float]:
     """Run one step; return (seconds, local loss, seconds from the optimizer step's start
-    to the end: the runner's ``mark("step")``). Ranks are aligned by the caller."""
+    to the end — the runner's ``mark("step")``; 0 unless ``time_optimizer``, which waits
+    for the device there once). Ranks are aligned by the caller."""
     marks: dict[str, float] = {}
 
     def mark(phase: str) -> None:
-        if phase == "step":  # one wait for the device, where backward's work is done anyway
+        if phase == "step":
             sync(device)
             marks[phase] = time.perf_counter()
 
     sync(device)
     t0 = time.perf_counter()
-    loss = step(x, y, mark=mark)
+    loss = step(x, y, mark=mark) if time_optimizer else step(x, y)
     value = float(loss)  # waits for the device
     sync(device)
     end = time.perf_counter()

@@ -95,7 +95,3 @@ class CompositeOptimizer:
         for i, part in enumerate(self.parts):
             if self.active is None or i in self.active:
                 part.step()
-
-    def register_step_pre_hook(self, hook: Any) -> Any:
-        """On every part (each calls it with itself)."""
-        return [part.register_step_pre_hook(hook) for part in self.parts]

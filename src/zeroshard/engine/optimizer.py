@@ -90,15 +90,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.step_part(None, closure)
 
     @torch.no_grad()
-    def step_part(self, part: int | None, closure: Callable[[], Any] | None = None) -> Any:
-        """:meth:`step` over one part of several optimizers (None: all of them)."""
+    def step_part(self, part: int | None, closure: Callable[[], Any] | None = None,
+                  stepped: torch.optim.Optimizer | None = None) -> Any:
+        """:meth:`step` over one part of several optimizers (None: all of them);
+        ``stepped``: the optimizer the user stepped (a GradScaler marks that one)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        asked = self if stepped is None else stepped
         if self._step_supports_amp_scaling and (
-                getattr(self, "grad_scale", None) is not None
-                or getattr(self, "found_inf", None) is not None):
+                getattr(asked, "grad_scale", None) is not None
+                or getattr(asked, "found_inf", None) is not None):
             raise RuntimeError(
                 "a torch.amp.GradScaler is stepping this optimizer, but the model was sharded "
                 "with mixed_precision='fp16', which scales the loss itself: the loss would be "
@@ -242,7 +245,7 @@ class OptimizerPart(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = self.core.step_part(self.index, closure)
+        loss = self.core.step_part(self.index, closure, stepped=self)
         old = self._replaces()
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]

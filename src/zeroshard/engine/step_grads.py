@@ -116,17 +116,21 @@ class StepGrads:
         second backward silently added to it (measured: 0.04 from DDP's weights after 2
         steps). So here what the user left (zeros for None: the parameter is unused until
         a gradient reaches it again) is adopted into ``master_grad`` and written back into
-        the accumulator, in its dtype and loss scale. Stage 0 with the user parameters
-        computing needs none of it (their ``.grad`` is the accumulator, and autograd
-        starts a fresh one where it is None). Offload's host copies are not covered yet."""
-        if not self.faces.published or self.offloader.enabled:
+        the accumulator, in its dtype and loss scale (with offload at stages 2-3 the host
+        copy, which later reductions add to). Stage 0 with the user parameters computing
+        needs none of it (their ``.grad`` is the accumulator, and autograd starts a fresh
+        one where it is None)."""
+        if not self.faces.published:
             return
         if not self.faces.sharded and not self.faces.swap:
             return
         self.adopt_user_grads()
         whole = self.policy.reduce_op == "all_reduce"  # stage 0: the whole-layout buffer
+        # offload at stages 2-3: later reductions add on the host (Reducer._add_to_host)
+        on_host = self.offloader.enabled and not self.policy.keep_full_grads
         for b in self.buckets:
-            acc = b.grad if whole else self.reducer.reduced_slice(b)
+            acc = (b.grad if whole else (b.host_grad if b.host_fresh else None) if on_host
+                   else self.reducer.reduced_slice(b))
             if acc is None or b.master_grad is None:
                 continue
             for i in range(len(b.slots)):
