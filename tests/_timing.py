@@ -87,6 +87,11 @@ class TimingPlugin:
         t = self.tests.setdefault(report.nodeid, {"wall_s": 0.0, "cpu_s": 0.0})
         t["wall_s"] += report.duration
         t["cpu_s"] += dict(report.user_properties).get(_KEY, 0.0)
+        # When each worker finished its last test: a worker done long before the other
+        # is a tail of one idle core (xdist hands out whole files).
+        node = getattr(report, "node", None)
+        worker = getattr(getattr(node, "gateway", None), "id", "main")
+        t["worker"], t["end_s"] = worker, time.monotonic() - self.started
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.worker or not self.tests:
@@ -98,6 +103,10 @@ class TimingPlugin:
                    "test_wall_s": sum(t["wall_s"] for t in self.tests.values()),
                    "test_cpu_s": sum(t["cpu_s"] for t in self.tests.values()),
                    "cores": os.cpu_count(), "budget_s": BUDGET_S}
+        ends: dict[str, float] = {}
+        for t in self.tests.values():
+            ends[t["worker"]] = max(ends.get(t["worker"], 0.0), t["end_s"])
+        summary["workers_done_s"] = dict(sorted(ends.items()))
         now = _machine_ticks()
         if self.ticks is not None and now is not None and now[1] > self.ticks[1]:
             summary["machine_busy"] = (now[0] - self.ticks[0]) / (now[1] - self.ticks[1])
@@ -110,6 +119,9 @@ class TimingPlugin:
             f"{summary['tests']} tests, {wall:.0f} s wall; tests' CPU {summary['test_cpu_s']:.0f} s"
             f" on {summary['cores']} cores"
             + (f"; cores busy {busy:.0%} of the run (whole machine)" if busy is not None else ""))
+        if len(ends) > 1:
+            tr.write_line("workers done at " + ", ".join(
+                f"{w} {s:.0f} s" for w, s in summary["workers_done_s"].items()))
         tr.write_line(f"longest waits (wall - CPU), top {_TOP}:")
         for nodeid, t in rows[:_TOP]:
             tr.write_line(f"  {t['idle_s']:6.1f} s idle  {t['wall_s']:6.1f} s wall  "

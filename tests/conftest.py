@@ -13,6 +13,15 @@ from _timing import TimingPlugin
 # 2 cores shared by the test process and up to 4 ranks: one OpenMP thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The rank server (zeroshard/testing/rank_start.py) imports the integrations once, so the
+# ranks of the HF, TRL, peft and Lightning tests fork with them loaded instead of each
+# importing them again (2-3 s of CPU per rank). The hub is offline and transformers quiet
+# for every process of the run: the server reads both when it imports them.
+os.environ.setdefault("ZEROSHARD_RANK_PRELOAD",
+                      "transformers.trainer,peft,lightning.pytorch,accelerate,trl")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 # torch.compile's kernel cache stays where it was (it lives in the temp folder by default):
 # the inductor tests would otherwise compile from scratch on every run.
 try:

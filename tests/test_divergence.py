@@ -239,8 +239,12 @@ TIMEOUT = 60.0
 def _state_dict_alone(rank: int, world: int, others: str) -> dict:
     """Rank 0 takes a stage-3 state dict alone; the other ranks exit, wait in a barrier
     of their own, or run a forward."""
+    from zeroshard import peer_watch
     from zeroshard.comm import CollectiveError
 
+    # The watch's grace before ending a rank stuck in torch's collective (15 s by
+    # default), short for the test: a fresh process, nothing else reads it.
+    peer_watch.END_STUCK_AFTER_S = 3.0
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
                                    lr=1e-2, timeout=TIMEOUT)
     x, y = next(loader("gpt2-tiny", rank, world))
@@ -353,8 +357,12 @@ def _full_tensor_alone(rank: int, world: int, root: str, linger: float) -> str:
     """Rank 0 gathers a stage-3 parameter alone (``p.full_tensor()``: torch's collective,
     not zeroshard's); rank 1 goes on to its next training step. Each rank writes what it
     got, and when, to ``root``; with ``linger`` rank 1's process lives on afterwards."""
+    from zeroshard import peer_watch
     from zeroshard.comm import CollectiveError
 
+    # The watch's grace before ending a rank stuck in torch's collective (15 s by
+    # default), short for the test: a fresh process, nothing else reads it.
+    peer_watch.END_STUCK_AFTER_S = 3.0
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
                                    lr=1e-2, timeout=TIMEOUT)
     x, y = next(loader("gpt2-tiny", rank, world))

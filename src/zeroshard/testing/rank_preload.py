@@ -1,10 +1,16 @@
 """Imported once by the rank server before it forks any rank (see rank_start.py).
 
 Importing this module changes the process's environment: it is meant for the server only.
+
+``ZEROSHARD_RANK_PRELOAD`` (comma-separated module names) adds modules to import here,
+once, instead of in every rank that uses them: the test suite names the integrations its
+ranks import (transformers' Trainer, Lightning, peft, TRL: 2-3 s of CPU per rank each).
+A module that is not installed is skipped; a rank that needs it fails there, as without.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # Before torch: the OpenMP runtime reads these when it loads; each rank also sets
@@ -16,4 +22,14 @@ import torch._dynamo  # noqa: E402,F401  DTensor's constructor imports it on fir
 import torch.distributed  # noqa: E402,F401
 
 import zeroshard  # noqa: E402,F401
+
+# The launcher's preload (zeroshard/launch.py) records this environment: a `zeroshard
+# bench` run inside a test forks its ranks from this same server.
+import zeroshard.launch_preload  # noqa: E402,F401
 import zeroshard.testing.rank_main  # noqa: E402,F401
+
+for _name in filter(None, os.environ.get("ZEROSHARD_RANK_PRELOAD", "").split(",")):
+    try:
+        importlib.import_module(_name.strip())
+    except ImportError:
+        pass

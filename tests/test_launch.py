@@ -1,0 +1,41 @@
+"""zeroshard.launch.run_ranks_local: ranks forked from a rank server ([Note: forked ranks]),
+each in the environment a spawned rank would have had."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from zeroshard.launch import run_ranks_local
+
+
+def _report(tag: str) -> dict[str, Any]:
+    import zeroshard.launch_preload as preload
+
+    return {"tag": tag, "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"],
+            "probe": os.environ.get("ZS_LAUNCH_PROBE"), "gone": os.environ.get("ZS_LAUNCH_GONE"),
+            "threads": torch.get_num_threads(), "master": os.environ["MASTER_PORT"],
+            "forked": preload.SERVER_PID != os.getpid(), "pid": os.getpid()}
+
+
+def test_ranks_fork_from_the_server_in_the_launching_processs_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZS_LAUNCH_PROBE", "first")
+    monkeypatch.setenv("ZS_LAUNCH_GONE", "set")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    first = run_ranks_local(_report, 2, "a")
+    # Changed and removed between two launches from one process: the server started with
+    # the first environment; the second launch's ranks see the second.
+    monkeypatch.setenv("ZS_LAUNCH_PROBE", "second")
+    monkeypatch.delenv("ZS_LAUNCH_GONE")
+    second = run_ranks_local(_report, 2, "b")
+    assert first["forked"] and second["forked"]  # no interpreter started per rank
+    assert (first["tag"], first["rank"], first["world"]) == ("a", "0", "2")
+    assert (first["probe"], first["gone"]) == ("first", "set")
+    assert (second["probe"], second["gone"]) == ("second", None)
+    assert first["threads"] == second["threads"] == 1
+    assert first["master"] != second["master"]  # the agent's own variables win
+    assert first["pid"] != second["pid"] != os.getpid()
