@@ -3,7 +3,8 @@
 A test's CPU is its worker's own (user + system), that of the subprocesses it waited for
 (torchrun, the CLI), and that of the ranks its ``run_ranks`` calls ran on (which are the
 rank server's children, invisible to this process's rusage and to ``time`` of the whole
-run: see ``zeroshard.testing.rank_cpu_seconds``). Setup and teardown count, so a
+run: see ``zeroshard.testing.rank_cpu_seconds``; likewise the ranks an in-process
+``zeroshard bench``/``train`` forks, ``zeroshard.launch.rank_cpu_seconds``). Setup and teardown count, so a
 module-scoped fixture's cost lands on the first test that asks for it.
 
 At the end of a run (on the controller when pytest-xdist runs workers) this writes
@@ -34,6 +35,8 @@ def _cpu_now() -> float:
     t = os.times()
     ranks = sys.modules.get("zeroshard.testing.supervise")  # imported once a call ran
     rank_cpu = ranks.rank_cpu_seconds() if ranks is not None else 0.0
+    launch = sys.modules.get("zeroshard.launch")  # `zeroshard bench`/`train` run in-process
+    rank_cpu += launch.rank_cpu_seconds() if launch is not None else 0.0
     return t.user + t.system + t.children_user + t.children_system + rank_cpu
 
 

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "run_ranks_local", "under_torchrun"]
+__all__ = ["free_port", "rank_cpu_seconds", "run_ranks_local", "under_torchrun"]
 
 #: What the rank server imports before it forks any rank (see [Note: forked ranks]).
 _PRELOAD = ["zeroshard.launch_preload"]
@@ -76,6 +76,17 @@ def _ephemeral_low() -> int | None:
         return None
 
 
+#: CPU seconds the forked ranks of this process's launches used (each reports its own):
+#: they are the server's children, invisible to this process's rusage.
+_RANK_CPU = [0.0]
+
+
+def rank_cpu_seconds() -> float:
+    """CPU (user + system) used so far by the ranks this process launched, e.g. for the
+    test suite's timing (tests/_timing.py)."""
+    return _RANK_CPU[0]
+
+
 def run_ranks_local(fn: Callable[..., Any], world_size: int, *args: Any,
                     name: str = "zeroshard") -> Any:
     """Rank 0's ``fn(*args)`` (None on other torchrun ranks)."""
@@ -106,7 +117,8 @@ def run_ranks_local(fn: Callable[..., Any], world_size: int, *args: Any,
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
-    return results[0]
+    _RANK_CPU[0] += sum(cpu for _, cpu in results.values())
+    return results[0][0]
 
 
 class _ForkedRank:
@@ -130,4 +142,6 @@ class _ForkedRank:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        return self.fn(*args)
+        result = self.fn(*args)
+        t = os.times()
+        return result, t.user + t.system + t.children_user + t.children_system
