@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,30 @@ def test_resume_at_the_last_step_has_nothing_left_to_do(tmp_path: Path, capsys) 
     (ckpt / "step-00000006").rename(tmp_path / "moved")
     assert main([*args, "--steps", "4", "--resume"]) == 0
     assert f"last logged loss {logged[3]:.4f} (step 3)" in capsys.readouterr().out
+
+
+def test_resume_with_more_steps_says_the_schedule_moved(tmp_path: Path, capsys) -> None:
+    """--steps raised on resume stretches the cosine: the run says so, with both rates at
+    the resumed step (a new user saw the rate jump from 3e-4 back to 6e-4 unannounced);
+    the same settings say nothing."""
+    ckpt = tmp_path / "run"
+    args = ["train", *TINY, "--ckpt-dir", str(ckpt), "--ckpt-every", "3"]
+    assert main([*args, "--steps", "5"]) == 0
+    shutil.rmtree(step_dir(ckpt, 5))
+    assert main([*args, "--steps", "5", "--resume"]) == 0  # from step 3, as saved
+    first = capsys.readouterr().out
+    assert "resumed from" in first and "schedule differs" not in first
+    assert main([*args, "--steps", "8", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "learning-rate schedule differs from the checkpoint's (--steps 5 -> 8)" in out, out
+    new = TrainConfig(steps=8, warmup=2, lr=1e-2).lr_at(5)
+    old = TrainConfig(steps=5, warmup=2, lr=1e-2).lr_at(5)
+    assert f"the rate at step 5 is {new:.2e} on the new schedule, {old:.2e} on the saved " \
+           "run's" in out
+    line = next(x for x in out.splitlines() if x.startswith("step      6/8"))
+    assert f"lr {new:.2e}" in line, line  # the step trained at the new schedule's rate
+    changed = [r for r in _records(ckpt / "metrics.jsonl") if r["event"] == "schedule_changed"]
+    assert [r["step"] for r in changed] == [5]
 
 
 def test_last_loss_of_a_checkpoint_without_one(tmp_path: Path) -> None:

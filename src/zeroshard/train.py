@@ -283,6 +283,10 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
         loss, loss_step = _last_loss(extra, log, step)
         log.record("resume", step=step, path=str(found), seconds=time.perf_counter() - t0)
         log.say(f"resumed from {found} at step {step} ({time.perf_counter() - t0:.2f} s)")
+        changed = _schedule_change(extra.get("config"), c, step)
+        if changed is not None and step < c.steps:
+            log.record("schedule_changed", step=step, message=changed)
+            log.say(changed)
     if step >= c.steps:  # see [Note: nothing left to do]
         return _nothing_left(c, log, step, world, found, loss, loss_step)
     log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
@@ -327,6 +331,31 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
             time.sleep(c.step_sleep)
     log.record("done", step=step, loss=loss)
     return {"step": step, "loss": loss, "world_size": world} if rank == 0 else None
+
+
+_SCHEDULE = ("steps", "warmup", "lr", "min_lr")
+
+
+def _schedule_change(saved: dict[str, Any] | None, c: TrainConfig, step: int) -> str | None:
+    """What a resume with other schedule settings does to the learning rate, or None.
+
+    The rate is a function of the step and of --steps/--warmup/--lr/--min-lr (lr_at):
+    raising --steps to train further stretches the cosine, so the resumed run does not
+    continue the saved run's decay — it restarts from the new curve's value at this step
+    (higher: the decay had almost ended). That may be what the user wants; it must not be
+    a surprise."""
+    if not saved or all(saved.get(k) == getattr(c, k) for k in _SCHEDULE):
+        return None
+    try:
+        before = TrainConfig(**{k: saved[k] for k in _SCHEDULE}).lr_at(step)
+    except (KeyError, TypeError, ValueError):
+        return None
+    diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(c, k)}"
+                     for k in _SCHEDULE if saved.get(k) != getattr(c, k))
+    return (f"note: the learning-rate schedule differs from the checkpoint's ({diff}): the "
+            f"rate at step {step} is {c.lr_at(step):.2e} on the new schedule, {before:.2e} "
+            "on the saved run's (warmup + cosine over --steps); pass the saved values to "
+            "continue its decay")
 
 
 def _last_loss(extra: dict[str, Any], log: _Log, step: int) -> tuple[float, int | None]:
