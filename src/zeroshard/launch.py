@@ -16,8 +16,13 @@ those modules once (:mod:`zeroshard.launch_preload`), never runs an op and never
 CUDA, and each rank forks from it in ~0.1 s, as ``torch.multiprocessing`` recommends
 over plain ``fork``. A forked rank starts with the server's environment, not the
 launching process's as it is now (a later launch from the same process may have changed
-it): each rank first restores the launching process's environment plus what the elastic
-agent set for it (``launch_preload.restore_parent_env``), and its thread count.
+it): each rank first restores the launching process's environment plus the variables
+the elastic agent sets for it, by name (``launch_preload.restore_parent_env``; a variable
+the server's imports set stays where the caller has none), ``tempfile``'s folder and its
+thread count. What a rank does not take from the caller: file descriptors — its stdout
+and stderr are the server's, i.e. the first launch's (a later launch from a process that
+redirected fd 1 meanwhile still writes to the old one) — and settings torch or zeroshard
+read once at import.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import random
 import socket
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["free_port", "rank_cpu_seconds", "run_ranks_local", "under_torchrun"]
 
@@ -41,7 +46,8 @@ def under_torchrun() -> bool:
 
 
 def free_port() -> int:
-    """A local TCP port free now, for a rendezvous store to listen on.
+    """A local TCP port free now, for a store another process will listen on (the tests'
+    torchrun commands; run_ranks_local lets the agent's store bind port 0 itself).
 
     Not one the kernel hands out itself (``bind(0)``): those come from the ephemeral range
     that every outgoing connection (gloo's, a store client's) also takes its source port
@@ -99,7 +105,7 @@ def run_ranks_local(fn: Callable[..., Any], world_size: int, *args: Any,
         max_nodes=1,
         nproc_per_node=world_size,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint="127.0.0.1:0",  # the agent's store binds a free port itself
         run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         max_restarts=0,
         monitor_interval=0.1,
@@ -117,8 +123,10 @@ def run_ranks_local(fn: Callable[..., Any], world_size: int, *args: Any,
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
-    _RANK_CPU[0] += sum(cpu for _, cpu in results.values())
-    return results[0][0]
+    # A rank whose fn called sys.exit(0) returns None (torch's record()), not our pair.
+    _RANK_CPU[0] += sum(r.cpu for r in results.values() if isinstance(r, _RankResult))
+    first = results[0]
+    return first.value if isinstance(first, _RankResult) else first
 
 
 class _ForkedRank:
@@ -142,6 +150,11 @@ class _ForkedRank:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        result = self.fn(*args)
+        value = self.fn(*args)
         t = os.times()
-        return result, t.user + t.system + t.children_user + t.children_system
+        return _RankResult(value, t.user + t.system + t.children_user + t.children_system)
+
+
+class _RankResult(NamedTuple):
+    value: Any
+    cpu: float  # this rank's CPU seconds (see rank_cpu_seconds)

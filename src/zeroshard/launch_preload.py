@@ -10,9 +10,10 @@ elastic agent set for the rank).
 from __future__ import annotations
 
 import os
+import tempfile
 
-#: The server's environment when it started, and its pid (a module imported in a rank
-#: itself, because some other code started the server, has nothing to compare against).
+#: The server's environment before it imported anything, and its pid (a module imported
+#: in a rank itself, because some other code started the server, has no record).
 SERVER_ENV: dict[str, str] = dict(os.environ)
 SERVER_PID = os.getpid()
 
@@ -22,15 +23,29 @@ import torch.distributed  # noqa: E402,F401
 
 import zeroshard  # noqa: E402,F401
 
+#: What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers, and
+#: elastic_launch's TORCHELASTIC_* settings): taken from the rank's own environment.
+AGENT_KEYS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"})
+
+
+def _by_agent(key: str) -> bool:
+    return key in AGENT_KEYS or key.startswith("TORCHELASTIC_")
+
 
 def restore_parent_env(parent: dict[str, str]) -> None:
-    """Make this rank's environment the launching process's ``parent``, plus the variables
-    the elastic agent set for this rank (those that differ from the server's)."""
-    if os.getpid() == SERVER_PID:  # not forked from a server that imported this module
-        for key, value in parent.items():
-            os.environ.setdefault(key, value)
-        return
-    agent = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
+    """Make this rank's environment the launching process's ``parent`` plus the
+    variables the elastic agent set for this rank; a variable the server's own imports
+    set (not in ``SERVER_ENV``) stays only where ``parent`` lacks it."""
+    now = dict(os.environ)
+    agent = {k: v for k, v in now.items() if _by_agent(k)}
+    forked = os.getpid() != SERVER_PID  # else: some other code's server, no record
+    imported = ({k: v for k, v in now.items() if k not in SERVER_ENV and not _by_agent(k)}
+                if forked else {})
     os.environ.clear()
+    os.environ.update(imported)
     os.environ.update(parent)
     os.environ.update(agent)
+    tempfile.tempdir = None  # read TMPDIR again: the server cached its own

@@ -12,24 +12,20 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 # Before torch: the OpenMP runtime reads these when it loads; each rank also sets
 # torch.set_num_threads(1) (rank_main.py).
 os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
-import torch  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401  DTensor's constructor imports it on first use
-import torch.distributed  # noqa: E402,F401
-
-import zeroshard  # noqa: E402,F401
-
-# The launcher's preload (zeroshard/launch.py) records this environment: a `zeroshard
-# bench` run inside a test forks its ranks from this same server.
+# torch, DTensor's dynamo and zeroshard, recording this environment first (the launcher's
+# preload, zeroshard/launch.py: a `zeroshard bench` run inside a test forks its ranks
+# from this same server).
 import zeroshard.launch_preload  # noqa: E402,F401
 import zeroshard.testing.rank_main  # noqa: E402,F401
 
 for _name in filter(None, os.environ.get("ZEROSHARD_RANK_PRELOAD", "").split(",")):
     try:
         importlib.import_module(_name.strip())
-    except ImportError:
-        pass
+    except Exception as exc:  # the server must start: a rank that needs it fails there
+        print(f"zeroshard rank server: not preloading {_name!r}: {exc!r}", file=sys.stderr)
