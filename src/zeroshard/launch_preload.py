@@ -9,7 +9,9 @@ elastic agent set for the rank).
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import tempfile
 
 #: The server's environment before it imported anything, and its pid (a module imported
@@ -22,6 +24,16 @@ import torch._dynamo  # noqa: E402,F401  DTensor's constructor imports it on fir
 import torch.distributed  # noqa: E402,F401
 
 import zeroshard  # noqa: E402,F401
+
+# More modules to import here once instead of in every rank that uses them
+# (comma-separated): the test suite names the integrations its ranks import
+# (transformers' Trainer, Lightning, peft, TRL: 2-3 s of CPU per rank each). One that
+# fails to import is skipped: the server must start; a rank that needs it fails there.
+for _name in filter(None, os.environ.get("ZEROSHARD_RANK_PRELOAD", "").split(",")):
+    try:
+        importlib.import_module(_name.strip())
+    except Exception as exc:
+        print(f"zeroshard rank server: not preloading {_name!r}: {exc!r}", file=sys.stderr)
 
 #: What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers, and
 #: elastic_launch's TORCHELASTIC_* settings): taken from the rank's own environment.
