@@ -307,6 +307,53 @@ def test_traced_peak_matches_measured_gpt2_small() -> None:
     _compare_with_measured(get_preset("gpt2-small"), micro_batch=2, seq_len=256)
 
 
+# -- whole-parameter optimizers (Muon + AdamW) -------------------------------------------
+TINY_2 = dataclasses.replace(get_preset("gpt2-tiny"), n_layers=2)
+
+
+def _measure_muon(rank: int, world: int) -> list[int]:
+    from zeroshard.bench.muon import muon_optimizers
+
+    peaks = []
+    for stage in range(4):
+        model = build_model(TINY_2, device="meta" if stage == 3 else None)
+        model, opts = zeroshard.shard(model, muon_optimizers(model, 1e-3), stage=stage,
+                                      mixed_precision="bf16")
+        tracker = zeroshard.memory_tracker(model, opts)
+        with tracker:
+            run_steps(model, opts, micro_batch=4, seq_len=64, steps=2)
+        peaks.append(tracker.peak_total())
+    return peaks
+
+
+def test_traced_peak_with_muon_matches_measured() -> None:
+    """Muon over the hidden matrices + AdamW over the rest, world 2, stages 0-3: the trace
+    (the real engine on fake tensors, optimizers=) gives each rank's measured peak — the
+    owner's whole parameters and gradients at the step and the exchange's buffers
+    included — within 0.5% (measured: 168 bytes); at stage 2 at most that, and at least
+    90% (its buckets' lifetimes depend on when gloo completes them). Before the exchange's input was kept
+    until its completion (comm.py), stages 1-3 read 9-10% low: the fake group's work is
+    done at once and freed it."""
+    import functools
+
+    from zeroshard.bench.muon import muon_optimizers
+
+    measured = run_ranks(_measure_muon, 2, timeout=300)
+    build = functools.partial(muon_optimizers, lr=1e-3)
+    for stage in range(4):
+        for rank in range(2):
+            r = trace_step(TINY_2, world_size=2, rank=rank, stage=stage, micro_batch=4,
+                           seq_len=64, collectives="gloo", optimizers=build)
+            want = measured[rank][stage]
+            if stage == 2:  # a real run's reductions finish when gloo gets to them: under
+                # load a bucket outlives the next gradient (seen: +656 KB); the trace's
+                # complete at once, the least a real step holds
+                assert want * 0.9 <= r.peak_bytes <= want * 1.005, (rank, r.peak_bytes, want)
+                continue
+            assert abs(r.peak_bytes - want) <= 0.005 * want, (stage, rank, r.peak_bytes, want)
+    assert measured[0][1] != measured[1][1]  # the owners' shares differ: both ranks checked
+
+
 # -- process groups, user models, errors -------------------------------------------------
 def _trace_inside_a_group(rank: int, world: int) -> int:
     # A default (gloo) group exists here, so the trace must run in a spawned process.

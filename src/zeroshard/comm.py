@@ -500,7 +500,10 @@ class Comm:
         with waiting_in(desc):
             work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group,
                                           async_op=True)
-        return self._finish([work], out, desc, async_op, check)
+        # ``inp`` (often a temporary the caller packed) lives until the exchange is done, as
+        # the backend's work keeps it: a trace's fake group, whose work is done at once,
+        # would otherwise free it early and under-count the step (memory/traced.py).
+        return self._finish([work], out, desc, async_op, check, then=inp.size)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, phase: str = "other", unit: str = "",

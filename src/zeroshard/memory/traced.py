@@ -78,7 +78,7 @@ from __future__ import annotations
 import copy
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -118,7 +118,8 @@ def lm_loss(model: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
     return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
 
-def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: int,
+def run_steps(model: nn.Module, optim: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+              *, micro_batch: int,
               seq_len: int, steps: int, loss_fn: LossFn = lm_loss,
               phase: list[str] | None = None,
               after_step: Callable[[], None] | None = None) -> None:
@@ -129,6 +130,7 @@ def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: in
     (parameters, gradients, optimizer state) is all alive.
     """
     where = phase if phase is not None else [""]
+    optims = list(optim) if isinstance(optim, (list, tuple)) else [optim]
     for i in range(1, steps + 1):
         where[0] = f"forward of step {i}"
         loss = loss_fn(model, micro_batch, seq_len)
@@ -136,10 +138,12 @@ def run_steps(model: nn.Module, optim: torch.optim.Optimizer, *, micro_batch: in
         loss.backward()
         del loss
         where[0] = f"optimizer step {i}"
-        optim.step()
+        for o in optims:
+            o.step()
         if i == steps and after_step is not None:
             after_step()
-        optim.zero_grad()
+        for o in optims:
+            o.zero_grad()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +210,7 @@ def trace_step(
     checkpointing: str = "none",
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 2,
     loss_fn: LossFn = lm_loss, subprocess: bool | None = None, collectives: str = "native",
+    optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
     **options: Any,
 ) -> TracedResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` at ``stage``.
@@ -216,6 +221,9 @@ def trace_step(
     ``collectives``: "native" (NCCL's reduce-scatter and all-gather, each with its own
     output buffer: a GPU run) or "gloo" (zeroshard's in-place decomposition on gloo, see
     [Note: collectives per backend] in comm.py: a CPU run, e.g. ``zeroshard bench``'s).
+    ``optimizers``: instead of ``optimizer``, a picklable function that builds several on
+    the model about to be sharded (e.g. Muon over the matrices and AdamW over the rest,
+    ``zeroshard.bench.muon.muon_optimizers``): whole-parameter owners' step is traced too.
     See [Note: how a trace works] and [Note: one default process group per process].
     """
     if collectives not in ("native", "gloo"):
@@ -223,7 +231,7 @@ def trace_step(
     kwargs = dict(world_size=world_size, rank=rank, stage=stage,
                   mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
                   checkpointing=checkpointing, optimizer=optimizer, steps=steps,
-                  loss_fn=loss_fn, collectives=collectives, **options)
+                  loss_fn=loss_fn, collectives=collectives, optimizers=optimizers, **options)
     for name in ("world_size", "micro_batch", "seq_len", "steps"):
         v = kwargs[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -263,7 +271,9 @@ def grad_buffer_bytes(engine: Any) -> tuple[int, int]:
 def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
            mixed_precision: str | None, micro_batch: int, seq_len: int, checkpointing: str,
            optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
-           collectives: str = "native", **options: Any) -> TracedResult:
+           collectives: str = "native",
+           optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
+           **options: Any) -> TracedResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -289,11 +299,12 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 apply_checkpointing(model, checkpointing)
             _fake_weights(model, params=stage < 3)  # stage 3: the engine does it per unit
             phase[0] = "shard"
-            if optimizer in (torch.optim.AdamW, torch.optim.Adam) and not (
+            if optimizers is None and optimizer in (torch.optim.AdamW, torch.optim.Adam) and not (
                     {"fused", "foreach"} & set(options)):
                 options = {**options, "fused": True}  # see [Note: how a trace works]
             model, optim = zeroshard.shard(
-                model, optimizer, stage=stage, mixed_precision=mixed_precision,
+                model, optimizer if optimizers is None else tuple(optimizers(model)),
+                stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)
             engine = zeroshard.engine_of(model)
             _free_sharded_units(engine)  # see [Note: how a trace works]
