@@ -45,6 +45,25 @@ def test_plan_muon_owner_balance(capsys: pytest.CaptureFixture[str]) -> None:
     assert owners[0]["ranks"] == 4 and owners[0]["matrices"] == 113
 
 
+def test_plan_muon_traced_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """--muon --traced: every row without checkpointing traced again with Muon + AdamW
+    (the owners' step in the peak: tests/test_traced.py checks such traces against measured
+    peaks), beside the AdamW trace of the same row; Muon keeps one moment where AdamW
+    keeps two, so at stage 0 (every rank steps every matrix) its peak is the lower."""
+    argv = ["plan", "--model", "gpt2-tiny", "--gpus", "2", "--policies", "none", "--muon",
+            "--traced"]
+    assert main([*argv, "--json"]) == 0
+    traced = json.loads(capsys.readouterr().out)["muon_traced"]
+    assert [(t["gpus"], t["stage"]) for t in traced] == [(2, s) for s in range(4)]
+    for t in traced:
+        assert t["peak_bytes"] > t["optim_bytes"] > 0 and t["adamw_peak_bytes"] > 0, t
+    assert traced[0]["peak_bytes"] < traced[0]["adamw_peak_bytes"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Traced with Muon over the hidden matrices + AdamW" in out
+    assert sum(1 for line in out.splitlines() if line.startswith("     2     ")) == 4
+
+
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*BASE, "--json", "--interconnect", "ib", "--policies", "none,full"]) == 0
     data = json.loads(capsys.readouterr().out)

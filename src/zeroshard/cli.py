@@ -271,16 +271,42 @@ def _run_plan(args: argparse.Namespace) -> int:
         result = _trace(result)
     name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
                           f"--params {args.params / 1e9:g}B -> Llama-like shape")
+    traced_muon = _trace_muon(result) if args.muon and args.traced else None
     if args.json:
         out = result.to_dict()
         if args.muon:
             out["muon_owners"] = [dataclasses.asdict(b) for b in _owners(result, args.gpus)]
+        if traced_muon is not None:
+            out["muon_traced"] = [dataclasses.asdict(t) for t in traced_muon]
         print(json.dumps(out, indent=2))
         return 0
     print(format_plan(result, name))
     if args.muon:
         print(format_owners(_owners(result, args.gpus)))
+    if traced_muon is not None:
+        print(format_muon_traces(traced_muon))
     return 0
+
+
+def _trace_muon(p: Plan) -> list:
+    from zeroshard.memory.owners import trace_muon
+
+    return trace_muon(p, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def format_muon_traces(traces: list) -> str:
+    """``--muon --traced``: each row without checkpointing traced with Muon + AdamW."""
+    gb = 1e9
+    lines = ["", "Traced with Muon over the hidden matrices + AdamW over the rest (no "
+             "checkpointing; the owners' step", "included: whole parameters, gradients, "
+             "exchange buffers, Newton-Schulz's working set), GB per device:",
+             f"  {'N':>4} {'stage':>5} {'peak':>8} {'AdamW peak':>11} {'optim':>8}"]
+    for t in traces:
+        adamw = f"{t.adamw_peak_bytes / gb:11.2f}" if t.adamw_peak_bytes is not None else (
+            f"{'-':>11}")
+        lines.append(f"  {t.gpus:>4} {t.stage:>5} {t.peak_bytes / gb:8.2f} {adamw} "
+                     f"{t.optim_bytes / gb:8.2f}")
+    return "\n".join(lines)
 
 
 def _owners(p: Plan, gpus: list[int]) -> list:

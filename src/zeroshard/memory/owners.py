@@ -10,14 +10,19 @@ gradient it assembles at the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine.whole import assign_owners, newton_schulz_cost
 from ..models.config import ModelConfig
 
-__all__ = ["OwnerBalance", "owner_balance", "matrix_shapes"]
+if TYPE_CHECKING:
+    from .planner import Plan
+
+__all__ = ["MuonTrace", "OwnerBalance", "matrix_shapes", "owner_balance", "trace_muon"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +59,42 @@ def owner_balance(shapes: list[torch.Size], ranks: int) -> OwnerBalance:
         bytes_ratio=max(size) * ranks / total if total else 1.0,
         max_elements=max(size), largest=(big[0], big[1]),
         share=max(work) / total_work if total_work else 0.0)
+
+
+@dataclass(frozen=True)
+class MuonTrace:
+    """One plan row traced with Muon over the hidden matrices and AdamW over the rest."""
+
+    gpus: int
+    stage: int
+    peak_bytes: int  # the device peak per rank, the owners' step included
+    optim_bytes: int  # optimizer state per rank after the step
+    adamw_peak_bytes: int | None  # the same row traced with AdamW alone (--traced)
+
+
+def trace_muon(p: Plan, progress: Callable[[str], None] | None = None) -> list[MuonTrace]:
+    """``zeroshard plan --muon --traced``: every data-parallel row without checkpointing
+    or offload traced with Muon + AdamW (``zeroshard.bench.muon.muon_optimizers``, the
+    bench's split) — the engine's real step on fake tensors, so the owner's transient
+    whole parameters, gradients and exchange buffers and Newton–Schulz's working set are
+    in the peak (memory/traced.py; tests/test_traced.py checks it against measured peaks)."""
+    import functools
+
+    from ..bench.muon import muon_optimizers
+    from .traced import _PRECISION, trace_step
+
+    build = functools.partial(muon_optimizers, lr=1e-3)
+    out = []
+    for row in p.rows:
+        if (row.activation_checkpointing != "none" or row.offload or row.offload_params
+                or row.hybrid or p.tp > 1):
+            continue
+        r = trace_step(p.config, world_size=row.gpus, stage=row.stage,
+                       mixed_precision=_PRECISION[p.recipe.name], micro_batch=p.micro_batch,
+                       seq_len=p.seq_len, optimizers=build)
+        if progress is not None:
+            progress(f"traced N={row.gpus} stage {row.stage} with Muon + AdamW: {r.wall_s:.1f} s")
+        out.append(MuonTrace(gpus=row.gpus, stage=row.stage, peak_bytes=r.device_peak_bytes,
+                             optim_bytes=r.current["optim"],
+                             adamw_peak_bytes=row.traced_peak_bytes))
+    return out
