@@ -356,9 +356,13 @@ def test_stage3_state_dict_holds_one_gathered_unit_at_a_time(world: int) -> None
     the returned fp32 CPU tensors (the whole model, which the caller asked for)
     + one bucket (one unit) gathered in fp32, padding included. Nothing else: no unit is
     gathered twice, no whole-model staging copy (on a GPU the first term is host memory,
-    so the device holds its shards plus one gathered unit)."""
+    so the device holds its shards plus one gathered unit). Beside them, the divergence
+    guard's descriptors of up to two gathers in flight (comm.py: 7 int64 of its own and 7
+    per rank; whether one is still alive at the peak depends on when gloo completes it:
+    seen 168 bytes over at world 2 under a loaded run)."""
     r = run_ranks(_state_dict_peak, world)[0]
-    assert r["result"] <= r["extra"] <= r["result"] + r["bucket"], r
+    checks = 2 * 7 * 8 * (world + 1)
+    assert r["result"] <= r["extra"] <= r["result"] + r["bucket"] + checks, r
 
 
 # -- what DDP scripts also do -------------------------------------------------------------
