@@ -330,10 +330,12 @@ def test_traced_peak_with_muon_matches_measured() -> None:
     """Muon over the hidden matrices + AdamW over the rest, world 2, stages 0-3: the trace
     (the real engine on fake tensors, optimizers=) gives each rank's measured peak — the
     owner's whole parameters and gradients at the step and the exchange's buffers
-    included — within 0.5% (measured: 168 bytes); at stage 2 at most that, and at least
-    90% (its buckets' lifetimes depend on when gloo completes them). Before the exchange's input was kept
-    until its completion (comm.py), stages 1-3 read 9-10% low: the fake group's work is
-    done at once and freed it."""
+    included. On a quiet machine within 168 bytes at stages 0, 1 and 3 (stage 2 varies);
+    asserted: stage 0 within 0.5%, stages 1-3 at most 0.5% over and at least 93% (90% at
+    stage 2; a collective's buffers live until gloo's thread lets go of them: later under
+    load, seen +7%).
+    Before the exchange's input was kept until its completion (comm.py), stages 1-3 read
+    9-10% low: the fake group's work is done at once and freed it."""
     import functools
 
     from zeroshard.bench.muon import muon_optimizers
@@ -345,10 +347,13 @@ def test_traced_peak_with_muon_matches_measured() -> None:
             r = trace_step(TINY_2, world_size=2, rank=rank, stage=stage, micro_batch=4,
                            seq_len=64, collectives="gloo", optimizers=build)
             want = measured[rank][stage]
-            if stage == 2:  # a real run's reductions finish when gloo gets to them: under
-                # load a bucket outlives the next gradient (seen: +656 KB); the trace's
-                # complete at once, the least a real step holds
-                assert want * 0.9 <= r.peak_bytes <= want * 1.005, (rank, r.peak_bytes, want)
+            if stage > 0:  # a real run's collectives finish, and gloo's thread lets go of
+                # their buffers, when it gets to them: under load one outlives what follows
+                # (seen: +590 KB at stage 1, +656 KB at stage 2); the trace's complete at
+                # once, the least a real step holds
+                low = 0.9 if stage == 2 else 0.93  # without the fix: 0.907 (s1), 0.896 (s3)
+                assert want * low <= r.peak_bytes <= want * 1.005, (stage, rank, r.peak_bytes,
+                                                                    want)
                 continue
             assert abs(r.peak_bytes - want) <= 0.005 * want, (stage, rank, r.peak_bytes, want)
     assert measured[0][1] != measured[1][1]  # the owners' shares differ: both ranks checked
