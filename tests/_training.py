@@ -112,6 +112,33 @@ def train_ddp(rank: int, world: int, *, preset: str = "gpt2-tiny", **_: Any):
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
+class Bf16Recipe:
+    """The unsharded bf16 recipe zeroshard's bf16 mixed precision must equal: the model
+    computes in bf16 and accumulates bf16 gradients, fp32 masters take the step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: type[torch.optim.Optimizer],
+                 **kwargs: Any) -> None:
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+        model.to(torch.bfloat16)
+        self.optim = optimizer(self.master, **kwargs)
+
+    def step(self) -> None:
+        """The accumulated bf16 gradients into the masters, a step, the masters back."""
+        for m, p in zip(self.master, self.model.parameters()):
+            m.grad = p.grad.float() if p.grad is not None else None
+            p.grad = None
+        self.optim.step()
+        self.optim.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                p.copy_(m)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, (m.detach().clone() for m in self.master)))
+
+
 def rel_diffs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """||got - ref|| / ||ref|| per parameter (same keys and shapes required)."""
     assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))

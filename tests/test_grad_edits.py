@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from _training import loader, loss_of, make_model
+from _training import Bf16Recipe, loader, loss_of, make_model
 
 import zeroshard
 from zeroshard.testing import run_ranks
@@ -82,27 +82,16 @@ def _run(rank: int, world: int) -> dict:
 def _bf16_reference() -> dict[str, torch.Tensor]:
     """The unsharded bf16 recipe (test_precision.py's) with the same edits, made on the
     bf16 gradients the recipe accumulates (scaling by powers of two: exact in bf16)."""
-    model = make_model(PRESET)
-    names = [n for n, _ in model.named_parameters()]
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    model.to(torch.bfloat16)
-    optim = torch.optim.SGD(master, lr=LR)
+    recipe = Bf16Recipe(make_model(PRESET), torch.optim.SGD, lr=LR)
     data = loader(PRESET, 0, 1)
     for _ in range(STEPS):
         for i in range(2):
             x, y = next(data)
-            loss_of(model, x, y).backward()
+            loss_of(recipe.model, x, y).backward()
             if i == 0:
-                _edit(model)
-        for m, p in zip(master, model.parameters()):
-            m.grad = p.grad.float() if p.grad is not None else None
-            p.grad = None
-        optim.step()
-        optim.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, model.parameters()):
-                p.copy_(m)
-    return dict(zip(names, (m.detach().clone() for m in master)))
+                _edit(recipe.model)
+        recipe.step()
+    return recipe.weights()
 
 
 @functools.cache

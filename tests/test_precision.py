@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from _training import STEPS, loader, loss_of, make_model, rel_diffs
+from _training import STEPS, Bf16Recipe, loader, loss_of, make_model, rel_diffs
 
 import zeroshard
 from zeroshard.testing import run_ranks, sweep
@@ -23,24 +23,13 @@ PRESETS = ("gpt2-tiny", "llama-tiny")
 
 
 def _bf16_reference(preset: str, split: int = 1) -> dict[str, torch.Tensor]:
-    model = make_model(preset)
-    names = [n for n, _ in model.named_parameters()]
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    model.to(torch.bfloat16)
-    optim = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    recipe = Bf16Recipe(make_model(preset), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     data = loader(preset, 0, 1)
     for _ in range(STEPS):
         for x, y in data.micro_batches(split):
-            (loss_of(model, x, y) / split).backward()
-        for m, p in zip(master, model.parameters()):
-            m.grad = p.grad.float()
-            p.grad = None
-        optim.step()
-        optim.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, model.parameters()):
-                p.copy_(m)
-    return dict(zip(names, (m.detach().clone() for m in master)))
+            (loss_of(recipe.model, x, y) / split).backward()
+        recipe.step()
+    return recipe.weights()
 
 
 def _bf16_sharded(rank: int, world: int, preset: str, stage: int) -> dict:

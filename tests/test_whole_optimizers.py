@@ -404,6 +404,18 @@ def _recipe_run(rank: int, world: int, stage: int, clip: bool, accum: int,
     return {"ddp": ref, "grads": grads[:-1], "weights": zeroshard.full_state_dict(model)}
 
 
+def _resume_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, rank: int, world: int) -> None:
+    """Steps 4..STEPS of the run a checkpoint at step 3 was saved from (its batches)."""
+    data = loader(PRESET, rank, world)
+    for _ in range(3):
+        next(data)
+    for _ in range(STEPS - 3):
+        x, y = next(data)
+        loss_of(model, x, y).backward()
+        optim.step()
+        optim.zero_grad()
+
+
 @pytest.mark.parametrize("stage,clip,accum,mp", [
     (3, True, 2, None), (1, True, 1, None), (3, False, 1, "bf16"), (2, True, 2, "bf16")])
 def test_clipping_accumulation_and_bf16_step_torch_s_update(stage, clip, accum, mp) -> None:
@@ -438,14 +450,7 @@ def _dcp(rank: int, world: int, root: str) -> dict:
     sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
     dcp.load(sd, checkpoint_id=root)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    data = loader(PRESET, rank, world)
-    for _ in range(3):
-        next(data)
-    for _ in range(STEPS - 3):
-        x, y = next(data)
-        loss_of(model, x, y).backward()
-        optim.step()
-        optim.zero_grad()
+    _resume_steps(model, optim, rank, world)
     return {"weights": zeroshard.full_state_dict(model),
             "owned": sum(1 for st in optim.state.values() if st)}
 
@@ -619,14 +624,7 @@ def _ckpt(rank: int, world: int, root: str, opt: str) -> dict:
     model, optim = zeroshard.shard(model, optim, stage=1, **whole)
     assert load_checkpoint(Path(root) / "c", model, optim) == {"step": 3}
     loaded = optim.state_dict()
-    data = loader(PRESET, rank, world)
-    for _ in range(3):
-        next(data)
-    for _ in range(STEPS - 3):
-        x, y = next(data)
-        loss_of(model, x, y).backward()
-        optim.step()
-        optim.zero_grad()
+    _resume_steps(model, optim, rank, world)
     names = {p: n for n, p in first["model"].named_parameters()}
     order = [names[p] for g in first["optimizer"].param_groups for p in g["params"]]
     return {"saved": first["state"], "loaded": loaded, "full": full, "order": order,
@@ -762,14 +760,7 @@ def _resume_at_4(rank: int, world: int, root: str, opt: str) -> dict:
     optim = OPTIMIZERS[opt](model)
     model, optim = zeroshard.shard(model, optim, stage=1)
     load_checkpoint(Path(root) / "c", model, optim)
-    data = loader(PRESET, rank, world)
-    for _ in range(3):
-        next(data)
-    for _ in range(STEPS - 3):
-        x, y = next(data)
-        loss_of(model, x, y).backward()
-        optim.step()
-        optim.zero_grad()
+    _resume_steps(model, optim, rank, world)
     return zeroshard.full_state_dict(model)
 
 

@@ -306,6 +306,8 @@ def format_muon_traces(traces: list) -> str:
             f"{'-':>11}")
         lines.append(f"  {t.gpus:>4} {t.stage:>5} {t.peak_bytes / gb:8.2f} {adamw} "
                      f"{t.optim_bytes / gb:8.2f}")
+    lines.append("  rows with checkpointing, offload or hybrid sharding are not traced with Muon"
+                 + ("" if traces else " (none left: pass --policies none)"))
     return "\n".join(lines)
 
 
