@@ -7,8 +7,10 @@ Every test here finishes in bounded time on its own: the engine's ``timeout`` an
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,21 +238,25 @@ def test_one_rank_alone_is_an_error_on_every_rank_or_correct() -> None:
 TIMEOUT = 60.0
 
 
-def _state_dict_alone(rank: int, world: int, others: str) -> dict:
+def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
     """Rank 0 takes a stage-3 state dict alone; the other ranks exit, wait in a barrier
-    of their own, or run a forward."""
-    from zeroshard import peer_watch
+    of their own, or run a forward. A rank blocked in the barrier is ended by its peer
+    watch: what it printed goes to ``root``, beside the time its wait began."""
     from zeroshard.comm import CollectiveError
 
-    # The watch's grace before ending a rank stuck in torch's collective (15 s by
-    # default), short for the test: a fresh process, nothing else reads it.
-    peer_watch.END_STUCK_AFTER_S = 3.0
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
                                    lr=1e-2, timeout=TIMEOUT)
     x, y = next(loader("gpt2-tiny", rank, world))
     loss_of(model, x, y).backward()
     optim.step()
-    start = time.monotonic()
+    start = time.time()
+    if rank > 0 and others in ("barrier", "export"):
+        with open(os.path.join(root, f"rank{rank}.start"), "w") as f:
+            f.write(repr(start))
+        err = os.open(os.path.join(root, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT)
+        os.dup2(err, 2)  # a fresh process: its stderr is the watch's last words
+        dist.barrier()
+        return {"error": None}  # not reached: the watch ends this process
     try:
         if rank == 0:
             if others == "export":  # zeroshard.hf.save_pretrained on rank 0 only
@@ -262,25 +268,46 @@ def _state_dict_alone(rank: int, world: int, others: str) -> dict:
             return {"error": None}
         if others == "exit":
             return {"error": None, "exited": True}
-        if others in ("barrier", "export"):
-            dist.barrier()
-        else:
-            loss_of(model, x, y).backward()
+        loss_of(model, x, y).backward()
     except (CollectiveMismatch, CollectiveTimeout, CollectiveError) as e:
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+        result = {"error": f"{type(e).__name__}: {e}", "seconds": time.time() - start}
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        return result
     return {"error": None}
+
+
+def _ended_by_watch(root: Path, rank: int) -> dict:
+    """What a rank ended by its peer watch printed, as the error it reports, and when."""
+    printed = (root / f"rank{rank}.err").read_text()
+    first = printed.split("\n")[0]
+    assert first.startswith(f"zeroshard: rank {rank}: "), printed
+    seconds = (root / f"rank{rank}.err").stat().st_mtime - float(
+        (root / f"rank{rank}.start").read_text())
+    assert "a peer reported a divergence" in printed and "exit code 1" in printed, printed
+    return {"error": printed.removeprefix(f"zeroshard: rank {rank}: "), "seconds": seconds}
 
 
 @pytest.mark.parametrize("others,world", [("exit", 2), ("barrier", 2), ("barrier", 3),
                                           ("forward", 2), ("export", 2)])
-def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(others: str,
-                                                                        world: int) -> None:
+def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(
+        others: str, world: int, tmp_path: Path) -> None:
     """Every rank still running ends with an error that says to call state_dict() on every
     rank — well within the timeout: a rank blocked in a barrier of the user's is found by
-    asking the peers ([Note: asking the peers]), not by waiting TIMEOUT seconds."""
+    asking the peers ([Note: asking the peers]), not by waiting TIMEOUT seconds; rank 0
+    raises, the blocked ranks' watches print the same error and end their processes."""
+    from zeroshard.testing.errors import RankError
+
     # Fresh ranks: "exit" needs a process that ends, and the answers of a kept rank's peer
     # watch are not reliable across calls (see [Note: reused ranks]).
-    per_rank = run_ranks(_state_dict_alone, world, others, timeout=TIMEOUT + 60, fresh=True)
+    args = (_state_dict_alone, world, others, str(tmp_path))
+    if others in ("barrier", "export"):
+        with pytest.raises(RankError, match="exit code 1"):
+            run_ranks(*args, timeout=TIMEOUT + 60, fresh=True)
+        per_rank = [json.loads((tmp_path / "rank0.json").read_text())] + [
+            _ended_by_watch(tmp_path, r) for r in range(1, world)]
+    else:
+        per_rank = run_ranks(*args, timeout=TIMEOUT + 60, fresh=True)
     for rank, r in enumerate(per_rank):
         if others == "exit" and rank > 0:
             assert r == {"error": None, "exited": True}
@@ -357,12 +384,8 @@ def _full_tensor_alone(rank: int, world: int, root: str, linger: float) -> str:
     """Rank 0 gathers a stage-3 parameter alone (``p.full_tensor()``: torch's collective,
     not zeroshard's); rank 1 goes on to its next training step. Each rank writes what it
     got, and when, to ``root``; with ``linger`` rank 1's process lives on afterwards."""
-    from zeroshard import peer_watch
     from zeroshard.comm import CollectiveError
 
-    # The watch's grace before ending a rank stuck in torch's collective (15 s by
-    # default), short for the test: a fresh process, nothing else reads it.
-    peer_watch.END_STUCK_AFTER_S = 3.0
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
                                    lr=1e-2, timeout=TIMEOUT)
     x, y = next(loader("gpt2-tiny", rank, world))
@@ -389,28 +412,24 @@ def _full_tensor_alone(rank: int, world: int, root: str, linger: float) -> str:
 def test_full_tensor_on_one_rank_ends_every_rank_in_seconds(tmp_path, linger: float) -> None:
     """p.full_tensor() of a stage-3 parameter on rank 0 alone (a known FSDP2 hang), rank 1
     on to its next step: rank 1 raises naming both places and the fix within seconds; rank
-    0, blocked inside torch's collective, gets the same error when its peer's process ends
-    (linger 0) or is ended by its own watch (linger 60: the peer lives on), saying a peer
-    reported a divergence — never the process group's 300 s timeout."""
+    0, blocked inside torch's collective, is ended by its own watch, which prints the same
+    error and that a peer reported a divergence — whether rank 1's process ends (linger 0)
+    or lives on (linger 60) — never the process group's 300 s timeout."""
     from zeroshard.testing.errors import RankError
 
     t0 = time.monotonic()
-    try:
+    with pytest.raises(RankError) as info:
         run_ranks(_full_tensor_alone, 2, str(tmp_path), linger, timeout=120, fresh=True)
-        ended = None
-    except RankError as e:
-        ended = str(e)
+    ended = str(info.value)
     took = time.monotonic() - t0
     seconds, got = (tmp_path / "rank1").read_text().split("\n", 1)
     assert float(seconds) < 15, (seconds, got)
     assert got.startswith("CollectiveMismatch") and "rank 0 is blocked in " \
         "DTensor.full_tensor()" in got and "every one of them must run it" in got, got
     assert "test_divergence.py" in got, got  # where rank 0 called it
-    if linger:  # ended by zeroshard, before rank 1 stopped lingering
-        assert ended is not None and "a peer reported a divergence" in ended, ended
-        assert "DTensor.full_tensor()" in ended and "exit code 1" in ended, ended
-    else:
-        assert ended is None, ended
-        seconds0, got0 = (tmp_path / "rank0").read_text().split("\n", 1)
-        assert got0.startswith("CollectiveMismatch") and "rank 0:" in got0, got0
+    assert not (tmp_path / "rank0").exists()  # rank 0 never left full_tensor()
+    assert ended.startswith("rank 0 of 2 failed: exited with exit code 1"), ended
+    assert "rank 0: CollectiveMismatch: ranks diverged" in ended, ended
+    assert "a peer reported a divergence" in ended, ended
+    assert "DTensor.full_tensor()" in ended and "exit code 1" in ended, ended
     assert took < 30 + 10, took  # both ranks ended: 30 s, plus the fresh ranks' start-up

@@ -22,27 +22,36 @@ not yet issued the waiting rank's check (each answer says how many checks its ra
 issued on each check group: ``CHECKS_ISSUED``), can never return — the waiting rank is
 here, not there — so the waiting rank raises
 :class:`~zeroshard.comm.CollectiveMismatch` at once, naming both places and the fix, and
-posts a *verdict* to the blocked peers. Their watch raises the same error in their main
-thread (``PyThreadState_SetAsyncExc``: it surfaces as soon as the main thread runs Python
-again, i.e. when the blocked collective fails as the waiting rank's process ends) and
-prints it, so every rank still alive ends with an error that says what to do. A peer in a
-collective over other ranks only, or busy, is waited for as before.
+posts a *verdict* to the blocked peers. Their watch prints the same error and ends its
+process (exit status 1): its main thread waits in a collective that can no longer
+complete (the waiting rank has left for its error), so every rank still alive ends with
+an error that says what to do. A peer in a collective over other ranks only, or busy, is
+waited for as before.
+
+Ending the process is the one design that needs no help from the blocked thread. The
+alternatives were tried or weighed: raising in the main thread from outside (the C API's
+``PyThreadState_SetAsyncExc``, or a signal handler) surfaces only once the collective
+returns, and gloo returns only when the peer's process ends or the process group times
+out (minutes); aborting the process group does not release it either (tried: gloo's
+``ProcessGroup.abort()`` returns, the barrier waits on until the peer's process ends). It
+is what torch does itself
+when a NCCL collective fails (``TORCH_NCCL_ASYNC_ERROR_HANDLING``: the watchdog tears the
+process down), and what a launcher does next anyway (torchrun ends the other ranks of a
+job whose rank failed). What it costs: the blocked rank's ``finally`` blocks do not run —
+it was blocked in a collective, where none of them could have run either.
 
 Collectives torch issues itself count too: ``p.full_tensor()`` on a stage-3 parameter
 (DTensor's functional all-gather over the parameter's mesh) on rank 0 alone, while rank 1
-goes on to its next step, is seen as rank 0 blocked in ``DTensor.full_tensor()``. A rank
-told of the divergence whose main thread is still blocked in such a collective
-``END_STUCK_AFTER_S`` later is ended by its watch (it prints why, then exits with status
-1): that collective returns only when the process group times out, minutes later.
+goes on to its next step, is seen as rank 0 blocked in ``DTensor.full_tensor()``: rank 1
+raises, rank 0 is ended by its watch.
 
-The watch never delivers an error unless a peer's check is provably stuck; when the store
+The watch never ends a process unless a peer's check is provably stuck; when the store
 is unreachable it does nothing, and checks behave as without it.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import sys
@@ -154,10 +163,6 @@ def _dtensor_state(frames: list[Any], where: str) -> dict[str, Any]:
 #: Where a functional collective (DTensor's) blocks: waiting for its result.
 _FUNCTIONAL_WAITS = frozenset({"wait_tensor", "wait", "_maybe_wrap_tensor"})
 
-#: Seconds a rank told of a divergence may stay blocked in a torch collective before its
-#: watch ends the process (the collective can never return; see [Note: asking the peers]).
-END_STUCK_AFTER_S = 15.0
-
 
 class _Watch:
     """The process's watch thread and the store it polls (see [Note: asking the peers])."""
@@ -173,8 +178,8 @@ class _Watch:
 
     # -- the waiting rank's side ------------------------------------------------------------
     def bind(self, error: type[BaseException]) -> None:
-        """Watch the current default group's store; ``error`` is the class delivered to
-        this process's main thread by a verdict."""
+        """Watch the current default group's store; ``error`` names the class of the
+        error a verdict reports (the waiting rank raised it)."""
         try:
             store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
             seen = store.add(_COUNT, 0)
@@ -206,8 +211,8 @@ class _Watch:
             return {}
 
     def tell(self, ranks: list[int], message: str) -> None:
-        """Deliver ``message`` as an error in the main thread of ``ranks`` and wait (at
-        most ``ANSWER_WAIT_S``) until their watches have it."""
+        """Tell ``ranks`` (blocked for good) of the error ``message``, which ends their
+        processes, and wait (at most ``ANSWER_WAIT_S``) until their watches have it."""
         store = self._store
         if store is None or not ranks:
             return
@@ -251,45 +256,29 @@ class _Watch:
         if alarm["kind"] == "ask" and alarm["from"] != self._rank:
             store.set(f"answer/{n}/{self._rank}", json.dumps(main_thread_state()))
         elif alarm["kind"] == "verdict" and self._rank in alarm["to"]:
-            message = f"rank {self._rank}: {alarm['message']}"
-            print(f"zeroshard: {message}", file=sys.stderr, flush=True)
-            _raise_in_main(self._error, message)
-            store.set(f"ack/{n}/{self._rank}", "1")
-            self._end_if_stuck()
+            self._end(store, n, alarm["message"])
 
-    def _end_if_stuck(self) -> None:
-        """The error above surfaces when the main thread runs Python again; a torch
-        collective it is blocked in returns only when a peer's process ends or the process
-        group times out (minutes). A peer reported that it never will: end this process."""
-        deadline = time.monotonic() + END_STUCK_AFTER_S
-        while time.monotonic() < deadline:
-            if main_thread_state()["state"] != "foreign":
-                return  # it moved on: the error is delivered there
-            time.sleep(0.1)
+    def _end(self, store: Any, n: int, message: str) -> None:
+        """A peer found this rank's main thread blocked in a collective it is not in, and
+        raised: print its error and end this process ([Note: asking the peers])."""
         state = main_thread_state()
-        if state["state"] != "foreign":
-            return
-        print(f"zeroshard: rank {self._rank}: a peer reported a divergence, and this rank is "
-              f"still blocked in {state['call']} (called at {state['where']}), which cannot "
-              "return: ending this process (exit code 1). Run that call on every rank.",
+        where = (f"is blocked in {state['call']} (called at {state['where']}), which"
+                 if state["state"] == "foreign" else "was blocked in a collective that")
+        print(f"zeroshard: rank {self._rank}: {self._error.__name__}: {message}\n"
+              f"zeroshard: rank {self._rank}: a peer reported a divergence, and this rank "
+              f"{where} cannot return now that the peer has stopped waiting: ending this "
+              "process (exit code 1). Run that call on every rank.",
               file=sys.stderr, flush=True)
-        os._exit(1)
+        sys.stdout.flush()
+        try:
+            store.set(f"ack/{n}/{self._rank}", "1")
+        finally:
+            os._exit(1)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S)
-
-
-def _raise_in_main(error: type[BaseException], message: str) -> None:
-    """Make the main thread raise ``error(message)`` when it next runs Python code."""
-    # The C API takes a class, not an instance: a subclass that builds its own message.
-    cls = type(error.__name__, (error,), {
-        "__init__": lambda self, *args: error.__init__(self, message),
-        "__module__": error.__module__,
-    })
-    main = threading.main_thread().ident
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(cls))
 
 
 WATCH = _Watch()

@@ -233,11 +233,6 @@ def _restore(base: dict[str, Any]) -> int:
             torch._dynamo.reset()
         if "torch.distributed.tensor" in sys.modules:
             _clear_dtensor_caches()
-        if "zeroshard.peer_watch" in sys.modules:  # a verdict that came after fn returned
-            import ctypes
-
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(threading.main_thread().ident), None)
         comm = sys.modules.get("zeroshard.comm_wait")
         if comm is not None:
             comm.IN_FLIGHT.clear()

@@ -3,7 +3,11 @@
 The test process waits on each rank's process sentinel (and, for kept ranks, its pipe).
 At the first failure it kills every other rank at once, since they are usually blocked in
 a collective waiting for the rank that failed, and blames the earliest failure (peers of a
-failed rank often fail *because* of it, e.g. gloo's "Connection closed by peer"). At the
+failed rank often fail *because* of it, e.g. gloo's "Connection closed by peer"). A rank
+that *died* (its process ended without a Python error) first leaves the others
+``_DIED_GRACE_S`` to report: their collectives with it fail at once, and a rank ended by
+zeroshard's peer watch dies just before the peer that ended it raises (see [Note: asking
+the peers] in peer_watch.py), whose error the test wants too. At the
 deadline it asks every rank's watchdog where it waits (a ``dump`` file in the call's
 directory), gives them a moment, and kills whatever is left.
 """
@@ -24,6 +28,7 @@ from zeroshard.testing.rank_main import failure
 __all__ = ["rank_cpu_seconds", "replay_logs", "supervise"]
 
 _DUMP_GRACE_S = 2.0  # how long the test process waits for watchdog reports after the deadline
+_DIED_GRACE_S = 2.0  # how long the other ranks may still report after one died
 _TAIL_LINES = 20
 
 # CPU seconds the ranks of this process's calls reported (rank_main._cpu_seconds), for the
@@ -43,12 +48,15 @@ def supervise(procs: list[Any], calldir: str, deadline: float, timeout: float,
     or exited; raises :class:`RankError` / :class:`RankTimeout`."""
     n = len(procs)
     done: dict[int, dict[str, Any]] = {}
+    grace: float | None = None  # when the others' time to report ends, after a death
     while len(done) < n:
         live: dict[Any, int] = {p.sentinel: r for r, p in enumerate(procs) if r not in done}
         if conns is not None:
             live.update({conns[r]: r for r in range(n) if r not in done})
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if grace is not None and time.monotonic() >= grace:
+            _raise_failure(procs, calldir, done)
+        left = min(deadline, grace if grace is not None else deadline) - time.monotonic()
+        if left <= 0 and grace is None:
             _raise_timeout(procs, calldir, timeout)
         for ready in wait(list(live), timeout=left):
             r = live[ready]
@@ -66,8 +74,13 @@ def supervise(procs: list[Any], calldir: str, deadline: float, timeout: float,
                 exitcode = procs[r].exitcode
             done[r] = _outcome(calldir, r, exitcode)
             _RANK_CPU[0] += done[r].get("cpu", 0.0)
-        if any(o["status"] != "ok" for o in done.values()):
+        statuses = {o["status"] for o in done.values()}
+        if "error" in statuses:
             _raise_failure(procs, calldir, done)
+        if "died" in statuses and grace is None:
+            grace = min(deadline, time.monotonic() + _DIED_GRACE_S)
+    if grace is not None:
+        _raise_failure(procs, calldir, done)
     return [done[r]["value"] for r in range(n)]
 
 
