@@ -29,8 +29,8 @@ an error that says what to do. A peer in a collective over other ranks only, or 
 waited for as before.
 
 Ending the process is the one design that needs no help from the blocked thread. The
-alternatives were tried or weighed: raising in the main thread from outside (the C API's
-``PyThreadState_SetAsyncExc``, or a signal handler) surfaces only once the collective
+alternatives were tried or weighed: raising in the main thread from outside (CPython's
+asynchronous-exception call, or a signal handler) surfaces only once the collective
 returns, and gloo returns only when the peer's process ends or the process group times
 out (minutes); aborting the process group does not release it either (tried: gloo's
 ``ProcessGroup.abort()`` returns, the barrier waits on until the peer's process ends). It
