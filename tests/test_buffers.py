@@ -5,16 +5,20 @@ is bitwise."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _watch import ended_by_watch, print_to_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from zeroshard.testing import run_ranks, sweep
+from zeroshard.testing.errors import RankError
 
 
 class _Net(nn.Module):
@@ -279,7 +283,9 @@ LOCAL = ([{"stage": s, "bn": False} for s in range(3)]
 def _local_forward(rank: int, world: int, root: str, points: list[dict]) -> list:
     """The DDP habit ``if rank == 0: model.module(x)`` then ``dist.barrier()``, after a
     training step, for each of ``points``; the script catches what it raises and calls
-    ``destroy_process_group()`` itself (then starts the next point on a new group)."""
+    ``destroy_process_group()`` itself (then starts the next point on a new group). What
+    rank 0 caught is also written to ``root``, and what rank 1 prints: where the forward
+    is a collective, rank 1's watch ends it in the barrier ([Note: asking the peers])."""
     import torch.distributed as dist
 
     out = []
@@ -295,6 +301,8 @@ def _local_forward(rank: int, world: int, root: str, points: list[dict]) -> list
                                        **opts)
         _train(model, optim, rank, range(1))
         start, got = time.monotonic(), "completed"
+        if rank == 1 and len(points) == 1:
+            print_to_file(root, rank)
         try:
             if rank == 0:
                 model.module.eval()
@@ -306,6 +314,8 @@ def _local_forward(rank: int, world: int, root: str, points: list[dict]) -> list
         finally:
             dist.destroy_process_group()
         out.append((time.monotonic() - start, got))
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
     return out
 
 
@@ -317,12 +327,15 @@ def _local_forward(rank: int, world: int, root: str, points: list[dict]) -> list
     for p in DIVERGING])
 def test_a_forward_on_one_rank_ends_every_rank_with_an_error(tmp_path, point) -> None:
     """Rank 0 alone runs a forward of a BatchNorm model after a training step: both ranks
-    get CollectiveMismatch within 30 s saying what fits the stage (stages 0-2: the
-    buffers' broadcast and forward_sync_buffers=False; stage 3: the gathers), catch it,
-    destroy the group and return (once, rank 0 hung in the exit-time clean-up after a
-    broadcast it had issued alone, and rank 1 in its barrier). Rank 1's barrier fails
-    when rank 0's process ends (fresh ranks: a process per script, as torchrun's)."""
-    results = run_ranks(_local_forward, 2, str(tmp_path), [point], timeout=120, fresh=True)
+    end with CollectiveMismatch within 30 s saying what fits the stage (stages 0-2: the
+    buffers' broadcast and forward_sync_buffers=False; stage 3: the gathers) — rank 0
+    catches it, destroys the group and returns (once, it hung in the exit-time clean-up
+    after a broadcast it had issued alone); rank 1, in its barrier, is ended by its watch
+    with the same error printed (fresh ranks: a process per script, as torchrun's)."""
+    with pytest.raises(RankError, match="exit code 1"):
+        run_ranks(_local_forward, 2, str(tmp_path), [point], timeout=120, fresh=True)
+    results = [json.loads((tmp_path / "rank0.json").read_text()),
+               [ended_by_watch(tmp_path, 1)]]
     for rank, [(seconds, got)] in enumerate(results):
         where = (rank, seconds, got)
         assert seconds < 30 and got.startswith("CollectiveMismatch"), where

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _training import loader, loss_of, make_model, rel_diffs
+from _watch import ended_by_watch, print_to_file
 
 import zeroshard
 from zeroshard.comm import CollectiveMismatch, CollectiveTimeout
@@ -251,10 +252,7 @@ def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
     optim.step()
     start = time.time()
     if rank > 0 and others in ("barrier", "export"):
-        with open(os.path.join(root, f"rank{rank}.start"), "w") as f:
-            f.write(repr(start))
-        err = os.open(os.path.join(root, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT)
-        os.dup2(err, 2)  # a fresh process: its stderr is the watch's last words
+        print_to_file(root, rank)  # its watch's last words
         dist.barrier()
         return {"error": None}  # not reached: the watch ends this process
     try:
@@ -277,17 +275,6 @@ def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
     return {"error": None}
 
 
-def _ended_by_watch(root: Path, rank: int) -> dict:
-    """What a rank ended by its peer watch printed, as the error it reports, and when."""
-    printed = (root / f"rank{rank}.err").read_text()
-    first = printed.split("\n")[0]
-    assert first.startswith(f"zeroshard: rank {rank}: "), printed
-    seconds = (root / f"rank{rank}.err").stat().st_mtime - float(
-        (root / f"rank{rank}.start").read_text())
-    assert "a peer reported a divergence" in printed and "exit code 1" in printed, printed
-    return {"error": printed.removeprefix(f"zeroshard: rank {rank}: "), "seconds": seconds}
-
-
 @pytest.mark.parametrize("others,world", [("exit", 2), ("barrier", 2), ("barrier", 3),
                                           ("forward", 2), ("export", 2)])
 def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(
@@ -305,7 +292,8 @@ def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(
         with pytest.raises(RankError, match="exit code 1"):
             run_ranks(*args, timeout=TIMEOUT + 60, fresh=True)
         per_rank = [json.loads((tmp_path / "rank0.json").read_text())] + [
-            _ended_by_watch(tmp_path, r) for r in range(1, world)]
+            dict(zip(("seconds", "error"), ended_by_watch(tmp_path, r)))
+            for r in range(1, world)]
     else:
         per_rank = run_ranks(*args, timeout=TIMEOUT + 60, fresh=True)
     for rank, r in enumerate(per_rank):

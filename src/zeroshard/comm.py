@@ -35,6 +35,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -303,6 +304,15 @@ class Comm:
         self.unverified.append(check)
         return check
 
+    def run_check(self, first: bool, numel: int) -> dict[str, Any]:
+        """Keyword arguments for one collective of a run whose order and sizes the layout
+        fixes (``numel``: the run's elements): the first is checked for the whole run, the
+        rest not — unless checks are strict (see [Note: one check per run] in
+        comm_check.py)."""
+        if self.check == "strict":
+            return {}
+        return {"check_numel": numel} if first else {"checked": False}
+
     def sync_point(self, name: str, phase: str = "sync") -> None:
         """With ``check`` on, make ranks agree they reached ``name`` before going on
         (no-op otherwise): a blocking check, where one rank alone would start something
@@ -326,13 +336,15 @@ class Comm:
     def all_reduce(
         self, tensor: torch.Tensor, *, phase: str = "other", unit: str = "",
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
-        checked: bool = True,
+        checked: bool = True, check_numel: int | None = None,
     ) -> Pending:
         """In-place all-reduce (sum by default); ``.wait()`` returns ``tensor``. Not
         ``checked``: no descriptor check (for a collective whose place in the order
-        others already pin down; see TensorParallel.local_grads)."""
+        others already pin down; see TensorParallel.local_grads and [Note: one check per
+        run]); ``check_numel``: the element count its descriptor states instead of its
+        own."""
         desc, check = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase,
-                                  unit, checked)
+                                  unit, checked, numel=check_numel)
         if self.size == 1:
             return Pending(None, tensor, "")
         with waiting_in(desc):
@@ -341,7 +353,7 @@ class Comm:
 
     def reduce_scatter(
         self, full: torch.Tensor, *, phase: str = "backward", unit: str = "",
-        async_op: bool = False,
+        async_op: bool = False, checked: bool = True, check_numel: int | None = None,
     ) -> Pending:
         """Sum ``full`` (numel divisible by N) across ranks; ``.wait()`` gives this rank's slice.
 
@@ -353,7 +365,8 @@ class Comm:
             raise ValueError(f"reduce_scatter needs numel divisible by {n}, got {full.numel()}")
         shard = full.numel() // n
         impl = "reduce" if (self.decompose and n > 1) else "reduce_scatter"
-        desc, check = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit)
+        desc, check = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit,
+                                  checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
         with waiting_in(desc):
@@ -369,7 +382,7 @@ class Comm:
 
     def all_gather(
         self, full: torch.Tensor, *, phase: str = "step", unit: str = "",
-        async_op: bool = False,
+        async_op: bool = False, checked: bool = True, check_numel: int | None = None,
     ) -> Pending:
         """Fill ``full`` from every rank's slice; this rank's slice must already be in place.
 
@@ -379,7 +392,8 @@ class Comm:
         if full.numel() % n:
             raise ValueError(f"all_gather needs numel divisible by {n}, got {full.numel()}")
         impl = "broadcast" if (self.decompose and n > 1) else "all_gather"
-        desc, check = self._begin("all_gather", impl, full, _nbytes(full), phase, unit)
+        desc, check = self._begin("all_gather", impl, full, _nbytes(full), phase, unit,
+                                  checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
@@ -423,7 +437,8 @@ class Comm:
 
     def all_gather_pieces(
         self, full: torch.Tensor, pieces: list[list[torch.Tensor]], *, phase: str = "step",
-        unit: str = "", async_op: bool = False,
+        unit: str = "", async_op: bool = False, checked: bool = True,
+        check_numel: int | None = None,
     ) -> Pending:
         """All-gather where each rank's part is several contiguous pieces of ``full``
         (``pieces[q]``: rank q's views into ``full``, the same count and sizes on every
@@ -435,7 +450,8 @@ class Comm:
         if not self.decompose:
             raise ValueError("all_gather_pieces runs as broadcasts: only on a decomposing "
                              "(gloo) group; use all_gather with a gathered buffer")
-        desc, check = self._begin("all_gather", "broadcast", full, _nbytes(full), phase, unit)
+        desc, check = self._begin("all_gather", "broadcast", full, _nbytes(full), phase, unit,
+                                  checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
         work, unpack = [], []

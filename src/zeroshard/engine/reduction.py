@@ -46,7 +46,11 @@ class Reducer:
         self.dp_size = dp_size
         self.buckets = buckets  # the launch order (stages 0-2)
         self.compute_dtype = config.compute_dtype
+        self.by_unit = by_unit
         self.limit = _MAX_PENDING_UNITS if by_unit else _MAX_PENDING
+        # Stages 0-2: a synchronised backward reduces every bucket in order, one check
+        # for all of them ([Note: one check per run] in comm_check.py).
+        self.run_numel = sum(b.padded_numel for b in buckets)
         self.pending: deque[FlatBucket] = deque()  # launched, not yet completed
         self.next_launch = 0  # stages 0-2: the next bucket to launch, in order
         self.active_ranks: int | None = None  # ranks with data this step, inside join()
@@ -121,12 +125,14 @@ class Reducer:
         buf = src if src.dtype == rdtype else src.to(rdtype)
         if self.predivide(rdtype):
             buf.div_(self.divisor())
+        checks = ({} if self.by_unit or phase != "backward" else
+                  self.comm.run_check(b is self.buckets[0], self.run_numel))
         if self.policy.reduce_op == "all_reduce":
             pending = self.comm.all_reduce(buf, phase=phase, unit=b.name,
-                                           async_op=self.config.overlap)
+                                           async_op=self.config.overlap, **checks)
         else:
             pending = self.comm.reduce_scatter(buf, phase=phase, unit=b.name,
-                                               async_op=self.config.overlap)
+                                               async_op=self.config.overlap, **checks)
         b.pending = (pending, buf)
         b.launched = True
         self.pending.append(b)

@@ -44,7 +44,11 @@ class WeightRefresh:
         for ``buckets`` whose masters the user edited; see refresh_edited)."""
         pending = []
         offload = self.offloader.enabled
+        whole = buckets is None  # every bucket, in order: one check for the run
+        total = sum(b.padded_numel for b in self.buckets)
         for b in self.buckets if buckets is None else buckets:
+            # ([Note: one check per run] in comm_check.py)
+            checks = self.comm.run_check(b is self.buckets[0], total) if whole else {}
             if self.policy.shard_params:
                 if offload and not self.offloader.params:
                     self.offloader.upload(b, b.shard16)
@@ -63,7 +67,8 @@ class WeightRefresh:
                 if not b.master_in_full:
                     b.shard_to_full(b.master.detach(), b.full)
                 pending.append(self.comm.all_gather_pieces(
-                    b.full, b.rank_pieces(b.full), phase=phase, unit=b.name, async_op=True))
+                    b.full, b.rank_pieces(b.full), phase=phase, unit=b.name, async_op=True,
+                    **checks))
                 continue
             # Stages 1-2: the updated slice into a gathered buffer, all-gather, copy out.
             gathered = torch.empty(b.padded_numel, dtype=b.full.dtype, device=b.device)
@@ -74,7 +79,7 @@ class WeightRefresh:
                 b.shard_from_full(b.full, out=target)
             else:
                 target.copy_(b.master.detach())
-            self.comm.all_gather(gathered, phase=phase, unit=b.name).wait()
+            self.comm.all_gather(gathered, phase=phase, unit=b.name, **checks).wait()
             b.gathered_to_full(gathered, b.full)
             del gathered
         for p in pending:
