@@ -268,6 +268,8 @@ class Comm:
         )
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
         check = None
+        if self.check and n > 1 and not checked:
+            self._verify_answered()  # a run's check, if the peers have answered it
         if self.check and n > 1 and checked:
             check = self._post(op, unit, phase, t.numel() if numel is None else numel)
             if self.check == "strict" or strict:
@@ -284,8 +286,7 @@ class Comm:
         """Start exchanging this collective's descriptor over the check group. Checks
         already answered are compared first, so a divergence is reported before the next
         collective is issued wherever the peers have caught up."""
-        while self.unverified and self.unverified[0].ready():
-            self.unverified.pop(0).verify()
+        self._verify_answered()
         step = self.ledger.step
         index = self._seq[1] + 1 if self._seq[0] == step else 0
         self._seq = (step, index)
@@ -312,6 +313,11 @@ class Comm:
         if self.check == "strict":
             return {}
         return {"check_numel": numel} if first else {"checked": False}
+
+    def _verify_answered(self) -> None:
+        """Compare the posted checks the peers have answered, oldest first."""
+        while self.unverified and self.unverified[0].ready():
+            self.unverified.pop(0).verify()
 
     def sync_point(self, name: str, phase: str = "sync") -> None:
         """With ``check`` on, make ranks agree they reached ``name`` before going on
