@@ -172,11 +172,49 @@ def _no_reshard_eval(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _unit_unshard(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's ``layer.unshard()`` / ``layer.reshard()`` on one unit's module: three
+    training steps with layer 0 held against the same steps without."""
+    from zeroshard.gather import ShardedUnit
+
+    out: dict[str, Any] = {}
+    x = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank + 3))
+    losses = {}
+    for held in (False, True):
+        model, optim = zeroshard.shard(tiny(), torch.optim.AdamW, stage=3, lr=1e-2)
+        engine = zeroshard.engine_of(model)
+        ledger = engine.comm.ledger
+        layer = model.model.layers[0]
+        out["classes"] = [type(m).__name__ for m in model.model.layers]
+        out["mixed in"] = [isinstance(m, ShardedUnit) for m in model.model.layers]
+        if held:
+            layer.unshard(async_op=True).wait()
+            out["bytes held"] = engine.unsharded_bytes
+            out["layer bytes"] = next(u for u in engine.units
+                                      if u.module is layer).unsharded_bytes
+            layer.unshard()  # held already: nothing more
+            out["bytes held twice"] = engine.unsharded_bytes
+        gathers, losses[held] = [], []
+        for _ in range(3):
+            start = len(ledger.records)
+            loss = model(x, labels=x).loss
+            loss.backward()
+            gathers.append([r.unit for r in _gathers(ledger, start)])
+            optim.step()
+            optim.zero_grad()
+            losses[held].append(loss.item())
+        out[f"gathers {held}"] = gathers
+        layer.reshard()
+        out[f"bytes after reshard {held}"] = engine.unsharded_bytes
+    out["losses equal"] = losses[False] == losses[True]
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
     out = {}
     for name, fn in (("generation", _generation), ("unshard", _unshard),
-                     ("eval", _no_reshard_eval)):
+                     ("eval", _no_reshard_eval), ("unit", _unit_unshard)):
         out[name] = run_ranks(fn, 2, timeout=240)[0]
     return out
 
@@ -230,6 +268,26 @@ def test_unshard_holds_every_unit_until_reshard_and_trains_as_without(results) -
     assert r["losses equal"] and r["eval equal"], r
     assert r["edit seen"] and r["load seen"], r
     assert r["bytes after reshard True"] == 0 and r["bytes after reshard False"] == 0
+
+
+def test_a_units_own_unshard_holds_it_until_its_reshard(results) -> None:
+    """FSDP2's per-module calls: ``model.model.layers[0].unshard()`` gathers that unit
+    alone (async handle included); forwards and backwards then gather the others only,
+    until a step frees it and the next forward gathers the new values once; losses as
+    without; ``layer.reshard()`` frees it. The layer keeps its class's name."""
+    r = results["unit"]
+    assert r["classes"] == ["LlamaDecoderLayer"] * 2 and r["mixed in"] == [True, True], r
+    assert r["bytes held"] == r["layer bytes"] == r["bytes held twice"] > 0, r
+    layer0, layer1 = "model.layers.0", "model.layers.1"
+    # Without: each layer in forward and again in backward, the root once.
+    assert all(sorted(g) == sorted(["root", layer0, layer1, layer1, layer0])
+               for g in r["gathers False"]), r
+    # Held: layer 0 not at all in the first step; after each step once (new values).
+    assert sorted(r["gathers True"][0]) == sorted(["root", layer1, layer1]), r
+    for g in r["gathers True"][1:]:
+        assert sorted(g) == sorted(["root", layer0, layer1, layer1]), r
+    assert r["losses equal"], r
+    assert r["bytes after reshard True"] == 0 and r["bytes after reshard False"] == 0, r
 
 
 def test_reshard_after_forward_false_keeps_units_in_no_grad_forwards(results) -> None:

@@ -22,7 +22,7 @@ from .engine.tensor_parallel import (
     tp_comms,
 )
 from .engine.units import UnitSpec
-from .gather import register_forward_method
+from .gather import give_units_their_calls, register_forward_method
 
 __all__ = ["build_engine", "finish"]
 
@@ -93,6 +93,8 @@ def finish(model: nn.Module, engine: Engine) -> None:
         c.know_names([*names, "full_state_dict", "state_dict", "optimizer.state_dict",
                       "forward", "buffers", "used", "grad_norm", "overflow", "join",
                       "unshard", "budget", "stream_weights"])
+    if engine.units:
+        give_units_their_calls(engine)  # FSDP2's unshard()/reshard() on each unit
     if engine.units and callable(getattr(model, "generate", None)):
         register_forward_method(model, "generate", engine.config.generate_budget)
 

@@ -28,8 +28,8 @@ from .engine.engine import engine_of
 from .engine.units import Unit
 from .sizes import parse_bytes
 
-__all__ = ["gathered", "register_forward_method", "UnshardHandle", "choose_units",
-           "unshard"]
+__all__ = ["gathered", "register_forward_method", "UnshardHandle", "ShardedUnit",
+           "choose_units", "give_units_their_calls", "unshard"]
 
 #: Share of the free device memory a budget left to zeroshard may use for resident
 #: weights; the rest stays for activations and the KV cache.
@@ -57,6 +57,60 @@ def unshard(model: nn.Module, async_op: bool = False) -> UnshardHandle | None:
         return UnshardHandle([]) if async_op else None
     held = engine.hold(list(engine.units), async_op=async_op)
     return UnshardHandle(held) if async_op else None
+
+
+class ShardedUnit:
+    """Mixed into the class of each stage-3 unit's module but the root (whose class has
+    ShardedModule's): FSDP2 gives every ``fully_shard``-ed module ``unshard()`` and
+    ``reshard()``, and so does zeroshard, for the unit the module is. The class keeps
+    its name and module (as the root's does, api.py); a class that defines ``unshard`` or
+    ``reshard`` itself is left as it is (:func:`give_units_their_calls`)."""
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit and keep it gathered until its ``reshard()`` (or the model's):
+        forwards and backwards between issue no gather for it; a step frees it and the
+        next forward gathers the new values (FSDP2's semantics). With ``async_op`` a handle
+        to ``wait()`` on. Collective: every rank, the same units."""
+        engine, unit = _unit_of(self)
+        held = engine.hold([unit], async_op=async_op)
+        return UnshardHandle(held) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered weights (held by its ``unshard()`` or the model's).
+        Between steps only."""
+        engine, unit = _unit_of(self)
+        engine.release([unit])
+
+
+def _unit_of(module: nn.Module) -> tuple[Any, Unit]:
+    engine = module.__dict__.get("_zeroshard_unit_of")
+    unit = next((u for u in getattr(engine, "units", ()) if u.module is module), None)
+    if unit is None:
+        raise RuntimeError(f"this {type(module).__name__} is no longer a unit of a sharded "
+                           "model (a copy of one?): call unshard()/reshard() on the model "
+                           "it belongs to")
+    return engine, unit
+
+
+_UNIT_CLASSES: dict[type, type] = {}
+
+
+def give_units_their_calls(engine: Any) -> None:
+    """``unshard()``/``reshard()`` on every stage-3 unit's module but the root's (see
+    :class:`ShardedUnit`). The module keeps its engine (``_zeroshard_unit_of``): a deep
+    copy of the model copies both together, as it copies the root's."""
+    for u in engine.units:
+        if u.is_root:
+            continue
+        m, cls = u.module, type(u.module)
+        if not issubclass(cls, ShardedUnit):
+            if hasattr(cls, "unshard") or hasattr(cls, "reshard"):
+                continue  # the module's own methods keep their names
+            if cls not in _UNIT_CLASSES:
+                _UNIT_CLASSES[cls] = type(cls.__name__, (ShardedUnit, cls), {
+                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            m.__class__ = _UNIT_CLASSES[cls]
+        m.__dict__["_zeroshard_unit_of"] = engine
 
 
 def choose_units(units: list[Unit], budget: int | None) -> list[Unit]:
