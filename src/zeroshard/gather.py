@@ -97,8 +97,8 @@ _UNIT_CLASSES: dict[type, type] = {}
 
 def give_units_their_calls(engine: Any) -> None:
     """``unshard()``/``reshard()`` on every stage-3 unit's module but the root's (see
-    :class:`ShardedUnit`). The module keeps its engine (``_zeroshard_unit_of``): a deep
-    copy of the model copies both together, as it copies the root's."""
+    :class:`ShardedUnit`). The module keeps its engine (``_zeroshard_unit_of``), as the
+    root keeps its own; a module no engine lists as a unit says so when called."""
     for u in engine.units:
         if u.is_root:
             continue
