@@ -52,6 +52,11 @@ def _case(name: str):
     if name == "twice":
         zeroshard.shard(model, torch.optim.AdamW)
         return zeroshard.shard(model, torch.optim.AdamW)
+    if name in ("deepcopy_s0", "deepcopy_s3"):
+        import copy
+
+        sharded, _ = zeroshard.shard(model, torch.optim.AdamW, stage=int(name[-1]))
+        return copy.deepcopy(sharded)
     if name == "replaced_param":
         model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2)
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
@@ -118,6 +123,9 @@ EXPECT = {
     "units_foreign": (ValueError, "not a submodule"),
     "twice": (ValueError, "already sharded"),
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
+    "deepcopy_s0": (TypeError, "deepcopy of a sharded Sequential.*Copy the model before "
+                    r"shard\(\).*full_state_dict\(model\)"),
+    "deepcopy_s3": (TypeError, "deepcopy of a sharded Sequential.*shard_for_inference"),
     "bucket_bytes": (ValueError, "bucket_bytes=0 must be a positive int"),
     "optimizer_foreign": (ValueError, "not a parameter of the Sequential.*model.parameters"),
     "scalar_param": (ValueError, "'temperature' is 0-dimensional.*shape \\(1,\\)"),

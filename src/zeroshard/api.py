@@ -134,6 +134,17 @@ class ShardedModule:
                 "every rank holds the whole weights; it applies at stage 3")
         engine.set_reshard_after_forward(bool(reshard_after_forward))
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        # Without this, copy.deepcopy fails deep inside: "cannot pickle ProcessGroup"
+        # (stages 0-2) or "invalid python storage" (stage 3's freed gathered weights).
+        raise TypeError(
+            f"copy.deepcopy of a sharded {type(self).__name__}: its parameters view "
+            "zeroshard's flat buffers and its engine holds process groups, neither of which "
+            "copies. Copy the model before shard() (ref = copy.deepcopy(model), then shard "
+            "each), or build a fresh one and load the whole weights on every rank: "
+            "ref.load_state_dict(zeroshard.full_state_dict(model)) — then "
+            "zeroshard.shard_for_inference(ref) for a sharded reference model")
+
     def reshard(self) -> None:
         """Free every gathered unit, those ``unshard()`` holds included (stage 3; nothing
         is gathered at stages 0-2). Between steps only: inside forward or backward the

@@ -193,8 +193,8 @@ def register_forward_method(model: nn.Module, name: str,
     # synced_gpus=True, which HF itself sets under DeepSpeed ZeRO-3 and FSDP.
     synced = "synced_gpus" in inspect.signature(method).parameters
 
-    # On the class, taking ``self``: a copy of the model (copy.deepcopy) gathers its own
-    # units, not this one's.
+    # On the class, taking ``self``: the method reads the engine of the model it is
+    # called on, not one captured here (a sharded model cannot be deep-copied: api.py).
     @functools.wraps(method)
     def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         engine = engine_of(self)
