@@ -71,6 +71,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from zeroshard.engine.policy import StagePolicy
 from zeroshard.models.config import ModelConfig
 
 from .recipes import RECIPES, STAGES, Recipe, get_recipe
@@ -152,10 +153,11 @@ def model_state_bytes(
             return psi * nbytes
         return math.ceil(psi / n) * nbytes if padded else math.ceil(psi * nbytes / n)
 
+    policy = StagePolicy(stage)  # the engine's answers, not a second reading of the stage
     return ModelState(
-        params=share(r.param_bytes, stage >= 3),
-        grads=share(r.grad_bytes, stage >= 2),
-        optim=share(r.optim_bytes, stage >= 1),
+        params=share(r.param_bytes, policy.shard_params),
+        grads=share(r.grad_bytes, not policy.keep_full_grads),
+        optim=share(r.optim_bytes, policy.shard_optimizer),
     )
 
 
@@ -194,10 +196,11 @@ def collectives_per_step(
     if n == 1:
         return []  # one rank: nothing to reduce or gather
     grads, params = psi * r.grad_bytes, psi * r.param_bytes
-    if stage == 0:
+    policy = StagePolicy(stage)
+    if policy.reduce_op == "all_reduce":
         return [Collective(op="all_reduce", phase="backward", logical_bytes=2 * grads)]
     reduce = Collective(op="reduce_scatter", phase="backward", logical_bytes=grads)
-    if stage in (1, 2):
+    if policy.gather_after_step:
         # The engine all-gathers updated weights after the optimizer step, before the
         # next forward, so this half cannot overlap with compute.
         return [reduce, Collective(op="all_gather", phase="step", logical_bytes=params)]

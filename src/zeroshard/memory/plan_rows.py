@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from zeroshard.engine.policy import StagePolicy
 from zeroshard.memory import analytic
 from zeroshard.models.config import ModelConfig
 
@@ -139,8 +140,9 @@ class Setup:
         slices too."""
         state = analytic.model_state_bytes(self.psi, stage=stage, n=self.dp(n),
                                            recipe=self.recipe)
-        if offload:
-            state = replace(state, optim=0, grads=state.grads if stage == 1 else 0)
+        if offload:  # a whole gradient buffer (stage 1) stays on the device
+            state = replace(state, optim=0,
+                            grads=state.grads if StagePolicy(stage).keep_full_grads else 0)
         if offload_params:
             state = replace(state, params=0)
         return state

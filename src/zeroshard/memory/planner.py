@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 from zeroshard.config import auto_bucket_bytes
+from zeroshard.engine.policy import StagePolicy
 from zeroshard.memory import analytic
 from zeroshard.memory.activations import check_tp
 from zeroshard.memory.plan_rows import PlanRow, Setup
@@ -157,8 +158,9 @@ class Plan:
 def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
     r, psi, nodes = su.recipe, su.psi, su.nodes(n)
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
-    off = su.offload and stage >= 1
-    offp = su.offload_params and stage == 3
+    stage_policy = StagePolicy(stage)  # the engine's answers to what each stage keeps
+    off = su.offload and stage_policy.shard_optimizer
+    offp = su.offload_params and stage_policy.shard_params
     state = su.device_state(n=shard, stage=stage, offload=off, offload_params=offp)
     dp = su.dp(shard)  # ranks the state is sharded over (shard / tp)
     host = 0
@@ -168,10 +170,10 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
                 + analytic.host_param_bytes(psi, n=shard, recipe=r))
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     moment = None
-    if shard > 1 and stage == 2:
-        buffers = analytic.grad_bucket_bytes(su.bucket_bytes)
+    if shard > 1 and not stage_policy.keep_full_grads and not stage_policy.shard_params:
+        buffers = analytic.grad_bucket_bytes(su.bucket_bytes)  # stage 2's, in flight
     total = state.total + su.act[policy] + buffers
-    if stage == 3:  # units are gathered into whole buffers even at N=1
+    if stage_policy.shard_params:  # units are gathered into whole buffers even at N=1
         total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
         buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in stage3_buffers.py
     if hybrid:
@@ -187,7 +189,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         flops_per_token=su.cfg.flops_per_token(su.seq_len) / su.tp,
         recompute_flops_per_token=analytic.recompute_flops_per_token(
             su.cfg, su.seq_len, policy) / su.tp,
-        first_unit_bytes=su.unit * r.param_bytes if stage == 3 else 0,
+        first_unit_bytes=su.unit * r.param_bytes if stage_policy.shard_params else 0,
     )
     tp_colls = tp_collectives_per_step(su.cfg, micro_batch=su.micro_batch, seq_len=su.seq_len,
                                        tp=su.tp, act_bytes=r.act_bytes, policy=policy,
