@@ -305,9 +305,9 @@ class BackwardPass:
         self.schedule.end_backward()
         self.faces.hold(compute=False)
         if not self.sync:
+            self.reducer.rearm()
             for b in self.buckets:
                 b.ready = 0
-                b.launched = False
                 for s in b.slots:
                     s.arrived.clear()
             return
@@ -318,8 +318,7 @@ class BackwardPass:
             self._fold(b)  # zeros where this rank has none: every rank reduces it
             reducer.launch(b, phase="late")  # its reduced slice adds to the first one's
         reducer.drain()
-        for b in self.buckets:
-            b.launched = False
+        reducer.rearm()
         self.grads.publish()
 
     def _launch_rest(self) -> None:

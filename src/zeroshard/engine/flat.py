@@ -170,11 +170,17 @@ class FlatBucket:
         self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
         self.host_fresh = False  # offload: host_grad already holds the reduced slice
         self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
+        # Written by reduction.py alone (Reducer: launch, complete, forget, rearm):
         self.pending = None  # an in-flight reduction (comm.Pending)
-        self.ready = 0  # parameters whose gradient arrived this backward
         self.launched = False  # its reduction was started this backward
         self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
-        self.used: torch.Tensor | None = None  # per-slot "got a gradient" flags (host)
+        # Written by backward.py alone:
+        self.ready = 0  # parameters whose gradient arrived this backward
+        # Per-slot "got a gradient" flags, written by the gradient hooks (backward.py) and
+        # by the step's adoption of assigned .grad (step_grads.py). Host memory: a write
+        # into a CUDA tensor from Python is a host-to-device copy that waits for the stream
+        # (the GPU check measured one such wait per parameter per step). Sent once a step.
+        self.used = torch.zeros(len(self.slots), dtype=torch.float32)
         # slots no rank produced a gradient for in the last synchronised backward
         self.unused: set[int] = set()
 

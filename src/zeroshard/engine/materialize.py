@@ -108,10 +108,6 @@ def materialize(e: Build, b: FlatBucket, param_init: ParamInit | None) -> None:
     full = flat if compute == flat.dtype else flat.to(compute)
     b.full = full
     b.point_params_at(full)
-    # Host memory: the gradient hooks write one flag per parameter, and a write into a
-    # CUDA tensor from Python is a host-to-device copy that waits for the stream (the
-    # GPU check measured one such wait per parameter per step). Sent once per step.
-    b.used = torch.zeros(len(b.slots), dtype=torch.float32)
     if e.policy.shard_params:
         _materialize_sharded(e, b, flat)
         return

@@ -74,6 +74,11 @@ class Offload:
         b.host_grad.copy_(g, non_blocking=True)
         b.host_fresh = True
 
+    def forget_grad(self, b: FlatBucket) -> None:
+        """The host buffer no longer holds the bucket's reduced slice (zero_grad, or a
+        stash whose sum is formed at the step); it is kept for the next copy."""
+        b.host_fresh = False
+
     def zero_grad(self, b: FlatBucket, dtype: torch.dtype) -> None:
         """A zero host gradient (a step with no backward since ``zero_grad``)."""
         if b.host_grad is None:

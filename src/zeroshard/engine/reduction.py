@@ -92,6 +92,20 @@ class Reducer:
             self.grad_buffer_bytes -= b.grad.untyped_storage().nbytes()
             b.grad = None
 
+    def forget(self, b: FlatBucket) -> None:
+        """zero_grad: nothing reduced since is kept — the whole buffer, the reduced slice
+        (and its host copy's freshness)."""
+        b.grad_shard = None
+        self.drop_grad(b)
+        b.reduced = False
+        self.offloader.forget_grad(b)
+
+    def rearm(self) -> None:
+        """A new backward may launch every bucket again (the end of the last one, or of
+        one inside ``no_sync()``)."""
+        for b in self.buckets:
+            b.launched = False
+
     # -- launch -----------------------------------------------------------------------------
     def launch_in_order(self) -> None:
         """Stages 0-2: launch the complete buckets at the head of the launch order
@@ -223,7 +237,7 @@ class Reducer:
         buffer) to the host now. A later reduction before the step (accumulation) copies
         again."""
         if b.grad_shard is not None:  # a stash: the sum is formed at the step
-            b.host_fresh = False
+            self.offloader.forget_grad(b)
             return
         self.offloader.start_grad_copy(b, self.reduced_slice(b))
 

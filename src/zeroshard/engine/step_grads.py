@@ -301,10 +301,7 @@ class StepGrads:
         """Free every gradient buffer (see [Note: buffer lifetimes] in engine.py); the next
         backward allocates them again."""
         for b in self.buckets:
-            b.grad_shard = None
-            self.reducer.drop_grad(b)
-            b.reduced = False
-            b.host_fresh = False
+            self.reducer.forget(b)
             set_master_grad(b, None)
             b.used.zero_()
             for s in b.slots:
