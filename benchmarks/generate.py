@@ -13,6 +13,13 @@ Prints rank 0's median ms per token per row, its ratio to stage 0, the all-gathe
 call, and the tracker's peak parameter bytes (shards + gathered) during a call
 (benchmarks/generate.txt). Every row must produce stage 0's tokens (checked).
 
+Then RL: TRL's GRPOTrainer (examples/integrations/trl_grpo.py: generation, a reward, a
+reference model with ``beta`` 0.1 soft-updated every step), ``GRPO_STEPS`` steps per run,
+DDP and zeroshard stage 3 alternating in the same two ranks for ``GRPO_ROUNDS`` rounds:
+the median seconds per step of each, the median of the per-round ratios, and the
+reference model's bytes per rank. Every stage-3 run must log DDP's losses (checked,
+within 1e-5).
+
     .venv/bin/python benchmarks/generate.py
 """
 
@@ -27,6 +34,7 @@ import torch
 from zeroshard.testing import run_ranks
 
 PROMPT, NEW, BATCH, ROUNDS = 32, 64, 2, 3
+GRPO_STEPS, GRPO_ROUNDS = 6, 5
 ROWS = ("stage 0", "s3 per token", "s3 gathered", "s3 half budget")
 
 
@@ -90,7 +98,50 @@ def _bench(rank: int, world: int) -> dict:
             "peaks": peaks, "same": same, "half": half}
 
 
+def _grpo(rank: int, world: int, root: str) -> dict:
+    """GRPO on DDP and at stage 3, alternating run by run (each run a new trainer)."""
+    import sys
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "examples", "integrations"))
+    from trl_grpo import main as grpo
+
+    per_step: dict[str, list[float]] = {"ddp": [], "stage 3": []}
+    losses: dict[str, list] = {}
+    ref_bytes: dict[str, int] = {}
+    for i in range(GRPO_ROUNDS):
+        order = ("ddp", "stage 3") if i % 2 == 0 else ("stage 3", "ddp")
+        for mode in order:
+            args = ["--out", os.path.join(root, f"{mode.replace(' ', '')}-{i}"),
+                    "--steps", str(GRPO_STEPS)]
+            logs = grpo(args + (["--ddp"] if mode == "ddp" else ["--stage", "3"]))
+            per_step[mode].append(logs[-1]["train seconds"] / GRPO_STEPS)
+            losses[mode] = [h["loss"] for h in logs]
+            ref_bytes[mode] = logs[-1]["reference bytes"]
+    ratios = [z / d for z, d in zip(per_step["stage 3"], per_step["ddp"])]
+    return {"s": {m: statistics.median(v) for m, v in per_step.items()},
+            "ratio": statistics.median(ratios), "ratios": ratios, "ref": ref_bytes,
+            "same": all(abs(a - b) <= 1e-5 for a, b in zip(losses["ddp"], losses["stage 3"]))}
+
+
+def grpo_lines(root: str) -> tuple[list[str], bool]:
+    g = run_ranks(_grpo, 2, root, timeout=1800)[0]
+    lines = ["", f"GRPO (TRL GRPOTrainer, examples/integrations/trl_grpo.py: tiny Llama, 4 "
+             f"generations of 8 tokens, beta 0.1, sync_ref_model every step), {GRPO_STEPS} "
+             f"steps per run, DDP and stage 3 alternating over {GRPO_ROUNDS} rounds", "",
+             f"{'row':<16} {'s/step':>9} {'x ddp':>10} {'reference bytes/rank':>21}"]
+    for mode in ("ddp", "stage 3"):
+        lines.append(f"{mode:<16} {g['s'][mode]:>9.3f} "
+                     f"{g['s'][mode] / g['s']['ddp']:>10.2f} {g['ref'][mode]:>21,}")
+    lines += ["", "stage 3 / ddp per round: " + ", ".join(f"{x:.2f}" for x in g["ratios"])
+              + f"; median {g['ratio']:.2f}; stage 3 logged DDP's losses: {g['same']}"]
+    return lines, g["same"]
+
+
 def main() -> None:
+    import tempfile
+
     r = run_ranks(_bench, 2, timeout=1800)[0]
     base = r["ms"]["stage 0"]
     lines = [f"generation, 2 CPU ranks (gloo), HF GPT-2 8x512 (gpt2-small preset shape), "
@@ -103,9 +154,13 @@ def main() -> None:
                      f"{r['gathers'][row]:>13} {r['peaks'][row] / 2**20:>16.1f}")
     lines += ["", f"half budget: {r['half'] / 2**20:.1f} MiB of gathered weights; "
               f"every row gave stage 0's tokens: {r['same']}"]
-    print("\n".join(lines))
+    with tempfile.TemporaryDirectory() as root:
+        more, same = grpo_lines(root)
+    print("\n".join(lines + more))
     if not r["same"]:
         raise SystemExit("a row generated other tokens than stage 0")
+    if not same:
+        raise SystemExit("GRPO at stage 3 logged other losses than DDP")
 
 
 if __name__ == "__main__":

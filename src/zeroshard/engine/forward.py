@@ -74,9 +74,12 @@ class RootHooks:
             self.weights.refresh_edited()
             self.backward.ended = False
             self.replay.forward_begins()
-        if self.by_unit:
+        if self.by_unit and not self.schedule.all_resident():
             # One rank alone in a forward (evaluation on rank 0 only) is refused here,
-            # before any gather; see [Note: divergence] in comm_check.py.
+            # before any gather; see [Note: divergence] in comm_check.py. With every unit
+            # resident (unshard(), generate()'s gather) the forward issues no collective
+            # and may run alone, as at stage 0: no check point (one per generated token
+            # was ~1 ms of a 30 ms token on 2 CPU ranks).
             self.comm.sync_point("forward", phase="forward")
         if self.config.sync_buffers_in_forward and self.sync_buffers and not in_backward():
             # Checked before it is issued: one rank alone in it (stages 0-2: no check

@@ -175,6 +175,11 @@ class UnitSchedule:
             if u not in self.awaiting:
                 self.reshard(u)
 
+    def all_resident(self) -> bool:
+        """Every unit gathered and kept (held or idle): a forward now gathers nothing."""
+        return all(u.state is not UnitState.SHARDED and (u in self.held or u in self.idle)
+                   for u in self.units)
+
     def in_use(self) -> list[Unit]:
         """Units gathered for a forward or a backward in progress (resident ones that
         are only kept are not)."""
