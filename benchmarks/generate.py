@@ -17,7 +17,8 @@ Then RL: TRL's GRPOTrainer (examples/integrations/trl_grpo.py: generation, a rew
 reference model with ``beta`` 0.1 soft-updated every step), ``GRPO_STEPS`` steps per run,
 DDP and zeroshard stage 3 alternating in the same two ranks for ``GRPO_ROUNDS`` rounds:
 the median seconds per step of each, the median of the per-round ratios, and the
-reference model's bytes per rank. Every stage-3 run must log DDP's losses (checked,
+reference model's bytes per rank — on the example's tiny Llama (2 x 64: latency-bound)
+and on a Llama of the gpt2-small preset's shape (8 x 512). Every stage-3 run must log DDP's losses (checked,
 within 1e-5).
 
     .venv/bin/python benchmarks/generate.py
@@ -98,8 +99,9 @@ def _bench(rank: int, world: int) -> dict:
             "peaks": peaks, "same": same, "half": half}
 
 
-def _grpo(rank: int, world: int, root: str) -> dict:
-    """GRPO on DDP and at stage 3, alternating run by run (each run a new trainer)."""
+def _grpo(rank: int, world: int, root: str, shape: tuple[int, int]) -> dict:
+    """GRPO on DDP and at stage 3, alternating run by run (each run a new trainer), on a
+    Llama of ``shape`` (blocks, width)."""
     import sys
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -113,8 +115,9 @@ def _grpo(rank: int, world: int, root: str) -> dict:
     for i in range(GRPO_ROUNDS):
         order = ("ddp", "stage 3") if i % 2 == 0 else ("stage 3", "ddp")
         for mode in order:
-            args = ["--out", os.path.join(root, f"{mode.replace(' ', '')}-{i}"),
-                    "--steps", str(GRPO_STEPS)]
+            args = ["--out", os.path.join(root, f"{mode.replace(' ', '')}-{shape[0]}-{i}"),
+                    "--steps", str(GRPO_STEPS), "--layers", str(shape[0]),
+                    "--hidden", str(shape[1])]
             logs = grpo(args + (["--ddp"] if mode == "ddp" else ["--stage", "3"]))
             per_step[mode].append(logs[-1]["train seconds"] / GRPO_STEPS)
             losses[mode] = [h["loss"] for h in logs]
@@ -125,18 +128,29 @@ def _grpo(rank: int, world: int, root: str) -> dict:
             "same": all(abs(a - b) <= 1e-5 for a, b in zip(losses["ddp"], losses["stage 3"]))}
 
 
+#: (blocks, width) of the GRPO policy: the example's tiny Llama (every collective's
+#: latency shows), and one of the gpt2-small preset's shape (compute shows).
+GRPO_SHAPES = ((2, 64), (8, 512))
+
+
 def grpo_lines(root: str) -> tuple[list[str], bool]:
-    g = run_ranks(_grpo, 2, root, timeout=1800)[0]
-    lines = ["", f"GRPO (TRL GRPOTrainer, examples/integrations/trl_grpo.py: tiny Llama, 4 "
-             f"generations of 8 tokens, beta 0.1, sync_ref_model every step), {GRPO_STEPS} "
-             f"steps per run, DDP and stage 3 alternating over {GRPO_ROUNDS} rounds", "",
-             f"{'row':<16} {'s/step':>9} {'x ddp':>10} {'reference bytes/rank':>21}"]
-    for mode in ("ddp", "stage 3"):
-        lines.append(f"{mode:<16} {g['s'][mode]:>9.3f} "
-                     f"{g['s'][mode] / g['s']['ddp']:>10.2f} {g['ref'][mode]:>21,}")
-    lines += ["", "stage 3 / ddp per round: " + ", ".join(f"{x:.2f}" for x in g["ratios"])
-              + f"; median {g['ratio']:.2f}; stage 3 logged DDP's losses: {g['same']}"]
-    return lines, g["same"]
+    lines = ["", f"GRPO (TRL GRPOTrainer, examples/integrations/trl_grpo.py: 4 generations of "
+             f"8 tokens, beta 0.1, sync_ref_model every step), {GRPO_STEPS} steps per run, "
+             f"DDP and stage 3 alternating over {GRPO_ROUNDS} rounds; median seconds per step",
+             "", f"{'policy':<16} {'row':<8} {'s/step':>9} {'x ddp':>7} "
+             f"{'reference bytes/rank':>21}"]
+    same = True
+    for shape in GRPO_SHAPES:
+        g = run_ranks(_grpo, 2, root, shape, timeout=1800)[0]
+        name = f"Llama {shape[0]}x{shape[1]}"
+        for mode in ("ddp", "stage 3"):
+            lines.append(f"{name:<16} {mode:<8} {g['s'][mode]:>9.3f} "
+                         f"{g['s'][mode] / g['s']['ddp']:>7.2f} {g['ref'][mode]:>21,}")
+        lines.append(f"{'':<16} stage 3 / ddp per round: "
+                     + ", ".join(f"{x:.2f}" for x in g["ratios"])
+                     + f"; median {g['ratio']:.2f}; DDP's losses: {g['same']}")
+        same = same and g["same"]
+    return lines, same
 
 
 def main() -> None:

@@ -46,11 +46,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2, help="the policy's blocks (default tiny)")
+    p.add_argument("--hidden", type=int, default=64, help="the policy's width")
     a = p.parse_args(argv)
     tok = tokenizer()
     path = os.path.join(a.out, "initial")  # GRPO loads its reference model from here
     if int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0:
-        tiny_llama(len(tok)).save_pretrained(path)
+        tiny_llama(len(tok), a.layers, a.hidden).save_pretrained(path)
         tok.save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()

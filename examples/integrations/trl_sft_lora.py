@@ -42,12 +42,13 @@ def dataset(n: int = 64, words: int = 15) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [" ".join(f"w{int(t)}" for t in r) for r in rows]})
 
 
-def tiny_llama(vocab: int) -> transformers.PreTrainedModel:
+def tiny_llama(vocab: int, layers: int = 2, hidden: int = 64) -> transformers.PreTrainedModel:
+    """A Llama of ``layers`` blocks of width ``hidden`` (default: 2 x 64, tiny)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=vocab, max_position_embeddings=32, pad_token_id=0,
-        bos_token_id=1, eos_token_id=1)
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=max(4, hidden // 64),
+        num_key_value_heads=2, intermediate_size=2 * hidden, vocab_size=vocab,
+        max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     return transformers.LlamaForCausalLM(cfg)
 
 

@@ -161,11 +161,12 @@ class UnitSchedule:
         newly held. Between steps only (the engine checks)."""
         new = [u for u in units if u not in self.held]
         self.held.update(new)
-        for u in new:
-            self.unshard(u, "forward", async_op=async_op)
-            if not async_op:
-                u.wait()
+        for u in new:  # every gather in flight at once, then waited in order
+            self.unshard(u, "forward", async_op=True)
             self.faces.show(u.buckets, compute=False)  # outside forward: the user's
+        if not async_op:
+            for u in new:
+                u.wait()
         return new
 
     def release(self, units: list[Unit] | None = None) -> None:
