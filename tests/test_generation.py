@@ -84,6 +84,17 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
                       do_sample=False, pad_token_id=0)
         out[f"{key}-uneven"] = torch.equal(model.generate(prompt, **uneven),
                                            ref.generate(prompt, **uneven))
+        # The tracker files generate()'s key/value cache as kv_cache: the cache of the
+        # last forward holds the prompt and every new token but the last.
+        tracker = zeroshard.memory_tracker(model)
+        kv: list[int] = []
+        hook = model.register_forward_hook(
+            lambda *_: kv.append(tracker.current()["kv_cache"]))
+        with tracker:
+            _generate(model, prompt, False)
+        hook.remove()
+        out[f"{key}-kv"] = kv
+        out[f"{key}-kv-after"] = tracker.current()["kv_cache"]
         out[f"{key}-units"] = len(engine.units)
         out[f"{key}-prefetch"] = engine.config.prefetch
         out[f"{key}-layer"] = max((u.unsharded_bytes for u in engine.units[:-1]), default=0)
@@ -238,6 +249,19 @@ def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) 
         assert r[f"s3-None-{sample}-gathers"] == units, r
         assert r[f"s3-0-{sample}-gathers"] == units * NEW, r  # one forward per new token
     assert r["s3-None-bytes-after"] == 0  # released when generate() returns
+
+
+def test_the_tracker_files_the_kv_cache_as_its_own_category(results) -> None:
+    """After each forward of generate() the tracker's kv_cache is exactly the cache's
+    bytes: 2 layers x keys and values x batch 2 x 2 kv heads x head dim 16 x 4 bytes per
+    position, 8 prompt positions after the first forward, one more after each; nothing
+    once generate() returns. At every stage and budget."""
+    r = results["generation"]
+    per_position = 2 * 2 * 2 * 2 * 16 * 4
+    want = [per_position * (8 + i) for i in range(NEW)]
+    for key in ("s0-None", "s3-None", "s3-0", "s3-root"):
+        assert r[f"{key}-kv"] == want, (key, r[f"{key}-kv"], want)
+        assert r[f"{key}-kv-after"] == 0, (key, r[f"{key}-kv-after"])
 
 
 def test_a_budget_keeps_what_fits_and_gathers_exactly_the_rest_per_token(results) -> None:

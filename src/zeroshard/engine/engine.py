@@ -443,8 +443,10 @@ class Engine:
 
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
         """Tensors by category, for the memory tracker (sources.py)."""
+        root = self.root
         return memory_sources(self.all_buckets, self.frozen, self.tied, self.grads,
-                              by_unit=bool(self.units))
+                              by_unit=bool(self.units),
+                              kv_cache=lambda: root.kv_cache() if root.kv_cache else None)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Engine tensors in host memory by design (offload); see [Note: device and host]."""

@@ -11,6 +11,7 @@ hooks). After: hand the modules back the user parameters until a backward starts
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class RootHooks:
         # DDP syncs buffers before a forward that follows a training forward (and before
         # the first): see broadcast_buffers in buffers.py.
         self.sync_buffers = True
+        self.kv_cache: weakref.ref | None = None  # the last forward's past_key_values
         self._callers_checked = False  # see wrapping.refuse_wrapping_caller
         # After materialising: a meta model's parameters are new objects by now.
         self._known_params = {*model.parameters(), *faces.known(), *compute}
@@ -66,6 +68,7 @@ class RootHooks:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
+        self._note_kv_cache(_kv_cache_of(kwargs))
         if not in_backward():
             refuse_active_ddp(self.model)
             if not self._callers_checked:
@@ -94,6 +97,15 @@ class RootHooks:
             return None
         cast = self._cast_floating
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def _note_kv_cache(self, cache: Any) -> None:
+        """Remember the forward's key/value cache (see _kv_cache_of),
+        weakly, for the memory tracker's ``kv_cache`` category (sources.py); a forward
+        without one forgets it."""
+        try:
+            self.kv_cache = None if cache is None else weakref.ref(cache)
+        except TypeError:  # a legacy tuple of tuples: not weakly referenceable
+            self.kv_cache = None
 
     def _cast_floating(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -192,3 +204,14 @@ class RootHooks:
                 + ". Set requires_grad before zeroshard.shard() (for a schedule that "
                 "unfreezes layers later, shard them trainable and keep their gradient out "
                 "with lr=0 in their own parameter group)")
+
+
+def _kv_cache_of(kwargs: dict) -> Any:
+    """A forward's key/value cache: ``past_key_values`` (Hugging Face up to 4.x, most
+    models), or ``cache`` when it is one of Hugging Face's ``Cache`` objects (5.x)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")
+        if not type(cache).__module__.startswith("transformers"):
+            return None
+    return cache

@@ -4,6 +4,7 @@ and the whole master weights of a bucket (state dicts, checkpoints)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,9 +20,11 @@ __all__ = ["memory_sources", "full_master", "gather_shard"]
 
 
 def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
-                   tied: TiedGrads, grads: StepGrads, by_unit: bool
+                   tied: TiedGrads, grads: StepGrads, by_unit: bool,
+                   kv_cache: Callable[[], Any] = lambda: None,
                    ) -> Callable[[], dict[str, list[torch.Tensor]]]:
-    """Tensors by category, for the memory tracker (names match memory.Category)."""
+    """Tensors by category, for the memory tracker (names match memory.Category);
+    ``kv_cache()``: the key/value cache of the model's last forward, or None."""
 
     def sources() -> dict[str, list[torch.Tensor]]:
         params, grad, optim = [], [], []
@@ -50,9 +53,29 @@ def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
         used = grads.used_flags
         other += [used] if used is not None else []
         return {"params": params, "grads": grad, "optim": optim, "comm": comm,
-                "other": other}
+                "other": other, "kv_cache": cache_tensors(kv_cache())}
 
     return sources
+
+
+def cache_tensors(cache: Any, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors a key/value cache holds: Hugging Face's ``Cache`` classes (their
+    ``layers``' keys, values and any other state), or nested lists, tuples and dicts of
+    tensors; nothing for what it does not recognise."""
+    if cache is None or depth < 0:
+        return []
+    if isinstance(cache, torch.Tensor):
+        return [cache]
+    if isinstance(cache, (list, tuple)):
+        return [t for c in cache for t in cache_tensors(c, depth - 1)]
+    if isinstance(cache, dict):
+        return [t for c in cache.values() for t in cache_tensors(c, depth - 1)]
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, (list, tuple)):
+        return [t for layer in layers for v in vars(layer).values()
+                for t in cache_tensors(v, depth - 1) if not isinstance(v, nn.Module)]
+    return [t for v in vars(cache).values() if isinstance(v, (torch.Tensor, list, tuple))
+            for t in cache_tensors(v, depth - 1)] if hasattr(cache, "__dict__") else []
 
 
 def full_master(policy: StagePolicy, comm: Comm, b: FlatBucket) -> torch.Tensor:

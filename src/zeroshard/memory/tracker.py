@@ -87,6 +87,7 @@ class Category(str, Enum):
     GRADS = "grads"
     OPTIM = "optim"
     ACTIVATIONS = "activations"
+    KV_CACHE = "kv_cache"  # a generation's key/value cache (the sharded model's sources)
     COMM = "comm"
     OTHER = "other"
 
