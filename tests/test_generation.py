@@ -51,7 +51,7 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
     ref = tiny().eval()
     prompt = _prompt(rank)
     want = {s: _generate(ref, prompt, s) for s in (False, True)}
-    for stage, budget in ((0, None), (3, None), (3, 0), (3, "root")):
+    for stage, budget in ((0, None), (1, None), (2, None), (3, None), (3, 0), (3, "root")):
         opts = {} if budget in (None, "root") or stage != 3 else {"generate_budget": budget}
         model, _ = zeroshard.shard(tiny(), torch.optim.AdamW, stage=stage, lr=1e-3, **opts)
         model.eval()
@@ -231,15 +231,16 @@ def results() -> dict[str, dict[str, Any]]:
 
 
 def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) -> None:
-    """Greedy and sampled (fixed seed) tokens equal the unsharded model's at stages 0 and
-    3; at stage 3 generate() issues one all-gather per unit per call (not per token), and
+    """Greedy and sampled (fixed seed) tokens equal the unsharded model's at stages 0-3;
+    at stage 3 generate() issues one all-gather per unit per call (not per token), and
     with generate_budget=0 one per unit per forward."""
     r = results["generation"]
-    for key in ("s0-None", "s3-None", "s3-0", "s3-root"):
+    for key in ("s0-None", "s1-None", "s2-None", "s3-None", "s3-0", "s3-root"):
         for sample in (False, True):
             assert r[f"{key}-{sample}-equal"], (key, sample)
         assert r[f"{key}-uneven"], key
-    assert r["s0-None-False-gathers"] == 0
+    for key in ("s0-None", "s1-None", "s2-None"):
+        assert r[f"{key}-False-gathers"] == 0, key
     for key in ("s3-None", "s3-0", "s3-root"):
         for sample in (False, True):
             assert r[f"{key}-{sample}-in-step"] == 0, (key, r)  # the ledger's own window
@@ -259,7 +260,7 @@ def test_the_tracker_files_the_kv_cache_as_its_own_category(results) -> None:
     r = results["generation"]
     per_position = 2 * 2 * 2 * 2 * 16 * 4
     want = [per_position * (8 + i) for i in range(NEW)]
-    for key in ("s0-None", "s3-None", "s3-0", "s3-root"):
+    for key in ("s0-None", "s1-None", "s2-None", "s3-None", "s3-0", "s3-root"):
         assert r[f"{key}-kv"] == want, (key, r[f"{key}-kv"], want)
         assert r[f"{key}-kv-after"] == 0, (key, r[f"{key}-kv-after"])
 
