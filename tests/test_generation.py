@@ -89,7 +89,7 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
         tracker = zeroshard.memory_tracker(model)
         kv: list[int] = []
         hook = model.register_forward_hook(
-            lambda *_: kv.append(tracker.current()["kv_cache"]))
+            lambda *_, kv=kv, tracker=tracker: kv.append(tracker.current()["kv_cache"]))
         with tracker:
             _generate(model, prompt, False)
         hook.remove()

@@ -89,6 +89,10 @@ def _runs(base: str) -> dict[str, list[str]]:
     # TRL's GRPOTrainer: generation, a reference model synced every step
     runs["grpo-ddp"] = ["grpo", "--ddp", "--out", f"{base}/grpo-ddp"]
     runs["grpo-s3"] = ["grpo", "--stage", "3", "--out", f"{base}/grpo-s3"]
+    # TRL's RLOOTrainer: the same, with leave-one-out baselines
+    runs["rloo-ddp"] = ["grpo", "--trainer", "rloo", "--ddp", "--out", f"{base}/rloo-ddp"]
+    runs["rloo-s3"] = ["grpo", "--trainer", "rloo", "--stage", "3", "--out",
+                       f"{base}/rloo-s3"]
     return runs
 
 
@@ -271,6 +275,20 @@ def test_trl_grpo_at_stage_3_equals_ddp_with_a_sharded_reference() -> None:
     logs = _all()["logs"]
     got, want = logs["grpo-s3"], logs["grpo-ddp"]
     _assert_same_logs(got, want, keys=("loss", "reward", "grad_norm"))
+    assert got[-1]["reference bytes"] <= want[-1]["reference bytes"] // 2 + 4096, (
+        got[-1]["reference bytes"], want[-1]["reference bytes"])
+
+
+def test_trl_rloo_at_stage_3_equals_ddp_with_a_sharded_reference() -> None:
+    """TRL's RLOOTrainer through zeroshard_trainer, as GRPO above: DDP's rewards and
+    gradient norms, the reference at half its bytes per rank. Its loss is zero up to float
+    rounding (leave-one-out advantages sum to zero; ~1e-7 either side on both): equal
+    within 1e-6 absolute."""
+    logs = _all()["logs"]
+    got, want = logs["rloo-s3"], logs["rloo-ddp"]
+    _assert_same_logs(got, want, keys=("reward", "grad_norm"))
+    assert all(abs(g["loss"] - w["loss"]) <= 1e-6 for g, w in zip(got, want)), (got, want)
+    assert any(abs(w["grad_norm"]) > 1 for w in want)  # it trains: the gradient is not zero
     assert got[-1]["reference bytes"] <= want[-1]["reference bytes"] // 2 + 4096, (
         got[-1]["reference bytes"], want[-1]["reference bytes"])
 

@@ -1,7 +1,8 @@
-"""RL fine-tuning with TRL's GRPOTrainer, on zeroshard or on DDP.
+"""RL fine-tuning with TRL's GRPOTrainer (or RLOOTrainer), on zeroshard or on DDP.
 
     torchrun --nproc-per-node 2 examples/integrations/trl_grpo.py --stage 3 --out /tmp/grpo
     torchrun --nproc-per-node 2 examples/integrations/trl_grpo.py --ddp --out /tmp/grpo-ddp
+    torchrun --nproc-per-node 2 examples/integrations/trl_grpo.py --trainer rloo --stage 3 --out /tmp/rloo
 
 Each step the policy generates completions (``generate()``: at stage 3 each unit gathered
 once per call, docs/generation.md), a reward function scores them, and the policy trains
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo",
+                   help="TRL's GRPOTrainer (default) or RLOOTrainer (same arguments)")
     p.add_argument("--layers", type=int, default=2, help="the policy's blocks (default tiny)")
     p.add_argument("--hidden", type=int, default=64, help="the policy's width")
     a = p.parse_args(argv)
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tok.save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()
-    config = trl.GRPOConfig(
+    Trainer, Config = ((trl.GRPOTrainer, trl.GRPOConfig) if a.trainer == "grpo"
+                       else (trl.RLOOTrainer, trl.RLOOConfig))
+    config = Config(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, data_seed=0,
@@ -65,11 +70,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kwargs = dict(model=path, reward_funcs=reward_length, args=config,
                   train_dataset=prompts(), processing_class=tok)
     if a.ddp:
-        trainer = trl.GRPOTrainer(**kwargs)
+        trainer = Trainer(**kwargs)
     else:
         from zeroshard.integrations.hf_trainer import zeroshard_trainer
 
-        trainer = zeroshard_trainer(trl.GRPOTrainer)(**kwargs, zeroshard={"stage": a.stage})
+        trainer = zeroshard_trainer(Trainer)(**kwargs, zeroshard={"stage": a.stage})
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
