@@ -18,7 +18,9 @@ reference model with ``beta`` 0.1 soft-updated every step), ``GRPO_STEPS`` steps
 DDP and zeroshard stage 3 alternating in the same two ranks for ``GRPO_ROUNDS`` rounds:
 the median seconds per step of each, the median of the per-round ratios, and the
 reference model's bytes per rank — on the example's tiny Llama (2 x 64: latency-bound)
-and on a Llama of the gpt2-small preset's shape (8 x 512). Every stage-3 run must log DDP's losses (checked,
+and on a Llama of the gpt2-small preset's shape (8 x 512); stage 3 as it comes, and with
+``reshard_after_forward=False`` (FSDP2's setting: units stay gathered from a forward to
+its backward, and after the scoring's no_grad forwards, until the step). Every stage-3 run must log DDP's losses (checked,
 within 1e-5).
 
     .venv/bin/python benchmarks/generate.py
@@ -109,46 +111,54 @@ def _grpo(rank: int, world: int, root: str, shape: tuple[int, int]) -> dict:
                                     "examples", "integrations"))
     from trl_grpo import main as grpo
 
-    per_step: dict[str, list[float]] = {"ddp": [], "stage 3": []}
+    per_step: dict[str, list[float]] = {m: [] for m in GRPO_MODES}
     losses: dict[str, list] = {}
     ref_bytes: dict[str, int] = {}
     for i in range(GRPO_ROUNDS):
-        order = ("ddp", "stage 3") if i % 2 == 0 else ("stage 3", "ddp")
-        for mode in order:
+        for mode in GRPO_MODES if i % 2 == 0 else GRPO_MODES[::-1]:
             args = ["--out", os.path.join(root, f"{mode.replace(' ', '')}-{shape[0]}-{i}"),
                     "--steps", str(GRPO_STEPS), "--layers", str(shape[0]),
                     "--hidden", str(shape[1])]
-            logs = grpo(args + (["--ddp"] if mode == "ddp" else ["--stage", "3"]))
+            logs = grpo(args + {"ddp": ["--ddp"], "stage 3": ["--stage", "3"],
+                                "s3 no reshard": ["--stage", "3", "--no-reshard"]}[mode])
             per_step[mode].append(logs[-1]["train seconds"] / GRPO_STEPS)
             losses[mode] = [h["loss"] for h in logs]
             ref_bytes[mode] = logs[-1]["reference bytes"]
-    ratios = [z / d for z, d in zip(per_step["stage 3"], per_step["ddp"])]
+    ratios = {m: [z / d for z, d in zip(per_step[m], per_step["ddp"])] for m in GRPO_MODES}
     return {"s": {m: statistics.median(v) for m, v in per_step.items()},
-            "ratio": statistics.median(ratios), "ratios": ratios, "ref": ref_bytes,
-            "same": all(abs(a - b) <= 1e-5 for a, b in zip(losses["ddp"], losses["stage 3"]))}
+            "ratio": {m: statistics.median(r) for m, r in ratios.items()}, "ratios": ratios,
+            "ref": ref_bytes,
+            "same": all(abs(a - b) <= 1e-5 for m in GRPO_MODES
+                        for a, b in zip(losses["ddp"], losses[m]))}
 
 
 #: (blocks, width) of the GRPO policy: the example's tiny Llama (every collective's
 #: latency shows), and one of the gpt2-small preset's shape (compute shows).
 GRPO_SHAPES = ((2, 64), (8, 512))
+#: DDP; stage 3; stage 3 with reshard_after_forward=False (units gathered from a forward
+#: to its backward, and kept after the no_grad forwards of the rollout's scoring).
+GRPO_MODES = ("ddp", "stage 3", "s3 no reshard")
 
 
 def grpo_lines(root: str) -> tuple[list[str], bool]:
     lines = ["", f"GRPO (TRL GRPOTrainer, examples/integrations/trl_grpo.py: 4 generations of "
              f"8 tokens, beta 0.1, sync_ref_model every step), {GRPO_STEPS} steps per run, "
              f"DDP and stage 3 alternating over {GRPO_ROUNDS} rounds; median seconds per step",
-             "", f"{'policy':<16} {'row':<8} {'s/step':>9} {'x ddp':>7} "
-             f"{'reference bytes/rank':>21}"]
+             "", f"{'policy':<16} {'row':<14} {'s/step':>9} {'x ddp':>7} "
+             f"{'median x ddp':>13} {'reference bytes/rank':>21}"]
     same = True
     for shape in GRPO_SHAPES:
         g = run_ranks(_grpo, 2, root, shape, timeout=1800)[0]
         name = f"Llama {shape[0]}x{shape[1]}"
-        for mode in ("ddp", "stage 3"):
-            lines.append(f"{name:<16} {mode:<8} {g['s'][mode]:>9.3f} "
-                         f"{g['s'][mode] / g['s']['ddp']:>7.2f} {g['ref'][mode]:>21,}")
-        lines.append(f"{'':<16} stage 3 / ddp per round: "
-                     + ", ".join(f"{x:.2f}" for x in g["ratios"])
-                     + f"; median {g['ratio']:.2f}; DDP's losses: {g['same']}")
+        for mode in GRPO_MODES:
+            lines.append(f"{name:<16} {mode:<14} {g['s'][mode]:>9.3f} "
+                         f"{g['s'][mode] / g['s']['ddp']:>7.2f} {g['ratio'][mode]:>13.2f} "
+                         f"{g['ref'][mode]:>21,}")
+        lines.append(f"{'':<16} per round, s3 / ddp: "
+                     + ", ".join(f"{x:.2f}" for x in g["ratios"]["stage 3"])
+                     + "; no reshard / ddp: "
+                     + ", ".join(f"{x:.2f}" for x in g["ratios"]["s3 no reshard"])
+                     + f"; DDP's losses: {g['same']}")
         same = same and g["same"]
     return lines, same
 

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo",
                    help="TRL's GRPOTrainer (default) or RLOOTrainer (same arguments)")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="shard(reshard_after_forward=False): units stay gathered from a "
+                        "forward to its backward, and after no_grad forwards (FSDP2's "
+                        "setting; faster, more memory)")
     p.add_argument("--layers", type=int, default=2, help="the policy's blocks (default tiny)")
     p.add_argument("--hidden", type=int, default=64, help="the policy's width")
     a = p.parse_args(argv)
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         from zeroshard.integrations.hf_trainer import zeroshard_trainer
 
-        trainer = zeroshard_trainer(Trainer)(**kwargs, zeroshard={"stage": a.stage})
+        options = {"stage": a.stage} | ({"reshard_after_forward": False} if a.no_reshard else {})
+        trainer = zeroshard_trainer(Trainer)(**kwargs, zeroshard=options)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
