@@ -221,11 +221,40 @@ def _unit_unshard(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _reshard_mid_step(rank: int, world: int) -> dict[str, Any]:
+    """``model.reshard()`` between a forward and its backward (with units held by
+    ``unshard()``, and with reshard_after_forward=False): three steps against the same
+    without the call."""
+    x = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank + 7))
+    out: dict[str, Any] = {}
+    for opts in ({}, {"reshard_after_forward": False}):
+        losses = {}
+        for call in (False, True):
+            model, optim = zeroshard.shard(tiny(), torch.optim.AdamW, stage=3, lr=1e-2, **opts)
+            engine = zeroshard.engine_of(model)
+            losses[call] = []
+            for step in range(3):
+                if call and step == 0:
+                    model.unshard()
+                loss = model(x, labels=x).loss
+                if call:
+                    model.reshard()  # frees the held units, not what the backward needs
+                    out[f"bytes kept {opts}"] = engine.unsharded_bytes
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses[call].append(loss.item())
+            out[f"bytes after {opts}"] = engine.unsharded_bytes
+        out[f"equal {opts}"] = losses[False] == losses[True]
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
     out = {}
     for name, fn in (("generation", _generation), ("unshard", _unshard),
-                     ("eval", _no_reshard_eval), ("unit", _unit_unshard)):
+                     ("eval", _no_reshard_eval), ("unit", _unit_unshard),
+                     ("mid", _reshard_mid_step)):
         out[name] = run_ranks(fn, 2, timeout=240)[0]
     return out
 
@@ -313,6 +342,18 @@ def test_a_units_own_unshard_holds_it_until_its_reshard(results) -> None:
         assert sorted(g) == sorted(["root", layer0, layer1, layer1]), r
     assert r["losses equal"], r
     assert r["bytes after reshard True"] == 0 and r["bytes after reshard False"] == 0, r
+
+
+def test_reshard_between_forward_and_backward_keeps_what_the_backward_needs(results) -> None:
+    """FSDP2 allows ``reshard()`` between a forward and its backward; it crashed here
+    (the root's saved weights freed: "setStorage ... storage of size 0"). Now it frees
+    the held units and keeps what the pending backward reads: losses as without, with
+    and without reshard_after_forward, and nothing gathered after the steps."""
+    r = results["mid"]
+    for opts in ({}, {"reshard_after_forward": False}):
+        assert r[f"equal {opts}"], r
+        assert r[f"bytes kept {opts}"] > 0, r  # the root, at least, until its backward
+        assert r[f"bytes after {opts}"] == 0, r
 
 
 def test_reshard_after_forward_false_keeps_units_in_no_grad_forwards(results) -> None:

@@ -147,8 +147,9 @@ class ShardedModule:
 
     def reshard(self) -> None:
         """Free every gathered unit, those ``unshard()`` holds included (stage 3; nothing
-        is gathered at stages 0-2). Between steps only: inside forward or backward the
-        engine decides."""
+        is gathered at stages 0-2) — but not the weights a pending backward's graph saved
+        (between a forward and its backward: they are freed after it). Not inside forward
+        or backward: there the engine decides."""
         self._zeroshard_engine.reshard_all()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:

@@ -382,12 +382,10 @@ class Engine:
         self.comm.ledger.mark_step()
 
     def reshard_all(self) -> None:
-        """Free every gathered stage-3 unit, resident ones included (between steps; see
-        ShardedModule.reshard)."""
+        """Free every gathered stage-3 unit, resident ones included, but those a backward
+        still needs (see ShardedModule.reshard and UnitSchedule.reshard_resident)."""
         self.between_steps("reshard()")
-        self.schedule.held.clear()
-        self.schedule.idle.clear()
-        self.schedule.reshard_all()
+        self.schedule.reshard_resident()
 
     def hold(self, units: list[Unit], *, async_op: bool = False) -> list[Unit]:
         """Gather ``units`` (in unit order) and keep them gathered until :meth:`release`

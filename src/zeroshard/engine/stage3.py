@@ -148,6 +148,18 @@ class UnitSchedule:
         self.faces.show(u.buckets, compute=False)
         self.unsharded_bytes -= u.unsharded_bytes
 
+    def reshard_resident(self) -> None:
+        """``model.reshard()``: free every gathered unit, resident ones included, except
+        those whose backward is still to run — their graph saved views of the gathered
+        weights (the root's are read before any hook could gather them again); they are
+        freed after their backward, as any unit."""
+        self.held.clear()
+        self.idle.clear()
+        for u in self.units:
+            u.wait()
+            if u not in self.awaiting:
+                self.reshard(u, force=True)
+
     def reshard_all(self, force: bool = True) -> None:
         if force:
             self.awaiting.clear()
