@@ -95,6 +95,11 @@ def _generation(rank: int, world: int) -> dict[str, Any]:
         hook.remove()
         out[f"{key}-kv"] = kv
         out[f"{key}-kv-after"] = tracker.current()["kv_cache"]
+        out[f"{key}-kv-max"] = tracker.max_per_category()["kv_cache"]  # read after, as usual
+        with zeroshard.memory_tracker(model) as plain, torch.no_grad():
+            held = model(prompt, use_cache=True)  # a forward that makes its own cache
+            out[f"{key}-kv-plain"] = plain.current()["kv_cache"]
+        del held
         out[f"{key}-units"] = len(engine.units)
         out[f"{key}-prefetch"] = engine.config.prefetch
         out[f"{key}-layer"] = max((u.unsharded_bytes for u in engine.units[:-1]), default=0)
@@ -285,13 +290,19 @@ def test_the_tracker_files_the_kv_cache_as_its_own_category(results) -> None:
     """After each forward of generate() the tracker's kv_cache is exactly the cache's
     bytes: 2 layers x keys and values x batch 2 x 2 kv heads x head dim 16 x 4 bytes per
     position, 8 prompt positions after the first forward, one more after each; nothing
-    once generate() returns. At every stage and budget."""
+    once generate() returns, and its maximum read afterwards; a plain forward's returned
+    cache too. At every stage and budget."""
     r = results["generation"]
     per_position = 2 * 2 * 2 * 2 * 16 * 4
     want = [per_position * (8 + i) for i in range(NEW)]
     for key in ("s0-None", "s1-None", "s2-None", "s3-None", "s3-0", "s3-root"):
         assert r[f"{key}-kv"] == want, (key, r[f"{key}-kv"], want)
         assert r[f"{key}-kv-after"] == 0, (key, r[f"{key}-kv-after"])
+        # read after the call: the largest cache (old and new beside each other while a
+        # forward grows it: below twice that)
+        assert want[-1] <= r[f"{key}-kv-max"] < 2 * want[-1], (key, r[f"{key}-kv-max"])
+        # a plain no_grad forward with use_cache=True: the cache it returns
+        assert r[f"{key}-kv-plain"] == want[0], (key, r[f"{key}-kv-plain"])
 
 
 def test_a_budget_keeps_what_fits_and_gathers_exactly_the_rest_per_token(results) -> None:

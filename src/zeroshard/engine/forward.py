@@ -115,6 +115,8 @@ class RootHooks:
     def post_forward(self, module: nn.Module, args, output):
         if not in_backward():  # as DDP: the next forward syncs buffers after a training one
             self.sync_buffers = torch.is_grad_enabled() and self.backward.sync
+        if not torch.is_grad_enabled() and (cache := _kv_cache_of_output(output)) is not None:
+            self._note_kv_cache(cache)  # one the forward made (HF: use_cache=True)
         if self.by_unit:
             self.schedule.root_post_forward()
         elif not torch.is_grad_enabled():
@@ -215,3 +217,15 @@ def _kv_cache_of(kwargs: dict) -> Any:
         if not type(cache).__module__.startswith("transformers"):
             return None
     return cache
+
+
+def _kv_cache_of_output(output: Any) -> Any:
+    """The key/value cache a forward returns (Hugging Face's outputs: ``past_key_values``,
+    or 5.x's ``cache``), or None. Read after forwards without gradients only: in training
+    the same tensors are activations the backward needs, and are filed as such."""
+    if not hasattr(output, "keys"):
+        return None
+    try:
+        return _kv_cache_of(dict(output))
+    except (TypeError, ValueError):
+        return None

@@ -486,6 +486,16 @@ class MemoryTracker(TorchDispatchMode):
         for p in module.parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._handles.append(module.register_forward_hook(self._after_inference_forward))
+
+    def _after_inference_forward(self, *_: Any) -> None:
+        """After a forward without gradients, re-classify: a generation's forwards set no
+        new total peak after the first, while each files new storages (the grown key/value
+        cache) under ``other`` until the next re-classification, so ``max_per_category``
+        would miss them. Forwards with gradients are left to the peaks (their re-
+        classifications are what the training tables measure)."""
+        if not torch.is_grad_enabled():
+            self._after_change(reclassify=True)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._step(True)))
