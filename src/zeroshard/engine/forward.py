@@ -68,7 +68,9 @@ class RootHooks:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
-        self._note_kv_cache(_kv_cache_of(kwargs))
+        # A cache passed to a forward without gradients (generation's); in training its
+        # keys and values are activations the backward needs, filed as such.
+        self._note_kv_cache(None if torch.is_grad_enabled() else _kv_cache_of(kwargs))
         if not in_backward():
             refuse_active_ddp(self.model)
             if not self._callers_checked:
