@@ -152,3 +152,53 @@ def _gpt2_124m(rank: int, world: int) -> dict:
 def test_gpt2_124m_streams_within_a_quarter_more_than_its_largest_unit() -> None:
     r = run_ranks(_gpt2_124m, 2, timeout=600)[0]
     assert r["tensors"] > 0 and r["peak"] <= 1.25 * r["largest"], r
+
+
+def _merged_lora(rank: int, world: int) -> dict:
+    """A PEFT LoRA Llama (random A and B, so the merge is not a no-op) at stages 0 and 3:
+    merge_adapters=True against peft's own merge_and_unload() of an unsharded copy."""
+    import copy
+
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=96, max_position_embeddings=32))
+    unmerged = {k: v.clone() for k, v in base.state_dict().items()}
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+        target_modules=["q_proj", "v_proj", "down_proj"]))
+    want = copy.deepcopy(lora).merge_and_unload().state_dict()
+    out: dict = {}
+    for stage in (0, 3):
+        model, _ = zeroshard.shard(copy.deepcopy(lora), torch.optim.AdamW, stage=stage,
+                                   lr=1e-3)
+        got = dict(zeroshard.stream_weights(model, merge_adapters=True))
+        out[f"s{stage} names"] = sorted(got) == sorted(want)
+        out[f"s{stage} max diff"] = max(
+            (got[k] - want[k]).abs().max().item() for k in want if k in got)
+        out[f"s{stage} moved"] = max(  # the merge changed the weights it should
+            (want[k] - unmerged[k]).abs().max().item()
+            for k in want if "q_proj" in k)
+        try:
+            list(zeroshard.stream_weights(zeroshard.shard(
+                make_model("gpt2-tiny"), torch.optim.AdamW, stage=stage)[0],
+                merge_adapters=True))
+        except ValueError as e:
+            out[f"s{stage} plain"] = str(e)
+    return out
+
+
+def test_merge_adapters_streams_the_merged_base_model() -> None:
+    """stream_weights(merge_adapters=True) of a LoRA model gives peft's merge_and_unload()
+    weights under the base model's names (adapters left out), at stages 0 and 3; a model
+    without LoRA layers is refused with the fix."""
+    r = run_ranks(_merged_lora, 2, timeout=240)[0]
+    for stage in (0, 3):
+        assert r[f"s{stage} names"], r
+        assert r[f"s{stage} max diff"] <= 1e-6, r
+        assert r[f"s{stage} moved"] > 1e-3, r
+        assert "no active LoRA layer" in r[f"s{stage} plain"], r

@@ -72,7 +72,8 @@ def _gathered(engine: Any, b: FlatBucket, dtype: torch.dtype | None
 
 
 def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
-                   to_rank: int | None = None, buffers: bool = True
+                   to_rank: int | None = None, buffers: bool = True,
+                   merge_adapters: bool = False,
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole tensor)`` for every parameter (and buffer) of a sharded model, one
     collective per bucket — per unit at stage 3 — with about one unit's bytes alive at a
@@ -84,7 +85,12 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
 
     A collective: every rank iterates it to the end. With ``to_rank`` only that rank
     gets tensors (the others' iterations are empty but still take part). Tensor
-    parallelism is refused (use ``zeroshard.full_state_dict``)."""
+    parallelism is refused (use ``zeroshard.full_state_dict``).
+
+    ``merge_adapters=True`` (a PEFT LoRA model): the base model's weights with the active
+    LoRA adapters merged in — ``W + scaling · B @ A`` under the base model's names
+    (``model.layers.0.self_attn.q_proj.weight``), adapter tensors left out — what an RL
+    loop pushes into vLLM (TRL merges the same way); see [Note: merged adapters]."""
     engine = engine_of(model)
     if engine.tp is not None:
         raise NotImplementedError(
@@ -99,6 +105,9 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
     if to_rank is not None and not 0 <= to_rank < engine.world.size:
         raise ValueError(f"to_rank={to_rank} is not a rank of the model's group "
                          f"(0..{engine.world.size - 1})")
+    if merge_adapters:
+        return _merged(_stream(model, engine, dtype, to_rank, buffers), _lora_layers(model),
+                       _peft_prefix(model))
     return _stream(model, engine, dtype, to_rank, buffers)
 
 
@@ -130,3 +139,91 @@ def _stream(model: nn.Module, engine: Any, dtype: torch.dtype | None,
             t = t.to(dtype)
         if mine:
             yield k, t
+
+
+# -- merged adapters ----------------------------------------------------------------------
+# [Note: merged adapters]
+# A PEFT LoRA layer holds its base weight (``<name>.base_layer.weight``) and, per adapter,
+# ``lora_A`` (r x in) and ``lora_B`` (out x r); merged, the layer is one Linear whose
+# weight is ``W + scaling · B @ A`` (transposed for ``fan_in_fan_out``). The three tensors
+# belong to one stage-3 unit (the module that holds the layer), so they arrive within one
+# unit's buckets: the stream holds the first ones until the third arrives, then yields the
+# merged weight, computed in fp32 and cast back. Names lose PEFT's ``base_model.model.``
+# prefix and ``.base_layer``; the adapters' own tensors are not yielded. DoRA, and LoRA on
+# embeddings or convolutions, are refused (merge_adapters=False streams them unmerged).
+
+
+def _peft_prefix(model: nn.Module) -> str:
+    """``base_model.model.`` for a ``peft.PeftModel`` (its state dict's prefix), else ''."""
+    return "base_model.model." if any(
+        c.__name__ == "PeftModel" and c.__module__.startswith("peft")
+        for c in type(model).__mro__) else ""
+
+
+def _lora_layers(model: nn.Module) -> dict[str, tuple[str, str, float, bool]]:
+    """Per LoRA layer (its name in the model): the active adapter's A and B names, its
+    scaling and ``fan_in_fan_out``."""
+    layers = {}
+    for name, m in model.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+            continue
+        active = [a for a in getattr(m, "active_adapters", []) if a in m.lora_A]
+        if len(active) > 1:
+            raise NotImplementedError(f"merge_adapters: {name} has several active adapters "
+                                      f"{active}; activate one (model.set_adapter(name))")
+        if not active:
+            continue
+        a = active[0]
+        if getattr(m, "use_dora", {}).get(a) or a in getattr(m, "lora_embedding_A", {}):
+            raise NotImplementedError(
+                f"merge_adapters: {name} uses DoRA or LoRA on an embedding, which this stream "
+                "does not merge; stream with merge_adapters=False (the base weights and the "
+                "adapter tensors, unmerged) or merge with zeroshard.hf.save_pretrained("
+                "merge_adapters=True)")
+        if not isinstance(m.base_layer, nn.Linear):
+            raise NotImplementedError(
+                f"merge_adapters: {name} wraps a {type(m.base_layer).__name__}, not a Linear; "
+                "stream with merge_adapters=False")
+        layers[name] = (f"{name}.lora_A.{a}.weight", f"{name}.lora_B.{a}.weight",
+                        float(m.scaling[a]), bool(getattr(m, "fan_in_fan_out", False)))
+    if not layers:
+        raise ValueError("merge_adapters=True, but the model has no active LoRA layer (a "
+                         "peft.get_peft_model model); stream without merge_adapters")
+    return layers
+
+
+def _merged(stream: Iterator[tuple[str, torch.Tensor]],
+            layers: dict[str, tuple[str, str, float, bool]], prefix: str
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each LoRA layer's weight merged (see [Note: merged adapters])."""
+    part_of = {}  # tensor name -> (layer, role)
+    for layer, (a, b, _, _) in layers.items():
+        part_of[f"{layer}.base_layer.weight"] = (layer, "w")
+        part_of[a], part_of[b] = (layer, "a"), (layer, "b")
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in stream:
+        if name in part_of:
+            layer, role = part_of[name]
+            parts = held.setdefault(layer, {})
+            parts[role] = t
+            if len(parts) < 3:
+                continue
+            del held[layer]
+            _, _, scaling, transposed = layers[layer]
+            delta = parts["b"].float() @ parts["a"].float() * scaling
+            w = parts["w"]
+            yield _plain_name(f"{layer}.weight", prefix), (
+                w.float() + (delta.T if transposed else delta)).to(w.dtype)
+            continue
+        if ".lora_" in name:
+            continue  # another adapter's, or this layer's dropout-free extras
+        yield _plain_name(name, prefix), t
+    if held:
+        raise RuntimeError(f"merge_adapters: the stream ended with LoRA layers incomplete: "
+                           f"{sorted(held)}")
+
+
+def _plain_name(name: str, prefix: str) -> str:
+    if prefix and name.startswith(prefix):
+        name = name[len(prefix):]
+    return name.replace(".base_layer.", ".")
