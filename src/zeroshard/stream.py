@@ -106,7 +106,7 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
         raise ValueError(f"to_rank={to_rank} is not a rank of the model's group "
                          f"(0..{engine.world.size - 1})")
     if merge_adapters:
-        return _merged(_stream(model, engine, dtype, to_rank, buffers), _lora_layers(model),
+        return _merged(_stream(model, engine, dtype, to_rank, buffers), *_lora_layers(model),
                        _peft_prefix(model))
     return _stream(model, engine, dtype, to_rank, buffers)
 
@@ -160,13 +160,14 @@ def _peft_prefix(model: nn.Module) -> str:
         for c in type(model).__mro__) else ""
 
 
-def _lora_layers(model: nn.Module) -> dict[str, tuple[str, str, float, bool]]:
-    """Per LoRA layer (its name in the model): the active adapter's A and B names, its
-    scaling and ``fan_in_fan_out``."""
-    layers = {}
+def _lora_layers(model: nn.Module) -> tuple[dict[str, tuple[str, str, float, bool]], set[str]]:
+    """Per LoRA layer with an active adapter (its name in the model): that adapter's A and
+    B names, its scaling and ``fan_in_fan_out``; and the names of every LoRA layer."""
+    layers, every = {}, set()
     for name, m in model.named_modules():
         if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
             continue
+        every.add(name)
         active = [a for a in getattr(m, "active_adapters", []) if a in m.lora_A]
         if len(active) > 1:
             raise NotImplementedError(f"merge_adapters: {name} has several active adapters "
@@ -189,13 +190,19 @@ def _lora_layers(model: nn.Module) -> dict[str, tuple[str, str, float, bool]]:
     if not layers:
         raise ValueError("merge_adapters=True, but the model has no active LoRA layer (a "
                          "peft.get_peft_model model); stream without merge_adapters")
-    return layers
+    return layers, every
 
 
 def _merged(stream: Iterator[tuple[str, torch.Tensor]],
-            layers: dict[str, tuple[str, str, float, bool]], prefix: str
+            layers: dict[str, tuple[str, str, float, bool]], every: set[str], prefix: str
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """The stream with each LoRA layer's weight merged (see [Note: merged adapters])."""
+    def lora_layer(name: str) -> str | None:  # the LoRA layer a tensor name is inside
+        layer = name.rpartition(".")[0]
+        while layer and layer not in every:
+            layer = layer.rpartition(".")[0]
+        return layer or None
+
     part_of = {}  # tensor name -> (layer, role)
     for layer, (a, b, _, _) in layers.items():
         part_of[f"{layer}.base_layer.weight"] = (layer, "w")
@@ -215,8 +222,11 @@ def _merged(stream: Iterator[tuple[str, torch.Tensor]],
             yield _plain_name(f"{layer}.weight", prefix), (
                 w.float() + (delta.T if transposed else delta)).to(w.dtype)
             continue
-        if ".lora_" in name:
-            continue  # another adapter's, or this layer's dropout-free extras
+        layer = lora_layer(name)
+        if layer is not None:
+            if not name.startswith(f"{layer}.base_layer."):
+                continue  # an adapter's own tensor (another adapter's, inactive ones)
+            name = f"{layer}.{name[len(layer) + len('.base_layer.'):]}"  # its bias
         yield _plain_name(name, prefix), t
     if held:
         raise RuntimeError(f"merge_adapters: the stream ended with LoRA layers incomplete: "
@@ -224,6 +234,4 @@ def _merged(stream: Iterator[tuple[str, torch.Tensor]],
 
 
 def _plain_name(name: str, prefix: str) -> str:
-    if prefix and name.startswith(prefix):
-        name = name[len(prefix):]
-    return name.replace(".base_layer.", ".")
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name

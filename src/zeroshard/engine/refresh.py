@@ -34,6 +34,7 @@ class WeightRefresh:
         self.offloader = offloader
         self.faces = faces
         self.buckets = buckets
+        self.run_numel = sum(b.padded_numel for b in buckets)  # [Note: one check per run]
         # Told which buckets' compute weights were re-derived (the engine connects stage
         # 3's schedule: resident gathered copies of them are stale).
         self.on_refresh: Callable[[list[FlatBucket]], None] = lambda buckets: None
@@ -45,10 +46,9 @@ class WeightRefresh:
         pending = []
         offload = self.offloader.enabled
         whole = buckets is None  # every bucket, in order: one check for the run
-        total = sum(b.padded_numel for b in self.buckets)
         for b in self.buckets if buckets is None else buckets:
             # ([Note: one check per run] in comm_check.py)
-            checks = self.comm.run_check(b is self.buckets[0], total) if whole else {}
+            checks = self.comm.run_check(b is self.buckets[0], self.run_numel) if whole else {}
             if self.policy.shard_params:
                 if offload and not self.offloader.params:
                     self.offloader.upload(b, b.shard16)

@@ -72,10 +72,10 @@ def cache_tensors(cache: Any, depth: int = 3) -> list[torch.Tensor]:
         return [t for c in cache.values() for t in cache_tensors(c, depth - 1)]
     layers = getattr(cache, "layers", None)
     if isinstance(layers, (list, tuple)):
-        return [t for layer in layers for v in vars(layer).values()
-                for t in cache_tensors(v, depth - 1) if not isinstance(v, nn.Module)]
-    return [t for v in vars(cache).values() if isinstance(v, (torch.Tensor, list, tuple))
-            for t in cache_tensors(v, depth - 1)] if hasattr(cache, "__dict__") else []
+        return [t for layer in layers for v in getattr(layer, "__dict__", {}).values()
+                if not isinstance(v, nn.Module) for t in cache_tensors(v, depth - 1)]
+    return [t for v in getattr(cache, "__dict__", {}).values()
+            if isinstance(v, (torch.Tensor, list, tuple)) for t in cache_tensors(v, depth - 1)]
 
 
 def full_master(policy: StagePolicy, comm: Comm, b: FlatBucket) -> torch.Tensor:
