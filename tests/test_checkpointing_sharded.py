@@ -31,7 +31,7 @@ def _grads(rank: int, world: int, stage: int, policy: str) -> dict:
     x, y = next(loader("gpt2-tiny", rank, world))
     torch.manual_seed(1234 + rank)
     loss_of(model, x, y).backward()
-    grads = [(b.grad if stage == 0 else b.grad_shard).clone() for b in engine.buckets]
+    grads = [(b.grad if stage == 0 else b.reduction.shard).clone() for b in engine.buckets]
     comm = [(r.op, r.phase, r.unit, r.logical_bytes) for r in engine.comm.ledger.records
             if r.phase in ("forward", "backward")]
     return {"grads": grads, "comm": comm}
@@ -89,7 +89,7 @@ def _train(rank: int, world: int, stage: int, policy: str) -> dict:
         loss = loss_of(model, x, y)
         loss.backward()
         losses.append(loss.detach())
-        grads.append([b.grad_shard.clone() for b in engine.buckets])
+        grads.append([b.reduction.shard.clone() for b in engine.buckets])
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": grads}

@@ -89,7 +89,7 @@ def _stage2_grad_peak(rank: int, world: int) -> dict:
     return {
         "buffers": engine.peak_grad_buffer_bytes,
         "grads_after": tracker.current()["grads"],
-        "grad_shards": sum(b.grad_shard.numel() * 4 for b in engine.buckets),
+        "grad_shards": sum(b.reduction.shard.numel() * 4 for b in engine.buckets),
         "largest_bucket": max(b.padded_numel for b in engine.buckets) * 4,
         "largest_param": max(p.numel() for p in model.parameters()) * 4,
         "whole": sum(b.padded_numel for b in engine.buckets) * 4,

@@ -73,7 +73,7 @@ def _train(rank: int, world: int, root: str, stage: int, mp: str | None, offload
     ]
     out = {"state": zeroshard.full_state_dict(model), "offload": engine.offload,
            "fused": optim.param_groups[0].get("fused"),
-           "host_grads": [b.host_grad is not None for b in engine.buckets],
+           "host_grads": [b.host.grad is not None for b in engine.buckets],
            "masters_shared": masters_shared, "where": where,
            "P": sum(b.padded_numel for b in engine.buckets),
            "S": sum(b.shard_numel for b in engine.buckets), "n_b": len(engine.master_params())}

@@ -162,7 +162,7 @@ class BackwardPass:
             self.grads.rebase()
         self.queue_finish()
         b, i = s.bucket, s.index
-        b.used[i] = 1.0
+        b.marks.used[i] = 1.0
         self.grads.prepared = False
         # A parameter's gradient can arrive in several parts in one backward: reentrant
         # activation checkpointing (use_reentrant=True) runs a backward per region, each
@@ -175,7 +175,7 @@ class BackwardPass:
         was_complete = len(heard) == len(tied := s.leaves)
         heard.add(k)
         completes = first and len(heard) == len(tied)
-        if self.sync and b.launched and not self.by_unit:
+        if self.sync and b.reduction.launched and not self.by_unit:
             raise RuntimeError(
                 f"parameter {b.slots[i].names[0]!r} received a second gradient in one "
                 "backward after its bucket's reduction started. Reentrant activation "
@@ -215,12 +215,12 @@ class BackwardPass:
             p.grad = None
         # Inside no_sync() at stages 2-3 the parameter keeps its own (whole) .grad, which
         # autograd accumulates; the first synced backward folds it into the bucket.
-        if not self.sync or not completes or b.launched:
+        if not self.sync or not completes or b.reduction.launched:
             return
-        b.ready += 1
+        b.marks.ready += 1
         # Stage 3 reduces a unit at its post-backward, or at the end of backward (see
         # [Note: collective order in backward]); stages 0-2 in bucket order.
-        if b.ready == len(b.slots) and self.config.overlap and not self.by_unit:
+        if b.marks.ready == len(b.slots) and self.config.overlap and not self.by_unit:
             self.reducer.launch_in_order()
 
     def _grads_of(self, leaves: list[torch.Tensor], unit: str
@@ -252,7 +252,7 @@ class BackwardPass:
         if not self.sync:
             return
         for b in u.trainable:
-            if not b.launched:
+            if not b.reduction.launched:
                 self._fold(b)
                 self.reducer.launch(b)
 
@@ -307,7 +307,7 @@ class BackwardPass:
         if not self.sync:
             self.reducer.rearm()
             for b in self.buckets:
-                b.ready = 0
+                b.marks.ready = 0
                 for s in b.slots:
                     s.arrived.clear()
             return
@@ -326,7 +326,7 @@ class BackwardPass:
         order ([Note: collective order in backward]), and wait for all of them."""
         reducer = self.reducer
         for b in self.buckets:
-            if not b.launched:
+            if not b.reduction.launched:
                 if self.by_unit:
                     self._fold(b)  # some parameters got no gradient in this backward
                 else:
@@ -334,7 +334,7 @@ class BackwardPass:
                         reducer.new_grad(b, zeros=True)
                     self._take_param_grads(b)
                 reducer.launch(b)
-            b.ready = 0
+            b.marks.ready = 0
             for s in b.slots:
                 s.arrived.clear()
         reducer.next_launch = 0
@@ -354,15 +354,15 @@ class BackwardPass:
         late = [float(self.by_unit and any(leaf.grad is not None for s in b.slots
                                            for leaf in s.leaves)) for b in self.buckets]
         # Built on the host (where the hooks wrote the flags), one copy to the device.
-        flags.copy_(torch.cat([b.used for b in self.buckets] + [torch.tensor(late)]))
+        flags.copy_(torch.cat([b.marks.used for b in self.buckets] + [torch.tensor(late)]))
         self.world.all_reduce(flags, phase="control", unit="used").wait()
         if is_fake(flags):  # a trace (memory/traced.py) reads no values: all were used
             for b in self.buckets:
-                b.unused = set()
+                b.marks.unused = set()
             return []
         values = flags.tolist()  # one read, not one per slot
         k = 0
         for b in self.buckets:
-            b.unused = {j for j in range(len(b.slots)) if values[k + j] == 0}
+            b.marks.unused = {j for j in range(len(b.slots)) if values[k + j] == 0}
             k += len(b.slots)
         return [b for b, f in zip(self.buckets, values[n:]) if f > 0]

@@ -43,7 +43,7 @@ since the shard as a whole is not contiguous in ``full``), so the step updates t
 rank's weights in place — as ZeroRedundancyOptimizer does, and as the ZeRO paper counts
 fp32 Adam (K = 8: no weights beyond the model's) — and the post-step all-gather takes
 its input from them (``Engine.refresh_weights``). This saves 4Ψ/N bytes per rank.
-Gradients and optimizer state keep the shard layout (``master_grad``, ``flat_state``);
+Gradients and optimizer state keep the shard layout (``master_grad``, ``chunking.state``);
 code that reads or writes a range of the masters goes through ``master_range`` (one
 parameter's chunk at a time: the shard as a whole is not contiguous in ``full``), and
 checkpoints through ``state/layout.py: weights_view``.
@@ -71,7 +71,7 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
 
     With optimizer parameter groups (``group_of``: parameter name -> group index, 0 for
     any name not in it) a chunk never spans two groups, so each chunk joins its group
-    (``b.chunk_groups``); the bucket's padding goes with its last parameter.
+    (``b.chunking.groups``); the bucket's padding goes with its last parameter.
     """
     data = b.master.detach() if b.master is not None else b.full
     n = b.shard_numel
@@ -82,15 +82,15 @@ def make_chunks(b: FlatBucket, group_of: dict[str, int] | None = None) -> None:
     # gains nothing and a trace (fake tensors, memory/traced.py) would pay ~20 dispatched
     # ops per chunk and step: there, masters are cut at parameter boundaries only.
     size = CHUNK if data.device.type == "cpu" and not is_fake(data) else n
-    b.chunk_ranges, b.chunk_groups = [], []
+    b.chunking.ranges, b.chunking.groups = [], []
     for a, z, g in runs:
         for lo in range(a, z, size):
-            b.chunk_ranges.append((lo, min(lo + size, z)))
-            b.chunk_groups.append(g)
-    b.chunks = [_chunk(b, lo, hi) for lo, hi in b.chunk_ranges]
+            b.chunking.ranges.append((lo, min(lo + size, z)))
+            b.chunking.groups.append(g)
+    b.chunks = [_chunk(b, lo, hi) for lo, hi in b.chunking.ranges]
     starts = [s.shard_offset for s in b.slots]
     # the slot each chunk belongs to (a chunk starting in the padding tail: the last)
-    b.chunk_slot = [max(0, bisect.bisect_right(starts, lo) - 1) for lo, _ in b.chunk_ranges]
+    b.chunking.slot_of = [max(0, bisect.bisect_right(starts, lo) - 1) for lo, _ in b.chunking.ranges]
 
 
 def _chunk(b: FlatBucket, lo: int, hi: int) -> nn.Parameter:
@@ -141,7 +141,7 @@ def set_master_grad(b: FlatBucket, grad: torch.Tensor | None) -> None:
     b.master_grad = grad
     if b.master is not None:
         b.master.grad = grad
-    for c, (lo, hi) in zip(b.chunks, b.chunk_ranges):
+    for c, (lo, hi) in zip(b.chunks, b.chunking.ranges):
         c.grad = None if grad is None else grad[lo:hi]
 
 
@@ -149,7 +149,7 @@ def skip_slots(b: FlatBucket, slots: set[int]) -> None:
     """Take the gradient off the chunks of ``slots`` (indices into ``b.slots``): the
     optimizer's next step skips them, as torch skips a parameter whose ``grad`` is None
     (see [Note: optimizer chunks]). The next ``set_master_grad`` gives them one again."""
-    for c, i in zip(b.chunks, b.chunk_slot):
+    for c, i in zip(b.chunks, b.chunking.slot_of):
         if i in slots:
             c.grad = None
 
@@ -158,7 +158,7 @@ def slot_scalars(state: dict, b: FlatBucket, i: int) -> dict[str, Any] | None:
     """Slot ``i``'s scalar optimizer state (AdamW's ``step``): its first chunk's, as
     every chunk of a parameter steps together; None if the optimizer holds no state for
     it (never stepped: torch has no entry for such a parameter either)."""
-    c = next((c for c, j in zip(b.chunks, b.chunk_slot) if j == i), None)
+    c = next((c for c, j in zip(b.chunks, b.chunking.slot_of) if j == i), None)
     st = state.get(c) if c is not None else None
     if not st:
         return None
@@ -185,24 +185,24 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
     when it already is, or when the optimizer has no state for the bucket yet). A chunk
     without a key the others have gets zeros in the flat buffer and keeps not having it."""
     keys, _ = _keys(state, b)
-    if all(k in b.flat_views and all(
-            state.get(c, {}).get(k, view) is view for c, view in zip(b.chunks, b.flat_views[k]))
+    if all(k in b.chunking.views and all(
+            state.get(c, {}).get(k, view) is view for c, view in zip(b.chunks, b.chunking.views[k]))
             for k in keys):
         return  # already views of the flat buffers
-    b.flat_state, b.flat_views = {}, {}
+    b.chunking.state, b.chunking.views = {}, {}
     for k in keys:  # one key at a time: the chunks' old tensors go as the flat one comes
         have = [state.get(c, {}).get(k) for c in b.chunks]
         v0 = next(v for v in have if v is not None)
         if len(b.chunks) == 1:  # the chunk's own tensor is the flat buffer: no copy
-            b.flat_state[k], b.flat_views[k] = v0, (v0,)
+            b.chunking.state[k], b.chunking.views[k] = v0, (v0,)
             continue
         flat = torch.zeros(b.shard_numel, dtype=v0.dtype, device=v0.device)
-        views = tuple(flat[lo:hi] for lo, hi in b.chunk_ranges)
+        views = tuple(flat[lo:hi] for lo, hi in b.chunking.ranges)
         for c, view, v in zip(b.chunks, views, have):
             if v is not None:
                 view.copy_(v)
                 state[c][k] = view
-        b.flat_state[k], b.flat_views[k] = flat, views
+        b.chunking.state[k], b.chunking.views[k] = flat, views
 
 
 def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
     if not keys and not scalars:
         return {}
     flatten_state(state, b)
-    out: dict[str, Any] = {k: b.flat_state[k] for k in keys}
+    out: dict[str, Any] = {k: b.chunking.state[k] for k in keys}
     for k in scalars:  # the first chunk's that has it (all chunks step together)
         out[k] = next(state[c][k] for c in b.chunks if k in state.get(c, {}))
     return out
@@ -229,19 +229,19 @@ def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any],
         state.pop(c, None)
     per = {k: v for k, v in values.items()
            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == (b.shard_numel,)}
-    b.flat_state = per
-    b.flat_views = {k: tuple(f[lo:hi] for lo, hi in b.chunk_ranges) for k, f in per.items()}
+    b.chunking.state = per
+    b.chunking.views = {k: tuple(f[lo:hi] for lo, hi in b.chunking.ranges) for k, f in per.items()}
     if not values and scalars is None:
         return
     shared = {k: v for k, v in values.items() if k not in per}
     order = list(values)
-    for j, (c, i) in enumerate(zip(b.chunks, b.chunk_slot)):
+    for j, (c, i) in enumerate(zip(b.chunks, b.chunking.slot_of)):
         own = shared if scalars is None else scalars[i]
         if own is None:
             continue
         # torch's optimizers create their scalars (step) before their tensors
         keys = [k for k in own if k not in values] + order
-        state[c] = {k: b.flat_views[k][j] if k in per
+        state[c] = {k: b.chunking.views[k][j] if k in per
                     else _copy(own[k]) for k in keys if k in per or k in own}
 
 

@@ -50,19 +50,19 @@ Per bucket (see [Note: flat buckets] in flat.py), on every rank:
   whole buffer is allocated (``Reducer.complete_done``), so at most ``_MAX_PENDING`` + 1 whole
   buckets (stage 3: ``_MAX_PENDING_UNITS`` + 1 units; both in reduction.py) exist at once, fewer where the
   reductions keep up with backward.
-* ``grad_shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
+* ``reduction.shard`` — stages 2-3: this rank's reduced slice in the reduce dtype, kept until
   the step: the first reduction's result itself, and reductions of later backwards
   (accumulation without ``no_sync``) add up in it. ``zero_grad(set_to_none=True)`` frees
   it, as FSDP2 frees its sharded gradients. Stage 1 keeps its reduced slice *in* ``grad`` (rank r's slice of the buffer), so
   it costs nothing beyond the whole buffer; the rest of ``grad`` is marked stale (see
   ``FlatParam.valid``), since a reduce-scatter leaves other ranks' slices unreduced. Only
   if another backward is about to reuse the buffer before the step is the reduced slice
-  moved to a ``grad_shard`` stash (``Reducer.stash``), where later reductions add up. With a
-  ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``grad_shard`` like stage 2.
-  With offload there is no device ``grad_shard``: each reduced slice goes straight to the
-  bucket's ``host_grad`` (see [Note: offload] in offload.py).
+  moved to a ``reduction.shard`` stash (``Reducer.stash``), where later reductions add up. With a
+  ``reduce_dtype`` other than the compute dtype, stage 1 keeps ``reduction.shard`` like stage 2.
+  With offload there is no device ``reduction.shard``: each reduced slice goes straight to the
+  bucket's ``host.grad`` (see [Note: offload] in offload.py).
 * ``master_grad`` — fp32, unscaled, formed when a synchronised backward ends (a view of
-  ``grad_shard`` where dtypes agree); the user parameters' ``.grad`` are views of it
+  ``reduction.shard`` where dtypes agree); the user parameters' ``.grad`` are views of it
   (see [Note: parameters the user sees] in params.py).
 * stages 1-2, after the step: on NCCL a transient gathered buffer per bucket for the
   all-gather of the updated weights, copied out into ``full``; on gloo none (each rank's
@@ -342,7 +342,7 @@ class Engine:
         """Torch param-group dicts: group i's chunks with ``options[i]`` (every group on
         every rank, even one with no chunk in this rank's shard)."""
         return [{**opts, "params": [c for b in self.buckets
-                                    for c, g in zip(b.chunks, b.chunk_groups) if g == i]}
+                                    for c, g in zip(b.chunks, b.chunking.groups) if g == i]}
                 for i, opts in enumerate(options)]
 
     def publish_grads(self) -> None:

@@ -39,7 +39,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["FlatParam", "FlatBucket", "cut_buckets"]
+__all__ = ["BucketReduction", "ChunkLayout", "FlatBucket", "FlatParam", "GradMarks",
+           "HostCopies", "cut_buckets"]
 
 
 class FlatParam:
@@ -116,11 +117,70 @@ class FlatParam:
         return torch.Size([self.rows_of(q), *self.shape[1:]])
 
 
+class ChunkLayout:
+    """How the optimizer sees a bucket's masters (chunks.py alone writes it): the shard
+    ranges of its chunks, each chunk's parameter group and slot, and the per-element
+    optimizer state kept flat with each chunk's views of it."""
+
+    __slots__ = ("ranges", "groups", "slot_of", "state", "views")
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.groups: list[int] = []  # optimizer parameter group of each chunk
+        self.slot_of: list[int] = []  # the slot (parameter) each chunk belongs to
+        self.state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
+        self.views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
+
+
+class BucketReduction:
+    """A bucket's gradient reduction (reduction.py's Reducer alone writes it: launch,
+    complete, stash, forget, rearm)."""
+
+    __slots__ = ("shard", "pending", "launched", "reduced")
+
+    def __init__(self) -> None:
+        self.shard: torch.Tensor | None = None  # this rank's reduced slice, reduce dtype
+        self.pending: tuple | None = None  # the reduction in flight (comm.Pending, buffer)
+        self.launched = False  # its reduction was started this backward
+        self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
+
+
+class HostCopies:
+    """Offload's host tensors for a bucket (offload.py's Offload alone writes it)."""
+
+    __slots__ = ("grad", "fresh", "weights")
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None  # pinned host copy of the reduced slice
+        self.fresh = False  # ``grad`` already holds this step's reduced slice
+        self.weights: torch.Tensor | None = None  # pinned compute-dtype staging
+
+
+class GradMarks:
+    """Which of a bucket's parameters got a gradient (backward.py writes ``ready`` and
+    ``unused``; ``used`` also by step_grads.py's adoption of assigned ``.grad``)."""
+
+    __slots__ = ("ready", "used", "unused")
+
+    def __init__(self, slots: int) -> None:
+        self.ready = 0  # parameters whose gradient arrived this backward
+        # Per-slot "got a gradient" flags, written by the gradient hooks and by the
+        # step's adoption of assigned .grad. Host memory: a write into a CUDA tensor from
+        # Python is a host-to-device copy that waits for the stream (the GPU check
+        # measured one such wait per parameter per step). Sent once a step.
+        self.used = torch.zeros(slots, dtype=torch.float32)
+        # slots no rank produced a gradient for in the last synchronised backward
+        self.unused: set[int] = set()
+
+
 class FlatBucket:
     """One bucket's layout (see [Note: flat buckets]) plus the tensors that hold it.
 
     Buffer lifetimes (who allocates, who frees) are documented on the engine that drives
-    the bucket; this class only knows the layout, the slicing and the copies.
+    the bucket; this class only knows the layout, the slicing and the copies. Its tensors
+    are assigned by the file that makes each (listed in the constructor); what one
+    mechanism keeps per bucket is a record of its own (``chunking``, ``reduction``,
+    ``host``, ``marks``), written by that mechanism's file.
     """
 
     def __init__(
@@ -149,10 +209,12 @@ class FlatBucket:
         self.numel = sum(s.numel for s in self.slots)
         self.shard_numel = shard_offset
         self.padded_numel = world * shard_offset
-        # Filled in by the engine.
+        # The storage, each tensor assigned by the file that makes it: materialize.py
+        # (``full``, ``master``, ``master_in_full``, ``shard16``), reduction.py (``grad``),
+        # chunks.py (``chunks``, ``master_grad``), units.py (``gathering``), refresh.py
+        # (``edits_seen``).
         self.full: torch.Tensor | None = None  # compute-dtype weights, parameter-major
         self.grad: torch.Tensor | None = None  # compute-dtype gradients, gathered layout
-        self.grad_shard: torch.Tensor | None = None  # reduce-dtype reduced slice
         self.master: nn.Parameter | None = None  # what the optimizer steps, in chunks:
         self.chunks: list[nn.Parameter] = []  # views of master (see engine/chunks.py)
         # ... or, with ``master_in_full``, views of this rank's chunks of ``full`` (see
@@ -160,29 +222,13 @@ class FlatBucket:
         self.master_in_full = False
         self.master_grad: torch.Tensor | None = None  # shard layout, see set_master_grad
         self.edits_seen = -1  # Faces.edits when the compute weights were derived
-        self.chunk_ranges: list[tuple[int, int]] = []
-        self.chunk_groups: list[int] = []  # optimizer parameter group of each chunk
-        self.chunk_slot: list[int] = []  # the slot (parameter) each chunk belongs to
-        self.flat_state: dict[str, torch.Tensor] = {}  # per-element optimizer state, flat
-        self.flat_views: dict[str, tuple[torch.Tensor, ...]] = {}  # ... and its chunks
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
         self.gathering: torch.Tensor | None = None  # stage 3: all-gather in flight
-        self.host_grad: torch.Tensor | None = None  # offload: pinned host copy of the slice
-        self.host_fresh = False  # offload: host_grad already holds the reduced slice
-        self.host_weights: torch.Tensor | None = None  # offload: pinned compute-dtype staging
-        # Written by reduction.py alone (Reducer: launch, complete, forget, rearm):
-        self.pending = None  # an in-flight reduction (comm.Pending)
-        self.launched = False  # its reduction was started this backward
-        self.reduced = False  # stage 1: this rank's slice of ``grad`` holds a reduced value
-        # Written by backward.py alone:
-        self.ready = 0  # parameters whose gradient arrived this backward
-        # Per-slot "got a gradient" flags, written by the gradient hooks (backward.py) and
-        # by the step's adoption of assigned .grad (step_grads.py). Host memory: a write
-        # into a CUDA tensor from Python is a host-to-device copy that waits for the stream
-        # (the GPU check measured one such wait per parameter per step). Sent once a step.
-        self.used = torch.zeros(len(self.slots), dtype=torch.float32)
-        # slots no rank produced a gradient for in the last synchronised backward
-        self.unused: set[int] = set()
+        # What one mechanism keeps per bucket, written by that mechanism's file alone.
+        self.chunking = ChunkLayout()  # chunks.py
+        self.reduction = BucketReduction()  # reduction.py
+        self.host = HostCopies()  # offload.py
+        self.marks = GradMarks(len(self.slots))  # backward.py (and step_grads.py: ``used``)
 
     # -- layout ------------------------------------------------------------------------
     @property

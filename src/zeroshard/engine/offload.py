@@ -6,14 +6,14 @@ the optimizer steps) and so the optimizer state and the step itself in host memo
 device keeps the compute-dtype weights and runs forward and backward. Per step:
 
 * backward: as soon as a bucket's reduction completes, its reduced slice is copied
-  device -> host into ``host_grad`` (non-blocking, into pinned memory), while backward
+  device -> host into ``host.grad`` (non-blocking, into pinned memory), while backward
   goes on; at stages 2-3 the device keeps no copy of it (ZeRO-Offload: gradients live
   on the host), at stage 1 it stays inside the whole gradient buffer. ``prepare_grads``
   copies the buckets that had no copy started yet, then synchronises once with the
   device;
 * step: on the host (a fused, multi-threaded AdamW by default: api.py);
 * after the step: the updated slice is cast on the host (into a pinned compute-dtype
-  staging buffer, ``host_weights``, so only 2 bytes per element cross PCIe under a
+  staging buffer, ``host.weights``, so only 2 bytes per element cross PCIe under a
   16-bit recipe) and copied host -> device (stages 1-2: into the whole buffer, then
   all-gathered; stage 3: into ``shard16``).
 
@@ -69,24 +69,24 @@ class Offload:
 
     def start_grad_copy(self, b: FlatBucket, g: torch.Tensor) -> None:
         """Start copying a reduced slice into the bucket's host buffer (non-blocking)."""
-        if b.host_grad is None:
-            b.host_grad = self.empty_like(g)
-        b.host_grad.copy_(g, non_blocking=True)
-        b.host_fresh = True
+        if b.host.grad is None:
+            b.host.grad = self.empty_like(g)
+        b.host.grad.copy_(g, non_blocking=True)
+        b.host.fresh = True
 
     def forget_grad(self, b: FlatBucket) -> None:
         """The host buffer no longer holds the bucket's reduced slice (zero_grad, or a
         stash whose sum is formed at the step); it is kept for the next copy."""
-        b.host_fresh = False
+        b.host.fresh = False
 
     def zero_grad(self, b: FlatBucket, dtype: torch.dtype) -> None:
         """A zero host gradient (a step with no backward since ``zero_grad``)."""
-        if b.host_grad is None:
-            b.host_grad = torch.empty(b.shard_numel, dtype=dtype, device=self.host,
+        if b.host.grad is None:
+            b.host.grad = torch.empty(b.shard_numel, dtype=dtype, device=self.host,
                                       pin_memory=self._pin)
         self.wait_copies()  # nothing in flight reads or writes it
-        b.host_grad.zero_()
-        b.host_fresh = True
+        b.host.grad.zero_()
+        b.host.fresh = True
 
     def upload(self, b: FlatBucket, target: torch.Tensor) -> None:
         """Updated master slice -> the device's compute-dtype slice ``target``. Cast on the
@@ -95,10 +95,10 @@ class Offload:
         buffer is written again)."""
         src = b.master.detach()
         if src.dtype != target.dtype:
-            if b.host_weights is None:
-                b.host_weights = self.empty_like(target)
-            b.host_weights.copy_(src)
-            src = b.host_weights
+            if b.host.weights is None:
+                b.host.weights = self.empty_like(target)
+            b.host.weights.copy_(src)
+            src = b.host.weights
         target.copy_(src, non_blocking=True)
 
     def wait_copies(self) -> None:
@@ -112,7 +112,7 @@ class Offload:
             return []
         out: list[torch.Tensor] = []
         for b in buckets:
-            out += [t for t in (b.master, b.host_grad, b.host_weights) if t is not None]
+            out += [t for t in (b.master, b.host.grad, b.host.weights) if t is not None]
             if b.master_grad is not None:
                 out.append(b.master_grad)
             if self.params and b.shard16 is not None:

@@ -4,7 +4,7 @@ flight, and the reduced slices the step reads.
 Arrival (which bucket is complete, in what order it may go) is the backward hooks' job
 (backward.py, [Note: collective order in backward]); this file owns what happens from a
 bucket's launch on: the buffer's allocation and accounting, the reduce-scatter (or, at
-stage 0, all-reduce) in flight, its completion into ``grad_shard`` / the whole buffer /
+stage 0, all-reduce) in flight, its completion into ``reduction.shard`` / the whole buffer /
 the host, and the bound on how many whole buffers exist at once. The buffers themselves
 are described in [Note: buffer lifetimes] in engine.py.
 """
@@ -70,11 +70,11 @@ class Reducer:
 
     def stash(self, b: FlatBucket) -> None:
         """Stage 1: move a reduced slice out of the way before the buffer is reused."""
-        if not b.reduced:
+        if not b.reduction.reduced:
             return
         own = b.shard_of(b.grad)
-        b.grad_shard = own.clone() if b.grad_shard is None else b.grad_shard.add_(own)
-        b.reduced = False
+        b.reduction.shard = own.clone() if b.reduction.shard is None else b.reduction.shard.add_(own)
+        b.reduction.reduced = False
 
     # -- whole buffers ----------------------------------------------------------------------
     def new_grad(self, b: FlatBucket, zeros: bool = False) -> None:
@@ -95,16 +95,16 @@ class Reducer:
     def forget(self, b: FlatBucket) -> None:
         """zero_grad: nothing reduced since is kept — the whole buffer, the reduced slice
         (and its host copy's freshness)."""
-        b.grad_shard = None
+        b.reduction.shard = None
         self.drop_grad(b)
-        b.reduced = False
+        b.reduction.reduced = False
         self.offloader.forget_grad(b)
 
     def rearm(self) -> None:
         """A new backward may launch every bucket again (the end of the last one, or of
         one inside ``no_sync()``)."""
         for b in self.buckets:
-            b.launched = False
+            b.reduction.launched = False
 
     # -- launch -----------------------------------------------------------------------------
     def launch_in_order(self) -> None:
@@ -114,8 +114,8 @@ class Reducer:
         order = self.buckets
         while self.next_launch < len(order):
             b = order[self.next_launch]
-            if not b.launched:
-                if b.ready < len(b.slots):
+            if not b.reduction.launched:
+                if b.marks.ready < len(b.slots):
                     return
                 self.launch(b)
             self.next_launch += 1
@@ -147,8 +147,8 @@ class Reducer:
         else:
             pending = self.comm.reduce_scatter(buf, phase=phase, unit=b.name,
                                                async_op=self.config.overlap, **checks)
-        b.pending = (pending, buf)
-        b.launched = True
+        b.reduction.pending = (pending, buf)
+        b.reduction.launched = True
         self.pending.append(b)
         if not self.policy.keep_full_grads and len(self.pending) > self.limit:
             self.complete(self.pending.popleft())
@@ -180,13 +180,13 @@ class Reducer:
         replicas' all-reduce), which must not depend on when each rank polls."""
         if self.policy.keep_full_grads or self.replicate is not None:
             return
-        while self.pending and self.pending[0].pending[0].done():
+        while self.pending and self.pending[0].reduction.pending[0].done():
             self.complete(self.pending.popleft())
 
     def complete(self, b: FlatBucket) -> None:
-        pending, buf = b.pending
+        pending, buf = b.reduction.pending
         out = pending.wait()
-        b.pending = None
+        b.reduction.pending = None
         if self.policy.reduce_op == "all_reduce":
             if buf is not b.grad:  # reduced in another dtype: keep the reduced values
                 b.grad.copy_(buf)
@@ -198,11 +198,11 @@ class Reducer:
         if self.replicate is not None:  # hybrid: sum the slice over the replicas too
             self.replicate.all_reduce(out, phase="backward", unit=b.name).wait()
         divisor = None if self.predivide(buf.dtype) else self.divisor()
-        if (b.grad_shard is None and not self.in_place(b) and not self.offloader.enabled
+        if (b.reduction.shard is None and not self.in_place(b) and not self.offloader.enabled
                 and shares(out, buf)):
             # The first reduction since zero_grad, a view of the whole buffer freed below:
             # keep a copy, divided on the way (one pass over the slice, not two).
-            b.grad_shard = out.clone() if divisor is None else out.div(divisor)
+            b.reduction.shard = out.clone() if divisor is None else out.div(divisor)
             self._release(b)
             return
         if divisor is not None:
@@ -211,15 +211,15 @@ class Reducer:
             own = b.shard_of(b.grad)
             if not same_memory(out, own):
                 own.copy_(out)
-            b.reduced = True
+            b.reduction.reduced = True
             if self.offloader.enabled:
                 self._start_host_copy(b)
         elif self.offloader.enabled:
             self._add_to_host(b, out)
-        elif b.grad_shard is None:  # the first reduction since zero_grad: keep its result
-            b.grad_shard = out
+        elif b.reduction.shard is None:  # the first reduction since zero_grad: keep its result
+            b.reduction.shard = out
         else:
-            b.grad_shard.add_(out)
+            b.reduction.shard.add_(out)
         self._release(b)
 
     def _release(self, b: FlatBucket) -> None:
@@ -236,7 +236,7 @@ class Reducer:
         """Offload, stage 1: start copying the reduced slice (inside the whole gradient
         buffer) to the host now. A later reduction before the step (accumulation) copies
         again."""
-        if b.grad_shard is not None:  # a stash: the sum is formed at the step
+        if b.reduction.shard is not None:  # a stash: the sum is formed at the step
             self.offloader.forget_grad(b)
             return
         self.offloader.start_grad_copy(b, self.reduced_slice(b))
@@ -245,26 +245,26 @@ class Reducer:
         """Offload, stages 2-3: the reduced slice goes to the host at once (non-blocking,
         overlapping the rest of backward); the device keeps no copy. A second reduction
         before the step (accumulation without no_sync) adds on the host, synchronously."""
-        if b.host_fresh:
-            self.offloader.wait_copies()  # the first slice's copy into host_grad has landed
-            b.host_grad.add_(out.to(b.host_grad.device))
+        if b.host.fresh:
+            self.offloader.wait_copies()  # the first slice's copy into host.grad has landed
+            b.host.grad.add_(out.to(b.host.grad.device))
         else:
             self.offloader.start_grad_copy(b, out)
 
     def reduced_slice(self, b: FlatBucket) -> torch.Tensor:
         """This rank's reduced slice of the bucket's gradient (zeros if no backward ran
         since zero_grad), in the reduce dtype."""
-        if b.grad_shard is None and (not self.in_place(b) or b.grad is None):
+        if b.reduction.shard is None and (not self.in_place(b) or b.grad is None):
             # no backward since zero_grad: a zero gradient
-            b.grad_shard = torch.zeros(b.shard_numel, dtype=self.reduce_dtype_of(b),
+            b.reduction.shard = torch.zeros(b.shard_numel, dtype=self.reduce_dtype_of(b),
                                        device=b.device)
         if not self.in_place(b) or b.grad is None:
-            return b.grad_shard
+            return b.reduction.shard
         own = b.shard_of(b.grad)
-        if not b.reduced and b.grad_shard is None:  # no backward since zero_grad
+        if not b.reduction.reduced and b.reduction.shard is None:  # no backward since zero_grad
             own.zero_()
-            b.reduced = True
-        if b.grad_shard is None:
+            b.reduction.reduced = True
+        if b.reduction.shard is None:
             return own
         self.stash(b)  # accumulated over several synced backwards: sum in the stash
-        return b.grad_shard
+        return b.reduction.shard

@@ -29,8 +29,8 @@ def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
     def sources() -> dict[str, list[torch.Tensor]]:
         params, grad, optim = [], [], []
         for b in all_buckets:
-            params += [t for t in (b.full, b.shard16, b.host_weights) if t is not None]
-            grad += [t for t in (b.grad, b.grad_shard, b.host_grad) if t is not None]
+            params += [t for t in (b.full, b.shard16, b.host.weights) if t is not None]
+            grad += [t for t in (b.grad, b.reduction.shard, b.host.grad) if t is not None]
             if b.master_grad is not None:
                 grad.append(b.master_grad)
             if b.master is None:
@@ -49,7 +49,7 @@ def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
         # the other ranks' slices only, see Comm.all_gather_from).
         comm = [b.gathering for b in all_buckets if b.gathering is not None]
         # The per-parameter "got a gradient" flags: bookkeeping, whenever first seen.
-        other = [b.used for b in all_buckets if b.used is not None]
+        other = [b.marks.used for b in all_buckets if b.marks.used is not None]
         used = grads.used_flags
         other += [used] if used is not None else []
         return {"params": params, "grads": grad, "optim": optim, "comm": comm,

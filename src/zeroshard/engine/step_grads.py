@@ -1,7 +1,7 @@
 """The gradients the optimizer step reads: formed from the reduced slices, published on
 the user parameters, adopted back where the user assigned ``.grad``, clipped, cleared.
 
-Backward leaves each bucket's reduced slice (``grad_shard``, the stage-1 whole buffer or
+Backward leaves each bucket's reduced slice (``reduction.shard``, the stage-1 whole buffer or
 the host copy; see reduction.py). Before the step every master gets its fp32, unscaled
 ``master_grad`` from it (``prepare``), and the user parameters' ``.grad`` become views of
 that (``publish``; [Note: parameters the user sees] in params.py).
@@ -56,7 +56,7 @@ class StepGrads:
         for those no rank produced one for, see _agree_on_usage in backward.py)."""
         self.prepare()
         for b in self.buckets:
-            self.faces.publish_grads(b, b.unused)
+            self.faces.publish_grads(b, b.marks.unused)
 
     def adopt_user_grads(self) -> None:
         """Before the step (and zeroshard's own clipping): take in ``.grad`` the user
@@ -90,14 +90,14 @@ class StepGrads:
                           else b.slot_view(b.master_grad, i))
                 if g is None:
                     if published:  # torch's optimizers skip it: so does the step (unused)
-                        b.used[i] = 0.0
+                        b.marks.used[i] = 0.0
                         target.zero_()
                     continue
                 local = self._local_grad(b, i, g)
                 if same_memory(local, target):
                     continue
                 target.copy_(local)
-                b.used[i] = 1.0  # stepped, as torch steps a parameter with a .grad
+                b.marks.used[i] = 1.0  # stepped, as torch steps a parameter with a .grad
                 self.faces.publish_slot(b, i)
 
     def rebase(self) -> None:
@@ -129,7 +129,7 @@ class StepGrads:
         # offload at stages 2-3: later reductions add on the host (Reducer._add_to_host)
         on_host = self.offloader.enabled and not self.policy.keep_full_grads
         for b in self.buckets:
-            acc = (b.grad if whole else (b.host_grad if b.host_fresh else None) if on_host
+            acc = (b.grad if whole else (b.host.grad if b.host.fresh else None) if on_host
                    else self.reducer.reduced_slice(b))
             if acc is None or b.master_grad is None:
                 continue
@@ -178,11 +178,11 @@ class StepGrads:
         reducer = self.reducer
         for b in self.buckets:
             if self.offloader.enabled:  # copies started in backward; the rest go now
-                if not b.host_fresh and reducer.in_place(b):
+                if not b.host.fresh and reducer.in_place(b):
                     self.offloader.start_grad_copy(b, reducer.reduced_slice(b))
-                elif not b.host_fresh:  # no backward since zero_grad: a zero gradient
+                elif not b.host.fresh:  # no backward since zero_grad: a zero gradient
                     self.offloader.zero_grad(b, reducer.reduce_dtype_of(b))
-                grads.append(b.host_grad)
+                grads.append(b.host.grad)
                 continue
             if self.policy.reduce_op == "all_reduce" and b.grad is None:
                 reducer.new_grad(b, zeros=True)  # no backward since zero_grad
@@ -263,7 +263,7 @@ class StepGrads:
         if flags is None:
             flags = self.used_flags = torch.empty(sum(len(b.slots) for b in self.buckets),
                                                   device=self.device)
-        flags.copy_(torch.cat([b.used for b in self.buckets]))  # host flags: one copy
+        flags.copy_(torch.cat([b.marks.used for b in self.buckets]))  # host flags: one copy
         self.world.all_reduce(flags, phase="control", unit="used").wait()
         return flags
 
@@ -303,7 +303,7 @@ class StepGrads:
         for b in self.buckets:
             self.reducer.forget(b)
             set_master_grad(b, None)
-            b.used.zero_()
+            b.marks.used.zero_()
             for s in b.slots:
                 s.valid = False
             self.faces.clear_grads(b)

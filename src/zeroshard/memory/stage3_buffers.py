@@ -160,7 +160,7 @@ def stage3_moments(
     backward and the optimizer step; stage 3's buffers ([Note: stage-3 buffers]) sit
     beside the activations. None of the three is whole at the same time. A unit's slice
     appears when its reduce-scatter is issued (the output of a native reduce-scatter,
-    kept as ``grad_shard`` once it completes: engine/reduction.py ``Reducer.launch``, ``complete``);
+    kept as ``reduction.shard`` once it completes: engine/reduction.py ``Reducer.launch``, ``complete``);
     ``zero_grad`` frees every slice before the next forward; backward frees each block's
     activations as it passes it. So the step's peak is the largest of four moments, each
     beside the weight and optimizer-state shards ((P + K)·Ψ/N), with ``blocks`` = L

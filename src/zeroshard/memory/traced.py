@@ -172,7 +172,7 @@ class TracedResult:
     """params + grads + optim between steps, less ``reduced_grad_bytes`` (the planner's
     convention: stage 1's reduced slice is a buffer, not ZeRO's model state)."""
     reduced_grad_bytes: int
-    """Stage 1's ``grad_shard``, if it keeps one between steps (see [Note: buffer
+    """Stage 1's ``reduction.shard``, if it keeps one between steps (see [Note: buffer
     lifetimes] in engine.py); 0 otherwise."""
     activation_peak_bytes: int
     """The largest amount of saved-for-backward memory seen."""
@@ -255,11 +255,11 @@ def grad_buffer_bytes(engine: Any) -> tuple[int, int]:
     for b in engine.buckets:
         held = []
         if engine.policy.shard_optimizer and engine.policy.keep_full_grads and (
-                b.grad_shard is not None):
-            held.append(b.grad_shard)
+                b.reduction.shard is not None):
+            held.append(b.reduction.shard)
         g = b.master_grad
         if g is not None and not any(engine._shares(g, t) for t in (
-                b.grad, b.grad_shard, b.host_grad) if t is not None):
+                b.grad, b.reduction.shard, b.host.grad) if t is not None):
             held.append(g)
         for t in held:
             n = t.untyped_storage().nbytes()
@@ -411,7 +411,7 @@ class _Stage3Buffers(TorchDispatchMode):
         for u, b, leaves in self._buckets:
             # Most units hold nothing at any op (sharded, no gather or reduction in flight,
             # not in their backward): skip them with one storage read, not four.
-            in_bwd = u.is_root or (u.in_backward and not b.launched)
+            in_bwd = u.is_root or (u.in_backward and not b.reduction.launched)
             if (b.gathering is None and b.grad is None and not in_bwd
                     and (b.full is None or b.full.untyped_storage().nbytes() == 0)):
                 continue
