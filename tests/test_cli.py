@@ -42,7 +42,8 @@ def test_plan_muon_owner_balance(capsys: pytest.CaptureFixture[str]) -> None:
         assert 1.0 <= work <= 1.05 and abs(share - 100 * work / ranks) < 0.1, r
     assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--muon", "--json"]) == 0
     owners = json.loads(capsys.readouterr().out)["muon_owners"]
-    assert owners[0]["ranks"] == 4 and owners[0]["matrices"] == 113
+    # the recipe's matrices: 16 blocks x 7 (the embedding and the head go to AdamW)
+    assert owners[0]["ranks"] == 4 and owners[0]["matrices"] == 16 * 7
 
 
 def test_plan_muon_traced_rows(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,15 +54,24 @@ def test_plan_muon_traced_rows(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "gpt2-tiny", "--gpus", "2", "--policies", "none", "--muon",
             "--traced"]
     assert main([*argv, "--json"]) == 0
-    traced = json.loads(capsys.readouterr().out)["muon_traced"]
+    out = json.loads(capsys.readouterr().out)
+    traced, state = out["muon_traced"], out["muon_state"]
     assert [(t["gpus"], t["stage"]) for t in traced] == [(2, s) for s in range(4)]
+    # The priced state ([Note: Muon's model state, priced]) is the traced one: masters
+    # and AdamW's moments sharded, Muon's momentum whole on its owner (a few step counters
+    # apart), and below AdamW's.
+    assert [(m["gpus"], m["stage"]) for m in state] == [(2, s) for s in range(4)]
+    for t, m in zip(traced, state):
+        assert abs(m["optim_bytes"] - t["optim_bytes"]) <= 256, (m, t)
+        assert m["optim_bytes"] < m["adamw_optim_bytes"], m
     for t in traced:
         assert t["peak_bytes"] > t["optim_bytes"] > 0 and t["adamw_peak_bytes"] > 0, t
     assert traced[0]["peak_bytes"] < traced[0]["adamw_peak_bytes"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Traced with Muon over the hidden matrices + AdamW" in out
-    assert sum(1 for line in out.splitlines() if line.startswith("     2     ")) == 4
+    assert "Model state with Muon over the hidden matrices + AdamW" in out
+    assert sum(1 for line in out.splitlines() if line.startswith("     2     ")) == 8
 
 
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:

@@ -276,6 +276,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         out = result.to_dict()
         if args.muon:
             out["muon_owners"] = [dataclasses.asdict(b) for b in _owners(result, args.gpus)]
+            out["muon_state"] = [dataclasses.asdict(m) for m in _muon_states(result)]
         if traced_muon is not None:
             out["muon_traced"] = [dataclasses.asdict(t) for t in traced_muon]
         print(json.dumps(out, indent=2))
@@ -283,6 +284,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(format_plan(result, name))
     if args.muon:
         print(format_owners(_owners(result, args.gpus)))
+        print(format_muon_states(_muon_states(result)))
     if traced_muon is not None:
         print(format_muon_traces(traced_muon))
     return 0
@@ -311,6 +313,31 @@ def format_muon_traces(traces: list) -> str:
     return "\n".join(lines)
 
 
+def _muon_states(p: Plan) -> list:
+    from zeroshard.memory.owners import muon_states
+
+    return muon_states(p)
+
+
+def format_muon_states(states: list) -> str:
+    """``--muon``: each (N, stage)'s model state with Muon + AdamW beside AdamW's."""
+    gb = 1e9
+    lines = ["", "Model state with Muon over the hidden matrices + AdamW over the rest, GB per "
+             "device (masters and AdamW's", "moments sharded as any parameter's, Muon's "
+             "momentum whole on its owner; the step's transient is", "not in it: "
+             "--traced adds it):",
+             f"  {'N':>4} {'stage':>5} {'hybrid':>7} {'optim':>7} {'AdamW optim':>12} "
+             f"{'state':>7} {'AdamW state':>12}"]
+    for m in states:
+        lines.append(f"  {m.gpus:>4} {m.stage:>5} {m.hybrid or '-':>7} "
+                     f"{m.optim_bytes / gb:7.2f} {m.adamw_optim_bytes / gb:12.2f} "
+                     f"{m.model_state_bytes / gb:7.2f} {m.adamw_model_state_bytes / gb:12.2f}")
+    if not states:
+        lines.append("  none: Muon runs neither with --tp nor with --offload (refused, "
+                     "docs/optimizers.md)")
+    return "\n".join(lines)
+
+
 def _owners(p: Plan, gpus: list[int]) -> list:
     """Muon's owner balance over each count's sharding group (G ranks when hybrid)."""
     from zeroshard.memory.owners import matrix_shapes, owner_balance
@@ -323,7 +350,7 @@ def _owners(p: Plan, gpus: list[int]) -> list:
 
 def format_owners(balances: list) -> str:
     """The ``--muon`` section: one line per sharding-group size."""
-    lines = ["", "Muon (torch.optim.Muon over the 2-D parameters; docs/optimizers.md): each "
+    lines = ["", "Muon (torch.optim.Muon over the hidden matrices; docs/optimizers.md): each "
              "matrix is stepped whole by one", "owner rank, owners balanced by Newton-Schulz "
              "work (m*n*min(m,n)), not bytes; largest rank over the mean:",
              f"  {'ranks':>5} {'matrices':>8} {'work':>6} {'bytes':>6} "

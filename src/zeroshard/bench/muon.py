@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MUON_LR", "muon_optimizers", "make_naive"]
+__all__ = ["MUON_LR", "make_naive", "muon_optimizers", "muon_split"]
 
 MUON_LR = 0.02
 
 
-def muon_optimizers(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, ...]:
-    """(Muon over the hidden matrices, AdamW over the rest) on ``model``'s parameters."""
+def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The recipe's split of ``model``'s parameters: (the hidden matrices Muon steps —
+    the 2-D parameters outside the embeddings and the head —, the rest, for AdamW).
+    The planner prices the same split (memory/owners.py)."""
     embeds = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
               for p in m.parameters()}
     head = getattr(model, "lm_head", None)
@@ -34,6 +36,12 @@ def muon_optimizers(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer,
     hidden = [p for p in model.parameters()
               if p.ndim == 2 and id(p) not in embeds and id(p) not in heads]
     rest = [p for p in model.parameters() if not any(p is q for q in hidden)]
+    return hidden, rest
+
+
+def muon_optimizers(model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, ...]:
+    """(Muon over the hidden matrices, AdamW over the rest) on ``model``'s parameters."""
+    hidden, rest = muon_split(model)
     if not hidden:
         raise ValueError("--optimizer muon: the model has no hidden 2-D matrices for Muon")
     return (torch.optim.Muon(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=lr))

@@ -10,9 +10,10 @@ gradient it assembles at the step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +23,8 @@ from ..models.config import ModelConfig
 if TYPE_CHECKING:
     from .planner import Plan
 
-__all__ = ["MuonTrace", "OwnerBalance", "matrix_shapes", "owner_balance", "trace_muon"]
+__all__ = ["MuonState", "MuonTrace", "OwnerBalance", "matrix_shapes", "muon_shapes", "muon_states",
+           "owner_balance", "trace_muon"]
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,22 @@ class OwnerBalance:
     share: float  # the busiest rank's fraction of all the work (DDP + Muon: 1.0)
 
 
-def matrix_shapes(config: ModelConfig) -> list[torch.Size]:
-    """The 2-D parameters of ``config``'s model (built on the meta device: no memory)."""
+def muon_shapes(config: ModelConfig) -> tuple[list[torch.Size], int]:
+    """The shapes of the matrices Muon steps in ``config``'s model, and the elements AdamW
+    steps: the recipe's split (``zeroshard.bench.muon.muon_split``: the hidden matrices
+    for Muon; embeddings, head, norms and biases for AdamW), built on the meta device."""
+    from ..bench.muon import muon_split
     from ..models import build_model
 
     with torch.device("meta"):
         model = build_model(config)
-    return [p.shape for p in model.parameters() if p.ndim == 2]
+    hidden, rest = muon_split(model)
+    return [p.shape for p in hidden], sum(p.numel() for p in rest)
+
+
+def matrix_shapes(config: ModelConfig) -> list[torch.Size]:
+    """The matrices Muon steps in ``config``'s model (see :func:`muon_shapes`)."""
+    return muon_shapes(config)[0]
 
 
 def owner_balance(shapes: list[torch.Size], ranks: int) -> OwnerBalance:
@@ -97,4 +108,63 @@ def trace_muon(p: Plan, progress: Callable[[str], None] | None = None) -> list[M
         out.append(MuonTrace(gpus=row.gpus, stage=row.stage, peak_bytes=r.device_peak_bytes,
                              optim_bytes=r.current["optim"],
                              adamw_peak_bytes=row.traced_peak_bytes))
+    return out
+
+
+# [Note: Muon's model state, priced]
+# With Muon over the hidden matrices (Ψ_m elements) and AdamW over the rest (Ψ_a), one
+# rank's optimizer state is, at a stage that shards it over n ranks (n = 1 at stage 0):
+#   fp32 masters (16-bit recipes)    4·Ψ/n      — flat, row-sharded like any parameter's
+#   AdamW's two moments              8·Ψ_a/n    — flat
+#   Muon's momentum                  4·Ψ_own    — whole, on the owner alone
+# where Ψ_own is the elements of the matrices the rank owns (the busiest rank's here:
+# owner_balance's max_elements; Ψ_m at stage 0, where every rank steps every matrix).
+# The step adds a transient on top (the owner's whole matrices and gradients for one
+# bucket, the exchange buffers, Newton–Schulz's working set): traced, not priced here
+# (``plan --muon --traced``; tests/test_traced.py holds traces to measured peaks).
+
+
+@dataclass(frozen=True)
+class MuonState:
+    """One (N, stage) row's model state per device with Muon + AdamW, beside AdamW's."""
+
+    gpus: int
+    stage: int
+    hybrid: str | None  # "R x G" (sharded over G), as the plan row; None: over all N
+    optim_bytes: int  # masters + AdamW moments + the busiest owner's Muon momentum
+    adamw_optim_bytes: int  # the plan row's (AdamW over every parameter)
+    model_state_bytes: int  # params + grads + optim_bytes
+    adamw_model_state_bytes: int
+
+
+def muon_optim_bytes(shapes: list[torch.Size], rest: int, *, stage: int, n: int,
+                     recipe: Any) -> int:
+    """One rank's optimizer state with Muon over ``shapes`` and AdamW over ``rest``
+    elements at ``stage`` sharded over ``n`` (see [Note: Muon's model state, priced])."""
+    from ..engine.policy import StagePolicy
+
+    psi_m = sum(s.numel() for s in shapes)
+    psi = psi_m + rest
+    k = n if StagePolicy(stage).shard_optimizer else 1
+    owned = psi_m if k == 1 else owner_balance(shapes, k).max_elements
+    masters = 4 * math.ceil(psi / k) if recipe.master_in_optim else 0
+    return masters + 8 * math.ceil(rest / k) + 4 * owned
+
+
+def muon_states(p: Plan) -> list[MuonState]:
+    """Every (N, stage[, hybrid]) of ``p`` that a whole-parameter optimizer runs at (no
+    tp, no offload: both refused with Muon), once each: model state per device."""
+    shapes, rest = muon_shapes(p.config)
+    out, seen = [], set()
+    for row in p.rows:
+        key = (row.gpus, row.stage, row.hybrid)
+        if key in seen or row.offload or row.offload_params or p.tp > 1:
+            continue
+        seen.add(key)
+        n = row.gpus if row.hybrid is None else int(row.hybrid.split("x")[1])
+        optim = muon_optim_bytes(shapes, rest, stage=row.stage, n=n, recipe=p.recipe)
+        out.append(MuonState(
+            gpus=row.gpus, stage=row.stage, hybrid=row.hybrid, optim_bytes=optim, adamw_optim_bytes=row.optim_bytes,
+            model_state_bytes=row.model_state_bytes - row.optim_bytes + optim,
+            adamw_model_state_bytes=row.model_state_bytes))
     return out
