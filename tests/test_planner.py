@@ -330,8 +330,12 @@ def test_llama_7b_on_8x80gb_rows_and_ladder() -> None:
         (s, c) for s in range(4) for c in ("none", "selective", "full")}
     for r in p.rows:
         held = r.model_state_bytes + r.activation_bytes + r.buffer_bytes
-        if r.stage < 3:
-            assert r.total_bytes == held and r.peak_moment is None
+        if r.stage < 3 and r.peak_moment is None:  # backward's: everything at once
+            assert r.total_bytes == held
+        elif r.stage < 3:  # the optimizer step's: no activations, the fp32 copies
+            assert r.peak_moment == "optimizer step"
+            assert r.total_bytes == r.model_state_bytes + r.buffer_bytes
+            assert r.total_bytes > r.model_state_bytes + r.activation_bytes
         else:  # one moment's, at which not every gradient slice or activation exists
             assert r.total_bytes < held and r.peak_moment is not None
         assert r.fits == (r.total_bytes <= 80 * GB - reserve_bytes(80 * GB))
@@ -412,10 +416,20 @@ def test_stage1_reduces_into_its_gradient_buffer() -> None:
     p = _plan("llama-7b")
     psi = p.params
     for r in p.rows:
-        if r.stage == 1:
+        if r.stage == 1 and r.peak_moment is None:
             assert r.buffer_bytes == 0 and r.model_state_bytes == 4 * psi + 12 * psi // 8
-        if r.stage == 2:
+        if r.stage == 2 and r.peak_moment is None:
             assert r.buffer_bytes == 3 * 25 * 2**20
+    # with full checkpointing the optimizer step is the larger moment: its buffers are
+    # the fp32 gradient copies and one bucket of the refresh (the token table's, larger
+    # than 25 MiB: a bucket of its own) — see [Note: the step's moment, stages 0-2]
+    cfg = p.config
+    full = {r.stage: r for r in p.rows if r.activation_checkpointing == "full"}
+    table = 2 * cfg.vocab * cfg.hidden
+    assert full[0].buffer_bytes == 4 * psi and full[0].peak_moment == "optimizer step"
+    for stage in (1, 2):
+        assert full[stage].buffer_bytes == 4 * -(-psi // 8) + table
+        assert full[stage].peak_moment == "optimizer step"
 
 
 def test_hybrid_collectives_and_group_bandwidths() -> None:

@@ -421,7 +421,8 @@ def format_plan(p: Plan, name: str) -> str:
         "GB = 10^9 bytes, GiB = 2^30 bytes; per device. comm = ZeRO volume per step (2Ψ / 3Ψ);",
         "act = saved activations (fused attention) + backward's recompute working set;",
         "buf = stage 2 gradient buckets, stage 3 gathered units and unit gradients at the step's",
-        "  peak (the root whole; stage 1 reduces in its gradients);",
+        "  peak (the root whole; stage 1 reduces in its gradients); where the optimizer step is",
+        "  the peak, its fp32 gradient copies (+ stages 1-2's refresh bucket) and no act;",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
     if p.tp > 1:

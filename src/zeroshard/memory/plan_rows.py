@@ -4,6 +4,7 @@ under. Shared by the planner (planner.py), which builds rows, and the recommende
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from zeroshard.engine.policy import StagePolicy
@@ -121,6 +122,26 @@ class Setup:
     count, of which n / tp ranks shard the state."""
     parts: tuple[int, int, int] | None = None
     """(block, root, head) parameters of one rank; None: the model's own."""
+    full_grad_bucket_bytes: int = 0
+    """Stages 0-1's bucket (they keep the whole gradient, so their default is twice
+    stage 2's, ``auto_bucket_bytes(keep_full_grads=True)``); 0: ``bucket_bytes``."""
+
+    def step_moment(self, *, n: int, stage: int, state: analytic.ModelState,
+                    offload: bool = False) -> int:
+        """Stages 0-2 at the optimizer step (see [Note: the step's moment, stages 0-2]):
+        the model state, the fp32 copies of the gradients the masters step with, and
+        stages 1-2's gathered buffer of the weights' refresh, one bucket at a time."""
+        r, policy, dp = self.recipe, StagePolicy(stage), self.dp(n)
+        copies = 0
+        if not offload and r.grad_bytes < 4:  # fp32 masters, 16-bit gradients
+            copies = 4 * (math.ceil(self.psi / dp) if policy.shard_optimizer else self.psi)
+        gathered = 0
+        if policy.gather_after_step and dp > 1:
+            bucket = (self.full_grad_bucket_bytes or self.bucket_bytes
+                      if policy.keep_full_grads else self.bucket_bytes)
+            largest = math.ceil(self.cfg.largest_param() / self.tp)
+            gathered = r.param_bytes * min(max(bucket // r.grad_bytes, largest), self.psi)
+        return state.total + copies + gathered
 
     def dp(self, n: int) -> int:
         """Ranks the ZeRO state is sharded over on ``n`` devices."""

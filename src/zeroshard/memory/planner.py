@@ -7,12 +7,26 @@ and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks
 [Note: what "fits" means]
 A row fits when total = model state + activations + buffers <= usable memory (stage 3:
 the most held at one moment of the step, with its buffers then, which never holds every
-gradient slice beside every activation: [Note: stage-3 peak] in stage3_buffers.py), where
+gradient slice beside every activation: [Note: stage-3 peak] in stage3_buffers.py;
+stages 0-2: or the optimizer step's, where larger: [Note: the step's moment, stages 0-2]), where
 usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
 free but cannot be split for a larger request), commonly 5-10% at peak. With offload and
 ``host_mem_bytes`` given, a row also needs host bytes × ranks per node <= host memory.
+
+[Note: the step's moment, stages 0-2]
+Stages 0-2 price backward's moment as model state + activations + buffers, every
+gradient beside every activation. The optimizer step is a second moment: activations
+are gone, but under a 16-bit recipe every gradient the masters step with has an fp32 copy
+(engine/step_grads.py: 4·Ψ at stage 0, 4·Ψ/N at stages 1-2), and stages 1-2's refresh
+gathers the updated weights into one bucket-sized buffer at a time (engine/refresh.py;
+a parameter larger than the bucket gets a bucket of its own, so the largest parameter
+bounds it too). The row's total is the larger moment (``peak_moment`` "optimizer step"
+when it is the step, its ``buf`` the copies and the buffer). Traced (gpt2-small, N = 2,
+bf16, micro-batch 1): stage 0 509.6 MB priced 509.6, stage 1 310.5 priced 312.2 (the
+bucket bound), stage 2 284.0 priced 283.5 (tests/test_planner.py); llama-7b, N = 8,
+seq 4096, full checkpointing: stage 0 134.8 GB traced (was priced 110.4).
 
 Step time: see [Note: step time] in analytic.py. tokens/s = N × micro_batch × seq / step,
 one optimizer step per micro-batch (gradient accumulation would amortise stages 0-2's
@@ -176,6 +190,10 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     if stage_policy.shard_params:  # units are gathered into whole buffers even at N=1
         total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
         buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in stage3_buffers.py
+    else:  # [Note: the step's moment, stages 0-2]
+        step = su.step_moment(n=shard, stage=stage, state=state, offload=off)
+        if step > total:
+            total, buffers, moment = step, step - state.total, "optimizer step"
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
@@ -346,6 +364,8 @@ def plan(
         offload_params=mode == "optimizer+params", pcie_GBps=pcie_GBps, host_GBps=host_GBps,
         host_mem=host_mem_bytes, prefetch=prefetch,
         bucket_bytes=bucket_bytes or auto_bucket_bytes(psi * r.grad_bytes),
+        full_grad_bucket_bytes=bucket_bytes or auto_bucket_bytes(psi * r.grad_bytes,
+                                                                 keep_full_grads=True),
         act={p: a.peak for p, a in acts.items()},
         act_late={p: a.late for p, a in acts.items()},
         act_head={p: a.head for p, a in acts.items()},

@@ -85,6 +85,11 @@ class _TransformerConfig:
     def param_count(self) -> int:
         raise NotImplementedError
 
+    def largest_param(self) -> int:
+        """Elements of the model's largest parameter (the planner's bound on a bucket: a
+        parameter larger than the bucket size gets a bucket of its own)."""
+        raise NotImplementedError
+
     def non_embedding_param_count(self) -> int:
         raise NotImplementedError
 
@@ -128,6 +133,12 @@ class GPT2Config(_TransformerConfig):
         h = self.hidden
         block = 12 * h * h + 13 * h
         return self.vocab * h + self.seq_len * h + self.n_layers * block + 2 * h
+
+    def largest_param(self) -> int:
+        """The token table (tied LM head), the MLP's 4h x h matrices, qkv's 3h x h or the
+        position table, whichever is largest."""
+        h = self.hidden
+        return max(self.vocab * h, 4 * h * h, 3 * h * h, self.seq_len * h)
 
     def non_embedding_param_count(self) -> int:
         """All parameters except the position table; see [Note: non-embedding parameters]."""
@@ -201,6 +212,12 @@ class LlamaConfig(_TransformerConfig):
         block = 2 * h * h + 2 * h * kv_dim + 3 * h * f + 2 * h
         heads = 1 if self.tie_embeddings else 2
         return heads * self.vocab * h + self.n_layers * block + h
+
+    def largest_param(self) -> int:
+        """The token table (or LM head), a SwiGLU matrix or an attention projection,
+        whichever is largest."""
+        h = self.hidden
+        return max(self.vocab * h, self.ffn_dim * h, h * h)
 
     def non_embedding_param_count(self) -> int:
         """All but an untied token embedding; see [Note: non-embedding parameters]."""
