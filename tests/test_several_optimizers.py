@@ -25,11 +25,16 @@ PRESET = "llama-tiny"
 STEPS = 4
 
 
-def _optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+class MyMuon(torch.optim.Muon):
+    """A subclass (the same update): zeroshard needs whole_params=True to step it whole."""
+
+
+def _optimizers(model: torch.nn.Module, muon: type = torch.optim.Muon
+                ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "emb" not in n
               and "lm_head" not in n]
     rest = [p for n, p in model.named_parameters() if not any(p is q for q in hidden)]
-    return (torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1),
+    return (muon(hidden, lr=0.02, weight_decay=0.1),
             torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01))
 
 
@@ -60,17 +65,17 @@ def _ddp(rank: int, world: int) -> dict:
 
 
 def _sharded(rank: int, world: int, stage: int, steps: int = STEPS, skip: int = 0,
-             resume: dict | None = None) -> dict:
+             resume: dict | None = None, muon: type = torch.optim.Muon, **options) -> dict:
     model = make_model(PRESET)
     states = None
     if resume is not None:
         model.load_state_dict(resume["weights"])
         states = resume["states"]
-    opts = _optimizers(model)
+    opts = _optimizers(model, muon)
     if states is not None:  # a resume: the instances hold the saved state before shard()
         for o, st in zip(opts, states):
             o.load_state_dict(st)
-    model, opts = zeroshard.shard(model, opts, stage=stage)
+    model, opts = zeroshard.shard(model, opts, stage=stage, **options)
     assert isinstance(opts, tuple) and len(opts) == 2
     _loop(model, opts, rank, world, steps, skip)
     return {"weights": zeroshard.full_state_dict(model),
@@ -84,6 +89,7 @@ def _run(rank: int, world: int) -> dict:
         out[stage] = _sharded(rank, world, stage)
     half = _sharded(rank, world, 3, steps=2)
     out["resumed"] = _sharded(rank, world, 1, steps=STEPS - 2, skip=2, resume=half)
+    out["subclass"] = _sharded(rank, world, 3, muon=MyMuon, whole_params=True)
     return out
 
 
@@ -108,6 +114,15 @@ def test_two_optimizers_train_as_ddp_with_the_same_two(stage: int) -> None:
         assert torch.equal(out[stage]["weights"][name], w), (stage, name)
     for got, want in zip(out[stage]["states"], out["ddp"]["states"]):
         _same_state(got, want)
+
+
+def test_whole_params_true_names_the_muon_subclass_not_adamw_beside_it() -> None:
+    """whole_params=True with (a Muon subclass, AdamW): the subclass steps whole, torch's
+    AdamW stays elementwise (it was made whole too, and the pair refused as two whole
+    optimizers with advice to merge them), and the run is DDP's."""
+    out = _results()
+    for name, w in out["ddp"]["weights"].items():
+        assert torch.equal(out["subclass"]["weights"][name], w), name
 
 
 def test_the_ledger_counts_one_step_per_iteration() -> None:

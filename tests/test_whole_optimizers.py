@@ -778,3 +778,97 @@ def test_checkpoint_from_world_2_resumes_at_world_4(opt: str, bound: float) -> N
     worst = max(rel.values())
     print(f"{opt}: worst relative weight difference {worst:.1e}")
     assert worst <= bound, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
+
+
+class DividingMuon(torch.optim.Optimizer):
+    """A Muon for DDP that divides the matrices among the ranks itself (as KellerJordan's
+    distributed Muon: rank r steps matrices r, r + N, ... and sends them to the others);
+    the update here is plain SGD (the division is what matters)."""
+
+    def __init__(self, params, lr: float = 0.02) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+
+        n, r = dist.get_world_size(), dist.get_rank()
+        for g in self.param_groups:
+            for i, p in enumerate(g["params"]):
+                if i % n == r and p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+                dist.broadcast(p, src=i % n)
+
+
+def _exchange() -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1))  # a collective the class's own source does not show
+
+
+class HiddenDividingMuon(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 0.02) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+        _exchange()
+
+
+class Orthogonal(torch.optim.Optimizer):
+    """Muon-like (its update uses the matrix's transpose) under a name zeroshard does not
+    know, passed without whole_params: stepped on flat chunks, it fails in its own code."""
+
+    def __init__(self, params, lr: float = 0.02) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.sub_(g["lr"] * (p.grad @ p.grad.mT @ p.grad))
+
+
+def _divides_itself(rank: int, world: int) -> dict:
+    """Stage 0 holds every matrix on every rank (DDP's layout): such an optimizer works
+    there. Sharded, its class's collective is refused at shard(); one the source does
+    not show is caught by the step. (And an unknown whole-matrix optimizer stepped on
+    flat chunks says why it failed.)"""
+    out = {}
+    for stage, cls in ((0, DividingMuon), (1, DividingMuon), (3, DividingMuon),
+                       (3, HiddenDividingMuon), (1, Orthogonal)):
+        model = make_model(PRESET)
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        try:
+            model, optim = zeroshard.shard(model, cls(matrices), stage=stage,
+                                           whole_params=cls is not Orthogonal)
+            x, y = next(loader(PRESET, rank, world))
+            loss_of(model, x, y).backward()
+            optim.step()
+            out[(stage, cls.__name__)] = "stepped"
+        except (ValueError, RuntimeError, IndexError) as e:
+            out[(stage, cls.__name__)] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_an_optimizer_dividing_the_matrices_itself_is_refused_when_sharded() -> None:
+    """[Note: optimizers that divide the work themselves] (optimizer_spec.py): a
+    distributed Muon for DDP (KellerJordan's MuonWithAuxAdam) handed to zeroshard stepped
+    the wrong matrices at stages 1-3 (0.38 from DDP's weights after 3 steps, silently)."""
+    for out in run_ranks(_divides_itself, 2, timeout=300):
+        assert out[(0, "DividingMuon")] == "stepped"
+        for stage in (1, 3):
+            msg = out[(stage, "DividingMuon")]
+            assert msg.startswith("ValueError: optimizer DividingMuon calls dist.broadcast()")
+            assert "SingleDeviceMuonWithAuxAdam" in msg and "torch.optim.Muon" in msg
+        msg = out[(3, "HiddenDividingMuon")]
+        assert msg.startswith("RuntimeError: HiddenDividingMuon.step() issued a torch."
+                              "distributed collective"), msg
+        msg = out[(1, "Orthogonal")]
+        assert "zeroshard stepped Orthogonal on flat 1-D chunks" in msg, msg
+        assert "whole_params=True" in msg

@@ -20,10 +20,13 @@ from .engine.engine import Engine, ParamInit, engine_of
 from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import OptimizerPart, ShardedOptimizer, one_optimizer
 from .engine.optimizer_spec import (
+    DIVIDES_ITSELF,
     OptimizerSpec,
     WholePlan,
     check_group_keys,
     disable,
+    is_torch_elementwise,
+    own_collective,
     spec_from_class,
     spec_from_instance,
     spec_from_instances,
@@ -415,6 +418,8 @@ def shard(
     else:
         plan, whole_part = whole_plan(optimizer, spec.options, config.whole_params), None
     whole = whole_updates(engine, spec.group_of, plan) if plan is not None else None
+    if whole is not None and whole.size > 1:
+        _refuse_own_division(optimizer[whole_part] if several else optimizer)
     inner = _build_inner(engine, spec, whole)
     if several:
         groups = [g for sp in parts for g in _user_groups(engine, sp, inner)]
@@ -439,22 +444,41 @@ def shard(
     return model, handed
 
 
+def _refuse_own_division(optimizer: Any) -> None:
+    """A sharded whole-parameter step refuses an optimizer that divides the matrices
+    among the ranks itself ([Note: optimizers that divide the work themselves])."""
+    call = own_collective(optimizer)
+    if call is not None:
+        name = (optimizer if isinstance(optimizer, type) else type(optimizer)).__name__
+        raise ValueError(f"optimizer {name} calls {call}() in its source: it {DIVIDES_ITSELF}. "
+                         "(At stage 0 it would run as under DDP.)")
+
+
 def _several_plan(opts: list[torch.optim.Optimizer], parts: list[OptimizerSpec],
                   config: ShardConfig) -> tuple[WholePlan | None, int | None]:
     """Several optimizers: which one steps whole parameters (at most one), and its
     groups' indices among all of them; at most one elementwise one (see [Note: several
     optimizers] in engine/composite.py)."""
-    plans = [whole_plan(o, sp.options, config.whole_params) for o, sp in zip(opts, parts)]
+    # whole_params=True names the optimizer zeroshard cannot tell is whole-parameter
+    # (a Muon subclass, your own Shampoo), not torch's elementwise ones beside it.
+    plans = [whole_plan(o, sp.options, False if (config.whole_params is True
+                                                  and is_torch_elementwise(o))
+                        else config.whole_params) for o, sp in zip(opts, parts)]
     whole = [k for k, p in enumerate(plans) if p is not None]
     flat = [k for k, p in enumerate(plans) if p is None or len(p.groups) < len(parts[k].options)]
     if len(whole) > 1 or len(flat) > 1:
         names = ", ".join(type(o).__name__ for o in opts)
+        kinds = ", ".join(f"{type(o).__name__}: {'whole' if p is not None else 'elementwise'}"
+                          for o, p in zip(opts, plans))
         raise NotImplementedError(
             f"shard(model, ({names})): several optimizers may be one that steps whole "
             "parameters (Muon, Adafactor) and one elementwise (AdamW, SGD), not more of "
-            "either kind yet; merge the elementwise ones into one optimizer with a param "
-            "group each (torch.optim.AdamW([{'params': a, 'lr': 1e-3}, {'params': b, "
-            "'lr': 1e-4}]))")
+            f"either kind yet; here {kinds}"
+            + (" (whole_params=True marks every optimizer but torch's elementwise ones; "
+               "pass whole_params=fn, a test on each group's options, to choose)"
+               if config.whole_params is True else "")
+            + ". Merge the ones of one kind into one optimizer with a param group each "
+            "(torch.optim.AdamW([{'params': a, 'lr': 1e-3}, {'params': b, 'lr': 1e-4}]))")
     if not whole:
         return None, None
     k = whole[0]

@@ -126,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.whole is not None and part in (None, self.whole_part):
                 self.whole.step(self.optim, dict(unused))
             else:
-                self.optim.step()
+                _flat_step(self.optim)
         finally:
             if composite:
                 self.optim.active = None
@@ -373,3 +373,23 @@ def one_optimizer(optimizer: Any) -> Any:
         raise TypeError("a tuple of optimizers here must be the one shard() returned for "
                         "several optimizers, all of them in its order")
     return core
+
+
+def _flat_step(optim: Any) -> None:
+    """The elementwise path's step: the optimizer sees 1-D chunks of the parameters. An
+    optimizer that needs whole tensors but was not recognised (a Muon-style one under
+    another name) fails in its own code with a shape error: say why, and the fix."""
+    try:
+        optim.step()
+    except (IndexError, RuntimeError, ValueError) as e:
+        if type(e) not in (IndexError, RuntimeError, ValueError) or not any(
+                w in str(e) for w in ("imension", "shape", "2D", "2-D", "1-D", "matri", "size")):
+            raise
+        name = type(optim).__name__
+        raise type(e)(
+            f"{e}\n(zeroshard stepped {name} on flat 1-D chunks of the parameters, as an "
+            "elementwise optimizer such as AdamW is stepped. If its update needs whole "
+            "tensors — a matrix orthogonalisation like Muon's, a preconditioner, a "
+            "per-tensor norm — shard with whole_params=True: each parameter is then stepped "
+            "whole by one rank (docs/optimizers.md).)") from e
+

@@ -22,6 +22,7 @@ parameters listed in it; trainable parameters no group lists are not stepped at 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,14 +32,15 @@ from torch import nn
 
 from .composite import CompositeOptimizer
 
-__all__ = ["OptimizerSpec", "spec_from_class", "spec_from_instance", "spec_from_instances",
-           "check_elementwise",
+__all__ = ["DIVIDES_ITSELF", "OptimizerSpec", "is_torch_elementwise", "own_collective",
+           "spec_from_class",
+           "spec_from_instance", "spec_from_instances", "check_elementwise",
            "check_group_keys", "disable", "whole_kind", "whole_plan", "WholePlan"]
 
 # Updates that depend on a whole tensor (trust ratios, factored moments, preconditioners):
 # run whole by an owner rank (engine/whole.py) when known or asked for (whole_params=True).
 _NOT_ELEMENTWISE = ("Adafactor", "Shampoo", "Muon", "Lamb", "LARS", "Lars", "SOAP",
-                    "Sophia", "Kron")
+                    "Sophia", "Kron", "Scion", "Dion")
 # Known whole-parameter optimizers, by exact class (module, name) -> the cost that balances
 # their owners (engine/whole.py). A subclass may change the update: it needs whole_params.
 _WHOLE = {
@@ -117,6 +119,63 @@ def whole_plan(optimizer: Any, options: list[dict[str, Any]],
     if is_class:
         check_elementwise(cls)
     return None
+
+
+# [Note: optimizers that divide the work themselves]
+# Some Muon implementations for DDP divide the matrices among the ranks inside step():
+# rank r steps matrices r, r + N, ... of its list and all-gathers the results
+# (KellerJordan/Muon's ``Muon`` and ``MuonWithAuxAdam``, modded-nanogpt's). zeroshard
+# already gives each matrix whole to one owner rank, and each rank's optimizer holds only
+# its own matrices: the optimizer's division then steps some of them on no rank and its
+# all-gather copies one matrix over another of the same shape — silently wrong weights,
+# or a hang where ranks own different counts. At stage 0 (every rank holds every matrix,
+# as under DDP) it is right. So a sharded whole-parameter step refuses a class whose
+# source calls a torch.distributed collective (before any step: a hang cannot be
+# reported), and, for what the source does not show (a helper elsewhere, another alias),
+# WholeUpdates checks that the default group saw no collective during the step.
+_COLLECTIVE = re.compile(
+    r"\b(?:dist|distributed|torch\.distributed)\.(all_gather\w*|all_reduce\w*|"
+    r"reduce_scatter\w*|broadcast\w*|all_to_all\w*|gather|scatter|reduce|barrier|"
+    r"send|recv|isend|irecv)\s*\(")
+
+DIVIDES_ITSELF = (
+    "steps only this rank's share of the matrices and exchanges results with the other "
+    "ranks itself (as KellerJordan's distributed Muon / MuonWithAuxAdam do for DDP), but "
+    "zeroshard already gives each matrix whole to one owner rank: the two divisions "
+    "together step the wrong matrices. Use the optimizer's single-device form "
+    "(SingleDeviceMuon / SingleDeviceMuonWithAuxAdam) or torch.optim.Muon: zeroshard "
+    "spreads the work over the ranks (docs/optimizers.md)")
+
+
+def own_collective(optimizer: Any) -> str | None:
+    """The first torch.distributed call in the source of ``optimizer``'s class (or of a
+    base class outside torch), e.g. ``dist.all_gather(``; None when there is none or no
+    source to read. See [Note: optimizers that divide the work themselves]."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for k in cls.__mro__:
+        if k is object or k.__module__.split(".")[0] == "torch":
+            continue
+        try:
+            source = inspect.getsource(k)
+        except (OSError, TypeError):
+            continue
+        found = _COLLECTIVE.search(source)
+        if found:
+            return found.group(0).rstrip("( ")
+    return None
+
+
+# torch's own elementwise optimizers, by exact class: never stepped whole.
+_TORCH_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+                      "Adagrad", "Adadelta", "ASGD", "Rprop")
+
+
+def is_torch_elementwise(optimizer: Any) -> bool:
+    """Is ``optimizer`` (a class or an instance) exactly one of torch's elementwise
+    optimizers (AdamW, SGD, ...)? A subclass may change the update: not counted."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return (cls.__qualname__ in _TORCH_ELEMENTWISE
+            and getattr(torch.optim, cls.__qualname__, None) is cls)
 
 
 def whole_kind(optimizer: Any) -> str | None:

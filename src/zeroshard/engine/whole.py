@@ -44,14 +44,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm, Pending
 from .flat import FlatBucket, FlatParam
+from .optimizer_spec import DIVIDES_ITSELF, WholePlan
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .optimizer_spec import WholePlan
 
 __all__ = ["WholeUpdates", "assign_owners", "newton_schulz_cost", "numel_cost", "whole_updates"]
 
@@ -297,7 +298,14 @@ class WholeUpdates:
         with none of them (a mixed optimizer's flat chunks step in the same call)."""
         held = [s for s in slots if s in self.tensors and self.tensors[s].grad is not None]
         if held or always:
+            before = _default_group_calls() if self.size > 1 else None
             optimizer.step()
+            if before is not None and _default_group_calls() != before:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() issued a torch.distributed collective "
+                    f"of its own while stepping the parameters this rank owns: it "
+                    f"{DIVIDES_ITSELF}. This step's weights are wrong; restart from a "
+                    "checkpoint")
             self.work_done += [s.shape for s in held]
         self._release(slots)
 
@@ -307,6 +315,18 @@ class WholeUpdates:
             if t is not None:
                 t.grad = None
                 t.data = _placeholder(s)
+
+
+def _default_group_calls() -> int | None:
+    """Collectives issued on the default process group so far (its sequence number);
+    None where the backend does not count them. zeroshard's exchanges are posted before
+    and after ``optimizer.step()``, never during it, and its checks use a group of their
+    own (comm_check.py): a change across the step is the optimizer's own collective (see
+    [Note: optimizers that divide the work themselves] in optimizer_spec.py)."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
 
 
 def _placeholder(s: FlatParam) -> torch.Tensor:
