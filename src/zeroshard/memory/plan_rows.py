@@ -54,11 +54,11 @@ class PlanRow:
     """PCIe copies (gradient slice down, weight slice up) + host optimizer step, in
     ``step_time_s`` (not overlapped)."""
     peak_moment: str | None = None
-    """Stage 3: the moment of the step whose bytes are ``total_bytes`` ("loss's backward",
-    "backward begins", "end of the blocks' backward", "root's reduction" or "optimizer
-    step"; [Note: stage-3 peak] in stage3_buffers.py), with ``buffer_bytes`` its buffers
-    then. None at stages 0-2,
-    whose total is model state + activations + buffers."""
+    """The moment of the step whose bytes are ``total_bytes``, with ``buffer_bytes`` its
+    buffers then. Stage 3: "loss's backward", "backward begins", "end of the blocks'
+    backward", "root's reduction" or "optimizer step" ([Note: stage-3 peak] in
+    stage3_buffers.py); stages 0-2: "backward begins", "backward ends" or "optimizer
+    step" ([Note: the step's moments, stages 0-2] in planner.py)."""
     traced_model_state_bytes: int | None = None
     """Model state of a traced step (memory/traced.py, ``plan --traced``); else None."""
     traced_peak_bytes: int | None = None
@@ -126,9 +126,22 @@ class Setup:
     """Stages 0-1's bucket (they keep the whole gradient, so their default is twice
     stage 2's, ``auto_bucket_bytes(keep_full_grads=True)``); 0: ``bucket_bytes``."""
 
+    def moments(self, *, n: int, stage: int, policy: str, state: analytic.ModelState,
+                buffers: int, offload: bool = False) -> list[tuple[str, int, int]]:
+        """Stages 0-2's moments of a step, (name, total, its buffers) — see [Note: the
+        step's moments, stages 0-2] in planner.py: backward begins (every activation, no
+        gradient yet: the loss's two fp32 gradients beside what forward saved, or the
+        recompute working set), backward ends (every gradient, the activations freed) and
+        the optimizer step."""
+        act = max(self.act[policy], self.act_saved[policy] + self.loss_grads[policy])
+        step = self.step_moment(n=n, stage=stage, state=state, offload=offload)
+        return [("backward begins", state.params + state.optim + act + buffers, buffers),
+                ("backward ends", state.total + buffers, buffers),
+                ("optimizer step", step, step - state.total)]
+
     def step_moment(self, *, n: int, stage: int, state: analytic.ModelState,
                     offload: bool = False) -> int:
-        """Stages 0-2 at the optimizer step (see [Note: the step's moment, stages 0-2]):
+        """Stages 0-2 at the optimizer step (see [Note: the step's moments, stages 0-2]):
         the model state, the fp32 copies of the gradients the masters step with, and
         stages 1-2's gathered buffer of the weights' refresh, one bucket at a time."""
         r, policy, dp = self.recipe, StagePolicy(stage), self.dp(n)

@@ -5,28 +5,39 @@ from :mod:`zeroshard.memory.analytic` (model state, buffers, communication, step
 and :mod:`zeroshard.memory.activations`; then the ladder of mission.md §3 picks one.
 
 [Note: what "fits" means]
-A row fits when total = model state + activations + buffers <= usable memory (stage 3:
+A row fits when total <= usable memory, total being what the step holds at its fullest (stage 3:
 the most held at one moment of the step, with its buffers then, which never holds every
 gradient slice beside every activation: [Note: stage-3 peak] in stage3_buffers.py;
-stages 0-2: or the optimizer step's, where larger: [Note: the step's moment, stages 0-2]), where
+stages 0-2: the largest of three moments, [Note: the step's moments, stages 0-2]), where
 usable = device memory - reserve and reserve = max(10% of device memory, 1.5 GB). The
 reserve stands for what no formula here counts: the CUDA context and kernels (~0.5-1 GB),
 NCCL's channel buffers, and allocator fragmentation (caching-allocator blocks that are
 free but cannot be split for a larger request), commonly 5-10% at peak. With offload and
 ``host_mem_bytes`` given, a row also needs host bytes × ranks per node <= host memory.
 
-[Note: the step's moment, stages 0-2]
-Stages 0-2 price backward's moment as model state + activations + buffers, every
-gradient beside every activation. The optimizer step is a second moment: activations
-are gone, but under a 16-bit recipe every gradient the masters step with has an fp32 copy
-(engine/step_grads.py: 4·Ψ at stage 0, 4·Ψ/N at stages 1-2), and stages 1-2's refresh
-gathers the updated weights into one bucket-sized buffer at a time (engine/refresh.py;
-a parameter larger than the bucket gets a bucket of its own, so the largest parameter
-bounds it too). The row's total is the larger moment (``peak_moment`` "optimizer step"
-when it is the step, its ``buf`` the copies and the buffer). Traced (gpt2-small, N = 2,
-bf16, micro-batch 1): stage 0 509.6 MB priced 509.6, stage 1 310.5 priced 312.2 (the
-bucket bound), stage 2 284.0 priced 283.5 (tests/test_planner.py); llama-7b, N = 8,
-seq 4096, full checkpointing: stage 0 134.8 GB traced (was priced 110.4).
+[Note: the step's moments, stages 0-2]
+Stages 0-2 hold the most at one of three moments, and a row's total is the largest
+(``peak_moment`` names it; ``buf`` is that moment's buffers):
+* backward begins: the weights and optimizer state, every activation forward saved with
+  the loss's two fp32 gradients beside them (or backward's recompute working set, if
+  larger) — and no gradient yet: zeroshard allocates a bucket's gradient buffer when its
+  first gradient arrives, while backward frees activations as it goes (so between the two
+  ends the sum moves monotonically between them, layer by layer); stage 2's buckets in
+  flight counted here too;
+* backward ends: every gradient (model state), the activations freed;
+* the optimizer step: under a 16-bit recipe every gradient the masters step with has an
+  fp32 copy (engine/step_grads.py: 4·Ψ at stage 0, 4·Ψ/N at stages 1-2), and stages 1-2's
+  refresh gathers the updated weights into one bucket-sized buffer at a time
+  (engine/refresh.py; a parameter larger than the bucket gets a bucket of its own, so the
+  largest parameter bounds it too).
+Before, the plan added every gradient to every activation (stage 1 of llama-7b on 8
+devices, seq 4096, no checkpointing: 64.3 GB priced, 52.0 traced) and left the step out
+(stage 0: 110.4 GB priced with full checkpointing, 134.8 traced). Now, against traces:
+llama-7b N = 8 seq 4096: stage 0 134.8 / 134.8 GB, stage 1 none 52.0 / 52.0, full
+40.7 / 40.7, stage 2 none 52.1 / 52.0, full 28.9 / 28.9; a wide-vocabulary Llama at
+N = 2 and 8, stages 0-2, with and without checkpointing: −0.3% to +2.5%
+(tests/test_traced.py); gpt2-small N = 2, micro-batch 1, where the step is the peak:
+−0.2% to +0.5%. Tiny models (a few MB) are over-priced by the 1 MiB minimum bucket.
 
 Step time: see [Note: step time] in analytic.py. tokens/s = N × micro_batch × seq / step,
 one optimizer step per micro-batch (gradient accumulation would amortise stages 0-2's
@@ -185,15 +196,16 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
     buffers = 0  # stage 1 reduces into its whole gradient buffer ([Note: buffer lifetimes])
     moment = None
     if shard > 1 and not stage_policy.keep_full_grads and not stage_policy.shard_params:
-        buffers = analytic.grad_bucket_bytes(su.bucket_bytes)  # stage 2's, in flight
+        # stage 2's whole-bucket buffers in flight, never more than the whole gradient
+        buffers = min(analytic.grad_bucket_bytes(su.bucket_bytes), psi * r.grad_bytes)
     total = state.total + su.act[policy] + buffers
     if stage_policy.shard_params:  # units are gathered into whole buffers even at N=1
         total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
         buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in stage3_buffers.py
-    else:  # [Note: the step's moment, stages 0-2]
-        step = su.step_moment(n=shard, stage=stage, state=state, offload=off)
-        if step > total:
-            total, buffers, moment = step, step - state.total, "optimizer step"
+    else:  # [Note: the step's moments, stages 0-2]
+        moment, total, buffers = max(
+            su.moments(n=shard, stage=stage, policy=policy, state=state, buffers=buffers,
+                       offload=off), key=lambda m: m[1])
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
