@@ -780,13 +780,15 @@ def test_checkpoint_from_world_2_resumes_at_world_4(opt: str, bound: float) -> N
     assert worst <= bound, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
 
 
-class DividingMuon(torch.optim.Optimizer):
+class _LrOnly(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 0.02) -> None:
+        super().__init__(params, {"lr": lr})
+
+
+class DividingMuon(_LrOnly):
     """A Muon for DDP that divides the matrices among the ranks itself (as KellerJordan's
     distributed Muon: rank r steps matrices r, r + N, ... and sends them to the others);
     the update here is plain SGD (the division is what matters)."""
-
-    def __init__(self, params, lr: float = 0.02) -> None:
-        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -806,10 +808,7 @@ def _exchange() -> None:
     dist.all_reduce(torch.zeros(1))  # a collective the class's own source does not show
 
 
-class HiddenDividingMuon(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 0.02) -> None:
-        super().__init__(params, {"lr": lr})
-
+class HiddenDividingMuon(_LrOnly):
     @torch.no_grad()
     def step(self, closure=None):
         for g in self.param_groups:
@@ -819,12 +818,9 @@ class HiddenDividingMuon(torch.optim.Optimizer):
         _exchange()
 
 
-class Orthogonal(torch.optim.Optimizer):
+class Orthogonal(_LrOnly):
     """Muon-like (its update uses the matrix's transpose) under a name zeroshard does not
     know, passed without whole_params: stepped on flat chunks, it fails in its own code."""
-
-    def __init__(self, params, lr: float = 0.02) -> None:
-        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self, closure=None):
