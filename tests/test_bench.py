@@ -285,3 +285,5 @@ def test_muon_rows(tmp_path) -> None:  # noqa: ANN001
     assert result["settings"]["optimizer"] == "muon"
     for r in rows.values():  # the optimizer step's time, within the step's
         assert 0 < r["optimizer_step_s_median"] <= r["step_s_median"], r
+        # Newton-Schulz's matrix products, from one profiled step: some on every row
+        assert 0 < r["newton_schulz_s"] < r["step_s_median"] * 2, r

@@ -254,12 +254,32 @@ def _reshard_mid_step(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _peft(rank: int, world: int) -> dict[str, Any]:
+    """A PEFT LoRA model's generate at stage 3: PEFT's generate never calls the sharded
+    root's forward (it calls the base model's), so the root's weights are put in place
+    for the call ([Note: methods that skip the root's forward] in gather.py)."""
+    import peft
+
+    def lora(base: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)
+        return peft.get_peft_model(base, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    ref, prompt = lora(tiny()).eval(), _prompt(rank)
+    model, _ = zeroshard.shard(lora(tiny()), torch.optim.AdamW, stage=3, lr=1e-3)
+    model.eval()
+    out = {"lora": (_generate(model, prompt, False), _generate(ref, prompt, False))}
+    with model.disable_adapter(), ref.disable_adapter():
+        out["base"] = (_generate(model, prompt, True), _generate(ref, prompt, True))
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
     out = {}
     for name, fn in (("generation", _generation), ("unshard", _unshard),
                      ("eval", _no_reshard_eval), ("unit", _unit_unshard),
-                     ("mid", _reshard_mid_step)):
+                     ("mid", _reshard_mid_step), ("peft", _peft)):
         out[name] = run_ranks(fn, 2, timeout=240)[0]
     return out
 
@@ -284,6 +304,15 @@ def test_generate_gives_the_unsharded_tokens_and_gathers_once_per_call(results) 
         assert r[f"s3-None-{sample}-gathers"] == units, r
         assert r[f"s3-0-{sample}-gathers"] == units * NEW, r  # one forward per new token
     assert r["s3-None-bytes-after"] == 0  # released when generate() returns
+
+
+def test_a_peft_model_generates_the_unsharded_tokens_at_stage_3(results) -> None:
+    """GRPO with a LoRA peft_config generates through PEFT's generate: it raised (a
+    DTensor met a plain tensor in the embedding) before the root's weights were put in
+    place for calls that skip the root's forward."""
+    for key in ("lora", "base"):
+        got, want = results["peft"][key]
+        assert torch.equal(got, want), key
 
 
 def test_the_tracker_files_the_kv_cache_as_its_own_category(results) -> None:

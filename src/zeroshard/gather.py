@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine.engine import engine_of
-from .engine.units import Unit
+from .engine.units import Unit, UnitState
 from .sizes import parse_bytes
 
 __all__ = ["gathered", "register_forward_method", "UnshardHandle", "ShardedUnit",
@@ -170,6 +170,36 @@ def gathered(model: nn.Module, budget: int | str | None = None) -> Iterator[list
         engine.release(held)
 
 
+@contextmanager
+def _root_shown(engine: Any, skips_root: bool, no_grad: bool = False) -> Iterator[None]:
+    """[Note: methods that skip the root's forward]
+    At stage 3 the root unit's weights (embeddings, head, final norm) are put in the
+    modules by the root's forward hooks. A registered method may never call the root's
+    forward: PEFT's ``generate`` goes through the wrapped model's ``generate``, whose
+    forwards are the base model's, inside the root. So, without gradients, the method
+    runs with the root held and its modules holding the gathered weights (edits since
+    the last step refreshed first, as the root's forward would); forwards of the root
+    itself inside (a plain HF model's generate) still show and hide them per call. With
+    gradients a backward must follow the root's forward: not done here. ``skips_root``:
+    False for HF's own ``generate``, which forwards the root per token (within the
+    budget, which then holds the root or not as asked). ``no_grad``: the
+    method runs without gradients whatever the caller's mode (HF's ``generate`` is
+    decorated with ``torch.no_grad``; PEFT's calls it)."""
+    if not engine.units or not skips_root or (torch.is_grad_enabled() and not no_grad):
+        yield
+        return
+    schedule = engine.schedule
+    engine.weights.refresh_edited()
+    held = engine.hold([schedule.root])  # nothing new where gathered() holds it already
+    schedule.faces.show(schedule.root.buckets, compute=True)
+    try:
+        yield
+    finally:
+        if schedule.root.state is not UnitState.SHARDED:
+            schedule.faces.show(schedule.root.buckets, compute=False)
+        engine.release(held)
+
+
 def register_forward_method(model: nn.Module, name: str,
                             budget: int | str | None = None) -> None:
     """Make ``model.<name>(...)`` run inside :func:`gathered` (FSDP2's
@@ -194,6 +224,10 @@ def register_forward_method(model: nn.Module, name: str,
     # Not when every unit is resident: forwards then issue no collective, and synced_gpus
     # would cost an all-reduce per token (~2 ms of a 30 ms token on 2 CPU ranks).
     synced = "synced_gpus" in inspect.signature(method).parameters
+    # HF's generate forwards the model itself, token by token: the root's forward runs
+    # (and gathers the root within the budget). Any other method may not call it.
+    skips_root = not (name == "generate" and any(
+        k.__name__ == "GenerationMixin" for k in type(model).__mro__))
 
     # On the class, taking ``self``: the method reads the engine of the model it is
     # called on, not one captured here (a sharded model cannot be deep-copied: api.py).
@@ -201,7 +235,8 @@ def register_forward_method(model: nn.Module, name: str,
     def gathering(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         engine = engine_of(self)
         # Its collectives in the ledger's window ``name`` (CommLedger.window), not the step's.
-        with engine.comm.ledger.window(name), gathered(self, budget):
+        with (engine.comm.ledger.window(name), gathered(self, budget),
+              _root_shown(engine, skips_root, no_grad=name == "generate")):
             if (synced and kwargs.get("synced_gpus") is None and engine.world.size > 1
                     and not engine.schedule.all_resident()):
                 kwargs["synced_gpus"] = True

@@ -89,6 +89,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['name']} {r['optimizer_step_s_median']:.3f} "
             f"({100 * r['optimizer_step_s_median'] / r['step_s_median']:.0f}%)"
             for r in rows if r["status"] == "ok" and r.get("optimizer_step_s_median")))
+        lines.append("Newton-Schulz s per step (share of the step), rank 0, one profiled step: "
+                     + ", ".join(
+                         f"{r['name']} {r['newton_schulz_s']:.3f} "
+                         f"({100 * r['newton_schulz_s'] / r['step_s_median']:.0f}%)"
+                         for r in rows if r["status"] == "ok"
+                         and r.get("newton_schulz_s") is not None))
     if any(r.get("mfu") is not None for r in rows):
         lines.append("MFU: " + ", ".join(f"{r['name']} {100 * r['mfu']:.1f}%"
                                          for r in rows if r.get("mfu") is not None))

@@ -24,7 +24,7 @@ ROW_KEYS = (
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
     "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
-    "memory_timeline", "time_s", "tp", "optimizer_step_s_median",
+    "memory_timeline", "time_s", "tp", "optimizer_step_s_median", "newton_schulz_s",
 )
 PHASES = ("build", "warmup", "measured", "timed")
 """Where a configuration's wall time goes (row ``time_s``)."""
@@ -102,6 +102,8 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
         # from the optimizer step's start to the step's end, rank 0's (muon: its share)
         optimizer_step_s_median=(statistics.median(raw["optimizer_s"])
                                  if raw.get("optimizer_s") else None),
+        # muon: one profiled step's matrix products inside optimizer steps, rank 0's
+        newton_schulz_s=raw.get("newton_schulz_s"),
         peak_bytes=peak, peak_rank=mem["peak_rank"], rss_bytes=mem["rss_bytes"],
         cuda_peak_bytes=mem["cuda_peak_bytes"], loss=raw["loss"],
         measured_model_state_bytes=peak["params"] + peak["grads"] + peak["optim"],

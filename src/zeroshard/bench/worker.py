@@ -57,7 +57,14 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.bench.configs import HF_FACTORY, BenchSettings, ConfigSpec
-from zeroshard.bench.measure import StepMemory, measured_step, release_memory, rss, timed_step
+from zeroshard.bench.measure import (
+    StepMemory,
+    measured_step,
+    optimizer_matmul_seconds,
+    release_memory,
+    rss,
+    timed_step,
+)
 from zeroshard.bench.runners import Runner, SkipConfig, build_runner, deepspeed_missing
 from zeroshard.data import SyntheticLanguage, TokenLoader
 
@@ -92,6 +99,7 @@ class _Config:
     step_s: list[float] = field(default_factory=list)
     time_optimizer: bool = False  # --optimizer muon: time the optimizer step too
     optimizer_s: list[float] = field(default_factory=list)
+    newton_schulz_s: float | None = None  # --optimizer muon: one profiled step's
     comm: list[int] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, Any] = field(default_factory=dict)
@@ -192,7 +200,9 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     x, y = batches[k]
     err, secs, loss, mem, opt_secs = "", 0.0, float("nan"), None, 0.0
     try:
-        if kind == "measured":
+        if kind == "profiled":
+            c.newton_schulz_s = optimizer_matmul_seconds(c.runner.step, x, y, device)
+        elif kind == "measured":
             ledger = c.runner.ledger
             release_memory(collect=False)  # trim only: nothing of this configuration is garbage
             mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
@@ -303,6 +313,8 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         plan = [("warmup", w) for w in range(s.warmup)]
         plan += [("timed", s.warmup + r) for r in range(s.steps)]
         rounds = [(kind, k, wave) for kind, k in plan]
+        if s.optimizer == "muon":  # an extra step under the profiler, after the timed ones
+            rounds.append(("profiled", total - 1, wave))
         rounds += [("measured", total - 1, [c]) for c in wave]  # one at a time, then dropped
         for kind, k, turn in rounds:
             for c in turn:
@@ -326,7 +338,9 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         "threads_per_rank": torch.get_num_threads(),
         "entered": entered, "setup_s": setup_s, "ranks_s": time.time() - entered,
         "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
-                  "step_s": c.step_s, "optimizer_s": c.optimizer_s, "comm": c.comm, "loss": c.loss, "memory": c.memory,
+                  "step_s": c.step_s, "optimizer_s": c.optimizer_s,
+                  "newton_schulz_s": c.newton_schulz_s, "comm": c.comm, "loss": c.loss,
+                  "memory": c.memory,
                   "time_s": c.time_s}
                  for c in configs],
     }
