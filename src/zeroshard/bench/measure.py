@@ -208,25 +208,25 @@ def timed_step(step: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tens
 
 
 def optimizer_matmul_seconds(step: Callable[..., torch.Tensor], x: torch.Tensor,
-                             y: torch.Tensor, device: torch.device) -> float:
+                             y: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """One step under torch.profiler: the seconds this rank spends in matrix products
     inside optimizer steps (CPU time; kernel time on CUDA). With Muon these are its
     Newton–Schulz iterations — AdamW's step runs none — so ``--optimizer muon`` reports
     them as Newton–Schulz's share of the step. The profiled step is an extra one: its
-    own time is not among the timed steps'."""
+    own time is not among the timed steps'. Returns (seconds, the step's local loss)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
     with profile(activities=activities) as prof:
-        float(step(x, y))
+        loss = float(step(x, y))
         sync(device)
     total = 0.0
     for ev in prof.events():
         if ev.name in ("aten::mm", "aten::addmm") and _in_optimizer_step(ev):
             total += (ev.device_time_total if cuda else ev.cpu_time_total) / 1e6
-    return total
+    return total, loss
 
 
 def _in_optimizer_step(ev: Any) -> bool:

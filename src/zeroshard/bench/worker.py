@@ -201,7 +201,7 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     err, secs, loss, mem, opt_secs = "", 0.0, float("nan"), None, 0.0
     try:
         if kind == "profiled":
-            c.newton_schulz_s = optimizer_matmul_seconds(c.runner.step, x, y, device)
+            c.newton_schulz_s, loss = optimizer_matmul_seconds(c.runner.step, x, y, device)
         elif kind == "measured":
             ledger = c.runner.ledger
             release_memory(collect=False)  # trim only: nothing of this configuration is garbage
