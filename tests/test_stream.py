@@ -162,27 +162,42 @@ def _merged_lora(rank: int, world: int) -> dict:
     import peft
     import transformers
 
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=96, max_position_embeddings=32))
-    unmerged = {k: v.clone() for k, v in base.state_dict().items()}
-    torch.manual_seed(1)
-    lora = peft.get_peft_model(base, peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-        target_modules=["q_proj", "v_proj", "down_proj"]))
-    want = copy.deepcopy(lora).merge_and_unload().state_dict()
+    def llama(bias: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=96, max_position_embeddings=32,
+            attention_bias=bias))
+
     out: dict = {}
+    # plain LoRA; lora_bias=True (lora_B's bias merged into the base bias); a trained copy
+    # of the head (modules_to_save): both were streamed wrong before (the bias term left
+    # out; the head under PEFT's wrapper names, lm_head.weight missing)
+    for case, bias, extra in (("", False, {}), ("bias ", True, {"lora_bias": True}),
+                              ("saved ", False, {"modules_to_save": ["lm_head"]})):
+        base = llama(bias)
+        unmerged = {k: v.clone() for k, v in base.state_dict().items()}
+        torch.manual_seed(1)
+        lora = peft.get_peft_model(base, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+            target_modules=["q_proj", "v_proj"] + ([] if bias else ["down_proj"]), **extra))
+        with torch.no_grad():  # the trained copies differ from the originals
+            for name, p in lora.named_parameters():
+                if "modules_to_save" in name or "lora_B" in name and name.endswith("bias"):
+                    p.add_(torch.randn_like(p))
+        want = copy.deepcopy(lora).merge_and_unload().state_dict()
+        for stage in (0, 3):
+            model, _ = zeroshard.shard(copy.deepcopy(lora), torch.optim.AdamW, stage=stage,
+                                       lr=1e-3)
+            got = dict(zeroshard.stream_weights(model, merge_adapters=True))
+            out[f"{case}s{stage} names"] = sorted(got) == sorted(want)
+            out[f"{case}s{stage} max diff"] = max(
+                (got[k] - want[k]).abs().max().item() for k in want if k in got)
+            out[f"{case}s{stage} moved"] = max(  # the merge changed what it should
+                (want[k] - unmerged[k]).abs().max().item() for k in want
+                if "q_proj" in k and (k.endswith("bias") if bias else True)
+                or "lm_head" in k and "modules_to_save" in extra)
     for stage in (0, 3):
-        model, _ = zeroshard.shard(copy.deepcopy(lora), torch.optim.AdamW, stage=stage,
-                                   lr=1e-3)
-        got = dict(zeroshard.stream_weights(model, merge_adapters=True))
-        out[f"s{stage} names"] = sorted(got) == sorted(want)
-        out[f"s{stage} max diff"] = max(
-            (got[k] - want[k]).abs().max().item() for k in want if k in got)
-        out[f"s{stage} moved"] = max(  # the merge changed the weights it should
-            (want[k] - unmerged[k]).abs().max().item()
-            for k in want if "q_proj" in k)
         try:
             list(zeroshard.stream_weights(zeroshard.shard(
                 make_model("gpt2-tiny"), torch.optim.AdamW, stage=stage)[0],
@@ -198,7 +213,8 @@ def test_merge_adapters_streams_the_merged_base_model() -> None:
     without LoRA layers is refused with the fix."""
     r = run_ranks(_merged_lora, 2, timeout=240)[0]
     for stage in (0, 3):
-        assert r[f"s{stage} names"], r
-        assert r[f"s{stage} max diff"] <= 1e-6, r
-        assert r[f"s{stage} moved"] > 1e-3, r
+        for case in ("", "bias ", "saved "):
+            assert r[f"{case}s{stage} names"], (case, r)
+            assert r[f"{case}s{stage} max diff"] <= 1e-6, (case, r)
+            assert r[f"{case}s{stage} moved"] > 1e-3, (case, r)
         assert "no active LoRA layer" in r[f"s{stage} plain"], r

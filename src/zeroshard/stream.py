@@ -21,7 +21,7 @@ next unit's buffer may be allocated first — two units' bytes for an instant.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -148,8 +148,12 @@ def _stream(model: nn.Module, engine: Any, dtype: torch.dtype | None,
 # weight is ``W + scaling · B @ A`` (transposed for ``fan_in_fan_out``). The three tensors
 # belong to one stage-3 unit (the module that holds the layer), so they arrive within one
 # unit's buckets: the stream holds the first ones until the third arrives, then yields the
-# merged weight, computed in fp32 and cast back. Names lose PEFT's ``base_model.model.``
-# prefix and ``.base_layer``; the adapters' own tensors are not yielded. DoRA, and LoRA on
+# merged weight, computed in fp32 and cast back; with ``lora_bias=True`` the base bias
+# gets ``scaling · lora_B.bias`` too (peft's merge). Names lose PEFT's ``base_model.model.``
+# prefix and ``.base_layer``; the adapters' own tensors are not yielded. A
+# ``modules_to_save`` module (a trained copy of the head, say) is yielded under its own
+# names from the copy the merged model keeps: the active adapter's, or the original where
+# adapters are disabled (peft's merge_and_unload does the same). DoRA, and LoRA on
 # embeddings or convolutions, are refused (merge_adapters=False streams them unmerged).
 
 
@@ -160,11 +164,31 @@ def _peft_prefix(model: nn.Module) -> str:
         for c in type(model).__mro__) else ""
 
 
-def _lora_layers(model: nn.Module) -> tuple[dict[str, tuple[str, str, float, bool]], set[str]]:
-    """Per LoRA layer with an active adapter (its name in the model): that adapter's A and
-    B names, its scaling and ``fan_in_fan_out``; and the names of every LoRA layer."""
-    layers, every = {}, set()
+class _Lora(NamedTuple):
+    """One LoRA layer's active adapter: its A and B tensors' names, scaling, whether the
+    base weight is stored transposed (``fan_in_fan_out``) and whether B has a bias
+    (``lora_bias=True``: merged into the base bias, ``b + scaling · lora_B.bias``)."""
+
+    a: str
+    b: str
+    scaling: float
+    transposed: bool
+    bias: bool
+
+
+def _lora_layers(model: nn.Module) -> tuple[dict[str, _Lora], set[str], dict[str, str]]:
+    """Per LoRA layer with an active adapter (its name in the model), that adapter; the
+    names of every LoRA layer; and per ``modules_to_save`` wrapper, the prefix of the copy
+    the merged model keeps (the active adapter's trained copy, or the original module
+    where adapters are disabled)."""
+    layers, every, saved = {}, set(), {}
     for name, m in model.named_modules():
+        if hasattr(m, "original_module") and hasattr(m, "modules_to_save"):
+            active = [a for a in getattr(m, "active_adapters", []) if a in m.modules_to_save]
+            saved[name] = (f"{name}.modules_to_save.{active[0]}."
+                           if active and not getattr(m, "disable_adapters", False)
+                           else f"{name}.original_module.")
+            continue
         if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
             continue
         every.add(name)
@@ -185,48 +209,63 @@ def _lora_layers(model: nn.Module) -> tuple[dict[str, tuple[str, str, float, boo
             raise NotImplementedError(
                 f"merge_adapters: {name} wraps a {type(m.base_layer).__name__}, not a Linear; "
                 "stream with merge_adapters=False")
-        layers[name] = (f"{name}.lora_A.{a}.weight", f"{name}.lora_B.{a}.weight",
-                        float(m.scaling[a]), bool(getattr(m, "fan_in_fan_out", False)))
+        layers[name] = _Lora(f"{name}.lora_A.{a}.weight", f"{name}.lora_B.{a}.weight",
+                             float(m.scaling[a]), bool(getattr(m, "fan_in_fan_out", False)),
+                             bool(getattr(m, "lora_bias", {}).get(a)))
     if not layers:
         raise ValueError("merge_adapters=True, but the model has no active LoRA layer (a "
                          "peft.get_peft_model model); stream without merge_adapters")
-    return layers, every
+    return layers, every, saved
 
 
-def _merged(stream: Iterator[tuple[str, torch.Tensor]],
-            layers: dict[str, tuple[str, str, float, bool]], every: set[str], prefix: str
+def _merged(stream: Iterator[tuple[str, torch.Tensor]], layers: dict[str, _Lora],
+            every: set[str], saved: dict[str, str], prefix: str
             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream with each LoRA layer's weight merged (see [Note: merged adapters])."""
-    def lora_layer(name: str) -> str | None:  # the LoRA layer a tensor name is inside
-        layer = name.rpartition(".")[0]
-        while layer and layer not in every:
+    """The stream with each LoRA layer's weight (and, with ``lora_bias``, its bias)
+    merged and each ``modules_to_save`` wrapper's kept copy under the module's own names
+    (see [Note: merged adapters])."""
+    def inside(name: str, names: set[str] | dict[str, str]) -> str | None:
+        layer = name.rpartition(".")[0]  # the innermost of ``names`` holding the tensor
+        while layer and layer not in names:
             layer = layer.rpartition(".")[0]
         return layer or None
 
     part_of = {}  # tensor name -> (layer, role)
-    for layer, (a, b, _, _) in layers.items():
+    for layer, lora in layers.items():
         part_of[f"{layer}.base_layer.weight"] = (layer, "w")
-        part_of[a], part_of[b] = (layer, "a"), (layer, "b")
+        part_of[lora.a], part_of[lora.b] = (layer, "a"), (layer, "b")
+        if lora.bias:
+            part_of[f"{layer}.base_layer.bias"] = (layer, "bias")
+            part_of[lora.b.removesuffix(".weight") + ".bias"] = (layer, "b_bias")
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in stream:
         if name in part_of:
             layer, role = part_of[name]
             parts = held.setdefault(layer, {})
             parts[role] = t
-            if len(parts) < 3:
+            lora = layers[layer]
+            if len(parts) < (5 if lora.bias else 3):
                 continue
             del held[layer]
-            _, _, scaling, transposed = layers[layer]
-            delta = parts["b"].float() @ parts["a"].float() * scaling
+            delta = parts["b"].float() @ parts["a"].float() * lora.scaling
             w = parts["w"]
             yield _plain_name(f"{layer}.weight", prefix), (
-                w.float() + (delta.T if transposed else delta)).to(w.dtype)
+                w.float() + (delta.T if lora.transposed else delta)).to(w.dtype)
+            if lora.bias:
+                b = parts["bias"]
+                yield _plain_name(f"{layer}.bias", prefix), (
+                    b.float() + parts["b_bias"].float() * lora.scaling).to(b.dtype)
             continue
-        layer = lora_layer(name)
+        layer = inside(name, every)
         if layer is not None:
             if not name.startswith(f"{layer}.base_layer."):
                 continue  # an adapter's own tensor (another adapter's, inactive ones)
             name = f"{layer}.{name[len(layer) + len('.base_layer.'):]}"  # its bias
+        wrapper = inside(name, saved)
+        if wrapper is not None:
+            if not name.startswith(saved[wrapper]):
+                continue  # the copy the merged model does not keep
+            name = f"{wrapper}.{name[len(saved[wrapper]):]}"
         yield _plain_name(name, prefix), t
     if held:
         raise RuntimeError(f"merge_adapters: the stream ended with LoRA layers incomplete: "
