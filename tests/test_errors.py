@@ -61,6 +61,14 @@ def _case(name: str):
         model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=2)
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
         return model(torch.zeros(1, 4))
+    if name in ("data_assigned_s0", "data_assigned_s1"):
+        # p.data = t: the optimizer went on stepping the old storage, the forward used the
+        # new one, silently. (At stage 3 the parameters are DTensors, whose .data setter
+        # torch itself ignores, as under FSDP2.)
+        model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=int(name[-1]))
+        p = model[0].weight
+        p.data = torch.zeros_like(p)
+        return model(torch.zeros(1, 4))
     if name == "optimizer_foreign":
         other = nn.Linear(4, 4)
         return zeroshard.shard(model, torch.optim.AdamW(other.parameters()), stage=2)
@@ -123,6 +131,8 @@ EXPECT = {
     "units_foreign": (ValueError, "not a submodule"),
     "twice": (ValueError, "already sharded"),
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
+    "data_assigned_s0": (RuntimeError, "'0.weight' was given new storage.*p.copy_\\(tensor\\)"),
+    "data_assigned_s1": (RuntimeError, "'0.weight' was given new storage.*p.copy_\\(tensor\\)"),
     "deepcopy_s0": (TypeError, "deepcopy of a sharded Sequential.*Copy the model before "
                     r"shard\(\).*full_state_dict\(model\)"),
     "deepcopy_s3": (TypeError, "deepcopy of a sharded Sequential.*shard_for_inference"),

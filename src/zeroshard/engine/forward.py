@@ -11,6 +11,7 @@ hooks). After: hand the modules back the user parameters until a backward starts
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -65,6 +66,8 @@ class RootHooks:
         self._grad_flags = {s.user: s.user.requires_grad
                             for b in faces.buckets for s in b.slots}
         self._grad_flags.update((p, False) for p in frozen)
+        # Where each parameter the user holds keeps its values (see _check_params).
+        self._homes = {s.user: _storage_of(s.user) for b in faces.buckets for s in b.slots}
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
@@ -185,6 +188,13 @@ class RootHooks:
                     "buffers no longer back it. Change the model before sharding it, or "
                     "build a new model and shard that" + REPLACED_HINT
                 )
+            home = self._homes.get(p)
+            if home is not None and _storage_of(p) != home:
+                raise RuntimeError(
+                    f"parameter {name!r} was given new storage (p.data = tensor) after "
+                    "zeroshard.shard(): the optimizer and the forward would use different "
+                    "tensors (DDP's would not). Copy the values in instead: with "
+                    "torch.no_grad(): p.copy_(tensor)")
             was = self._grad_flags.get(p)
             if was is None or p.requires_grad == was or not torch.is_grad_enabled():
                 # A forward without gradients computes none, so a flag flipped for it is
@@ -208,6 +218,16 @@ class RootHooks:
                 + ". Set requires_grad before zeroshard.shard() (for a schedule that "
                 "unfreezes layers later, shard them trainable and keep their gradient out "
                 "with lr=0 in their own parameter group)")
+
+
+def _storage_of(p: torch.Tensor) -> int:
+    """The address of ``p``'s values (a DTensor's local shard's)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded once a DTensor exists
+    local = p.to_local() if dtensor is not None and isinstance(p, dtensor.DTensor) else p
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # a fake or meta tensor (a trace): no address to compare
+        return -1
 
 
 def _kv_cache_of(kwargs: dict) -> Any:
