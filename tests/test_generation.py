@@ -271,6 +271,17 @@ def _peft(rank: int, world: int) -> dict[str, Any]:
     out = {"lora": (_generate(model, prompt, False), _generate(ref, prompt, False))}
     with model.disable_adapter(), ref.disable_adapter():
         out["base"] = (_generate(model, prompt, True), _generate(ref, prompt, True))
+    # Entry points below the sharded model: a clear error, not DTensor's "got mixed
+    # torch.Tensor and DTensor" ([Note: forwards outside the sharded model's])
+    for key, call in (("inner generate", lambda: _generate(model.get_base_model(), prompt,
+                                                           False)),
+                      ("backbone", lambda: model.get_base_model().model(prompt))):
+        try:
+            call()
+            out[key] = "ran"
+        except RuntimeError as e:
+            out[key] = str(e)
+    out["after"] = torch.equal(_generate(model, prompt, False), out["lora"][1])
     return out
 
 
@@ -313,6 +324,11 @@ def test_a_peft_model_generates_the_unsharded_tokens_at_stage_3(results) -> None
     for key in ("lora", "base"):
         got, want = results["peft"][key]
         assert torch.equal(got, want), key
+    for key in ("inner generate", "backbone"):
+        msg = results["peft"][key]
+        assert "embed_tokens (Embedding) ran outside the sharded model's forward" in msg, msg
+        assert "register_forward_method" in msg
+    assert results["peft"]["after"]  # nothing left gathered or half-done by the error
 
 
 def test_the_tracker_files_the_kv_cache_as_its_own_category(results) -> None:

@@ -102,6 +102,7 @@ from .precision import LossScaler
 from .reduction import Reducer
 from .refresh import WeightRefresh
 from .replay import JoinReplay
+from .root_guard import root_guards
 from .sources import full_master, gather_shard, memory_sources
 from .stage3 import UnitSchedule, in_backward
 from .step_grads import StepGrads
@@ -253,6 +254,9 @@ class Engine:
                     lambda m, a, u=u: unit_pre(u, a)))
                 self._handles.append(u.module.register_forward_hook(
                     lambda m, a, o, u=u: unit_post(u, o)))
+            elif self.tp is None:  # [Note: forwards outside the sharded model's]
+                for module, check in root_guards(u, self.model):
+                    self._handles.append(module.register_forward_pre_hook(check))
 
     def comms(self) -> list[Comm]:
         """The engine's distinct communicators (sharding, replicate, world)."""
