@@ -284,7 +284,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(format_plan(result, name))
     if args.muon:
         print(format_owners(_owners(result, args.gpus)))
-        print(format_muon_states(_muon_states(result)))
+        print(format_muon_states(_muon_states(result), offload=result.offload))
     if traced_muon is not None:
         print(format_muon_traces(traced_muon))
     return 0
@@ -319,7 +319,7 @@ def _muon_states(p: Plan) -> list:
     return muon_states(p)
 
 
-def format_muon_states(states: list) -> str:
+def format_muon_states(states: list, offload: bool = False) -> str:
     """``--muon``: each (N, stage)'s model state with Muon + AdamW beside AdamW's."""
     gb = 1e9
     lines = ["", "Model state with Muon over the hidden matrices + AdamW over the rest, GB per "
@@ -332,8 +332,9 @@ def format_muon_states(states: list) -> str:
         lines.append(f"  {m.gpus:>4} {m.stage:>5} {m.hybrid or '-':>7} "
                      f"{m.optim_bytes / gb:7.2f} {m.adamw_optim_bytes / gb:12.2f} "
                      f"{m.model_state_bytes / gb:7.2f} {m.adamw_model_state_bytes / gb:12.2f}")
-    if not states:
-        lines.append("  none: Muon runs neither with --tp nor with --offload (refused, "
+    if not states or offload:
+        lines.append(("  none" if not states else "  rows with --offload are left out")
+                     + ": Muon runs neither with --tp nor with --offload (refused, "
                      "docs/optimizers.md)")
     return "\n".join(lines)
 
@@ -423,6 +424,8 @@ def format_plan(p: Plan, name: str) -> str:
         "buf = stage 2 gradient buckets, stage 3 gathered units and unit gradients at the step's",
         "  peak (the root whole; stage 1 reduces in its gradients); where the optimizer step is",
         "  the peak, its fp32 gradient copies (+ stages 1-2's refresh bucket) and no act;",
+        "total = the step's fullest moment (JSON peak_moment): where backward begins, no",
+        "  gradient yet and the loss's fp32 gradients beside act (docs/planning.md);",
         "hides@tok = tokens per device per step at which overlappable communication hides.",
     ]
     if p.tp > 1:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
@@ -224,10 +225,9 @@ def _storage_of(p: torch.Tensor) -> int:
     """The address of ``p``'s values (a DTensor's local shard's)."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # loaded once a DTensor exists
     local = p.to_local() if dtensor is not None and isinstance(p, dtensor.DTensor) else p
-    try:
-        return local.untyped_storage().data_ptr()
-    except RuntimeError:  # a fake or meta tensor (a trace): no address to compare
+    if is_fake(local) or local.is_meta:  # a trace: no address to compare
         return -1
+    return local.untyped_storage().data_ptr()
 
 
 def _kv_cache_of(kwargs: dict) -> Any:
