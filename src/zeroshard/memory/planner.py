@@ -405,8 +405,11 @@ def plan(
                                                      x.fits, x.hybrid) == (s, p, True, None)),
                             default=None)
                      for p in policies}
+            # stage 0 keeps a whole replica whatever N: "never"; the others may fit on
+            # more devices than were asked about
+            none = "never" if s == 0 else f"not on {counts[-1]} or fewer"
             notes.append(f"stage {s} fits from (devices, by checkpointing): " + ", ".join(
-                f"{p} {n or 'never'}" for p, n in first.items()))
+                f"{p} {n or none}" for p, n in first.items()))
     ok = [x for x in recs if x.tokens_per_s] or recs[-1:]
     best = max(ok, key=lambda x: ((x.tokens_per_s or 0) / x.gpus, -x.gpus))
     notes += _hybrid_notes(su, rows, counts)
