@@ -67,8 +67,11 @@ class RootHooks:
         self._grad_flags = {s.user: s.user.requires_grad
                             for b in faces.buckets for s in b.slots}
         self._grad_flags.update((p, False) for p in frozen)
-        # Where each parameter the user holds keeps its values (see _check_params).
-        self._homes = {s.user: _storage_of(s.user) for b in faces.buckets for s in b.slots}
+        # Where each plain-tensor parameter the user holds keeps its values (see
+        # _check_params; a DTensor's .data setter torch itself ignores, as under FSDP2).
+        dtensor = sys.modules.get("torch.distributed.tensor")  # loaded once one exists
+        self._homes = {s.user: _storage_of(s.user) for b in faces.buckets for s in b.slots
+                       if dtensor is None or not isinstance(s.user, dtensor.DTensor)}
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
@@ -222,12 +225,10 @@ class RootHooks:
 
 
 def _storage_of(p: torch.Tensor) -> int:
-    """The address of ``p``'s values (a DTensor's local shard's)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded once a DTensor exists
-    local = p.to_local() if dtensor is not None and isinstance(p, dtensor.DTensor) else p
-    if is_fake(local) or local.is_meta:  # a trace: no address to compare
+    """The address of ``p``'s values; -1 in a trace (fake or meta: no address)."""
+    if is_fake(p) or p.is_meta:
         return -1
-    return local.untyped_storage().data_ptr()
+    return p.untyped_storage().data_ptr()
 
 
 def _kv_cache_of(kwargs: dict) -> Any:

@@ -375,6 +375,10 @@ def one_optimizer(optimizer: Any) -> Any:
     return core
 
 
+_SHAPE_ERRORS = (IndexError, RuntimeError, ValueError)
+_SHAPE_WORDS = ("imension", "shape", "2D", "2-D", "1-D", "matri", "size")
+
+
 def _flat_step(optim: Any) -> None:
     """The elementwise path's step: the optimizer sees 1-D chunks of the parameters. An
     optimizer that needs whole tensors but was not recognised (a Muon-style one under
@@ -382,8 +386,8 @@ def _flat_step(optim: Any) -> None:
     try:
         optim.step()
     except (IndexError, RuntimeError, ValueError) as e:
-        if type(e) not in (IndexError, RuntimeError, ValueError) or not any(
-                w in str(e) for w in ("imension", "shape", "2D", "2-D", "1-D", "matri", "size")):
+        # exactly these types (a subclass may not take one message) and a shape error
+        if type(e) not in _SHAPE_ERRORS or not any(w in str(e) for w in _SHAPE_WORDS):
             raise
         name = type(optim).__name__
         raise type(e)(
@@ -392,4 +396,3 @@ def _flat_step(optim: Any) -> None:
             "tensors — a matrix orthogonalisation like Muon's, a preconditioner, a "
             "per-tensor norm — shard with whole_params=True: each parameter is then stepped "
             "whole by one rank (docs/optimizers.md).)") from e
-

@@ -178,4 +178,3 @@ def explain_outside_read(model: nn.Module, engine: Engine,
         f"{param!r} was read by {said} outside its stage-3 unit {unit!r}: outside that "
         "unit's forward and backward its parameters are shards (DTensors), so torch "
         f"refused the operation ({error}). Fix: {fix}.")
-

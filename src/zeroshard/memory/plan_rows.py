@@ -150,8 +150,9 @@ class Setup:
             copies = 4 * (math.ceil(self.psi / dp) if policy.shard_optimizer else self.psi)
         gathered = 0
         if policy.gather_after_step and dp > 1:
-            bucket = (self.full_grad_bucket_bytes or self.bucket_bytes
-                      if policy.keep_full_grads else self.bucket_bytes)
+            bucket = self.bucket_bytes
+            if policy.keep_full_grads and self.full_grad_bucket_bytes:
+                bucket = self.full_grad_bucket_bytes
             largest = math.ceil(self.cfg.largest_param() / self.tp)
             gathered = r.param_bytes * min(max(bucket // r.grad_bytes, largest), self.psi)
         return state.total + copies + gathered
