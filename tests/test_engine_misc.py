@@ -35,13 +35,19 @@ def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def _unused(rank: int, world: int, stage: int) -> dict:
+def _unused(rank: int, world: int, stage: int, move: bool = False) -> dict:
     model, optim = zeroshard.shard(_Branchy(), torch.optim.AdamW, stage=stage, lr=1e-2,
                                    weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
     mb = 8 // world
     for step in range(3):
         x, y = _batches(step)
+        if move and step:
+            # Accelerate's prepare_model for evaluation (the HF Trainer's evaluate()):
+            # torch copies every tensor moved from cpu to cpu:0 (issue #65).
+            model.to(torch.device("cpu", 0))
+            with torch.no_grad():
+                model(x)
         F.cross_entropy(model(x[rank * mb:(rank + 1) * mb]), y[rank * mb:(rank + 1) * mb]).backward()
         optim.step()
         optim.zero_grad()
@@ -50,10 +56,14 @@ def _unused(rank: int, world: int, stage: int) -> dict:
 
 
 def _all_unused(rank: int, world: int) -> list:
-    return sweep(functools.partial(_unused, rank, world), [{"stage": s} for s in range(4)])
+    return sweep(functools.partial(_unused, rank, world),
+                 [{"stage": s, "move": m} for s in range(4) for m in (False, True)])
 
 
 def test_unused_parameter_untouched_and_scheduler_works() -> None:
+    """... and ``model.to(torch.device("cpu", 0))`` between steps (a copy of every
+    parameter) followed by an evaluation forward trains as before: the parameters go back
+    to the engine's buffers ([Note: parameters given new storage])."""
     ref = _Branchy()
     spare_before = {k: v.clone() for k, v in ref.spare.state_dict().items()}
     optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)

@@ -69,6 +69,10 @@ def _case(name: str):
         p = model[0].weight
         p.data = torch.zeros_like(p)
         return model(torch.zeros(1, 4))
+    if name == "converted_s0":  # a dtype conversion after shard(): not a move
+        model, _ = zeroshard.shard(model, torch.optim.AdamW, stage=0)
+        model.double()
+        return model(torch.zeros(1, 4, dtype=torch.float64))
     if name == "optimizer_foreign":
         other = nn.Linear(4, 4)
         return zeroshard.shard(model, torch.optim.AdamW(other.parameters()), stage=2)
@@ -133,6 +137,8 @@ EXPECT = {
     "replaced_param": (RuntimeError, "parameter '0.weight' was replaced"),
     "data_assigned_s0": (RuntimeError, "'0.weight' was given new storage.*p.copy_\\(tensor\\)"),
     "data_assigned_s1": (RuntimeError, "'0.weight' was given new storage.*p.copy_\\(tensor\\)"),
+    "converted_s0": (RuntimeError, "'0.weight' was given new storage.*now \\(4, 4\\) "
+                     "torch.float64 on cpu, sharded as \\(4, 4\\) torch.float32.*mixed_precision"),
     "deepcopy_s0": (TypeError, "deepcopy of a sharded Sequential.*Copy the model before "
                     r"shard\(\).*full_state_dict\(model\)"),
     "deepcopy_s3": (TypeError, "deepcopy of a sharded Sequential.*shard_for_inference"),

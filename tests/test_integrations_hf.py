@@ -63,7 +63,13 @@ def _runs(base: str) -> dict[str, list[str]]:
     runs["ddp-lora"] = ["--ddp", "--lora", "--out", f"{base}/ddpl"]
     runs["s3-lora"] = ["--stage", "3", "--lora", "--out", f"{base}/s3l"]
     runs["ddp-eval"] = ["--ddp", "--eval", "--checkpointing", "--out", f"{base}/ddpe"]
-    runs["s3-eval"] = ["--stage", "3", "--eval", "--checkpointing", "--out", f"{base}/s3e"]
+    for s in range(4):  # evaluate() mid-training: Accelerate's prepare_model (issue #65)
+        runs[f"s{s}-eval"] = ["--stage", str(s), "--eval", "--checkpointing", "--out",
+                              f"{base}/s{s}e"]
+    runs["s1-eval-resume"] = ["--stage", "1", "--eval", "--checkpointing", "--out",
+                              f"{base}/s1er", "--resume", f"{base}/s1e/checkpoint-3"]
+    runs["s0-eval-as-s2"] = ["--stage", "2", "--eval", "--checkpointing", "--out",
+                             f"{base}/s0es2", "--resume", f"{base}/s0e/checkpoint-3"]
     runs["s3-selective"] = ["--stage", "3", "--selective", "--out", f"{base}/s3s"]
     runs["ddp-bf16"] = ["--ddp", "--bf16", "--out", f"{base}/ddpb"]
     runs["s2-bf16"] = ["--stage", "2", "--bf16", "--out", f"{base}/s2b"]
@@ -135,12 +141,17 @@ def test_gradient_accumulation_equals_ddp() -> None:
     _assert_same_logs(logs["s3-accum"], logs["ddp-accum"])
 
 
-def test_evaluation_generation_and_checkpointing_at_stage_3() -> None:
-    """eval_strategy="steps" (a stage-3 forward on every rank), gradient_checkpointing=True
-    (HF's flag) and greedy generate() after training, all at stage 3: the logged losses,
-    norms and eval losses are DDP's, and the generated tokens the same."""
+@pytest.mark.parametrize("name", ["s0-eval", "s1-eval", "s2-eval", "s3-eval",
+                                  "s1-eval-resume", "s0-eval-as-s2"])
+def test_evaluation_generation_and_checkpointing(name: str) -> None:
+    """eval_strategy="steps" (the Trainer's evaluate() between training steps: Accelerate's
+    prepare_model moves the model to cpu:0, a copy of every parameter — issue #65),
+    gradient_checkpointing=True (HF's flag) and greedy generate() after training, at
+    stages 0-3, and resumed from checkpoint-3 (written after the step-3 evaluation) at the
+    same stage and at another: the logged losses, norms and eval losses are DDP's, and the
+    generated tokens the same, on a Llama with untied embeddings."""
     logs = _all()["logs"]
-    got, want = logs["s3-eval"], logs["ddp-eval"]
+    got, want = logs[name], logs["ddp-eval"]
     assert got[-1]["generated"] == want[-1]["generated"] and len(got[-1]["generated"]) == 9
     _assert_same_logs([h for h in got if "loss" in h], [h for h in want if "loss" in h])
     _assert_same_logs([h for h in got if "eval_loss" in h],

@@ -39,7 +39,7 @@ def tiny_llama(seed: int = 0) -> transformers.PreTrainedModel:
     cfg = transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=128, max_position_embeddings=32, bos_token_id=0,
-        eos_token_id=0)
+        eos_token_id=0, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(cfg)
 
 

@@ -67,11 +67,13 @@ class RootHooks:
         self._grad_flags = {s.user: s.user.requires_grad
                             for b in faces.buckets for s in b.slots}
         self._grad_flags.update((p, False) for p in frozen)
-        # Where each plain-tensor parameter the user holds keeps its values (see
-        # _check_params; a DTensor's .data setter torch itself ignores, as under FSDP2).
+        # Where each plain-tensor parameter the user holds keeps its values: a view of the
+        # engine's buffer (see [Note: parameters given new storage]; a DTensor's .data
+        # setter torch itself ignores, as under FSDP2).
         dtensor = sys.modules.get("torch.distributed.tensor")  # loaded once one exists
-        self._homes = {s.user: _storage_of(s.user) for b in faces.buckets for s in b.slots
-                       if dtensor is None or not isinstance(s.user, dtensor.DTensor)}
+        self._homes = {s.user: s.user.detach() for b in faces.buckets for s in b.slots
+                       if (dtensor is None or not isinstance(s.user, dtensor.DTensor))
+                       and _storage_of(s.user) != -1}
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._check_params()
@@ -193,12 +195,8 @@ class RootHooks:
                     "build a new model and shard that" + REPLACED_HINT
                 )
             home = self._homes.get(p)
-            if home is not None and _storage_of(p) != home:
-                raise RuntimeError(
-                    f"parameter {name!r} was given new storage (p.data = tensor) after "
-                    "zeroshard.shard(): the optimizer and the forward would use different "
-                    "tensors (DDP's would not). Copy the values in instead: with "
-                    "torch.no_grad(): p.copy_(tensor)")
+            if home is not None and _storage_of(p) != _storage_of(home):
+                _take_home(name, p, home)
             was = self._grad_flags.get(p)
             if was is None or p.requires_grad == was or not torch.is_grad_enabled():
                 # A forward without gradients computes none, so a flag flipped for it is
@@ -222,6 +220,36 @@ class RootHooks:
                 + ". Set requires_grad before zeroshard.shard() (for a schedule that "
                 "unfreezes layers later, shard them trainable and keep their gradient out "
                 "with lr=0 in their own parameter group)")
+
+
+def _take_home(name: str, p: nn.Parameter, home: torch.Tensor) -> None:
+    """[Note: parameters given new storage]
+    At stages 0-2 (fp32) the parameters the user holds view the engine's flat buffers: the
+    optimizer steps those, and the reduced gradients land there. Something that gives a
+    parameter new storage (``p.data = tensor``; ``model.to(device)`` whenever torch
+    copies, as it does from ``cpu`` to ``cpu:0``: Accelerate's ``prepare_model`` for
+    evaluation, which the Trainer's ``evaluate()`` calls) would leave the forward on the
+    new tensor and the optimizer on the old one. A copy holding the same bits (a move to
+    the same device) changes nothing DDP would see: the parameter goes back to its home.
+    A tensor with other values, dtype or shape is refused: the two would part silently."""
+    new = p.detach()
+    if (new.shape == home.shape and new.dtype == home.dtype and new.device == home.device
+            and _same_bits(new, home)):
+        p.data = home
+        return
+    raise RuntimeError(
+        f"parameter {name!r} was given new storage after zeroshard.shard() (p.data = tensor, "
+        f"or a model.to()/.half() conversion): now {tuple(new.shape)} {new.dtype} on "
+        f"{new.device}, sharded as {tuple(home.shape)} {home.dtype} on {home.device}"
+        + ("" if new.shape != home.shape or new.dtype != home.dtype else ", other values")
+        + ". The optimizer and the forward would use different tensors (DDP's would not). "
+        "Copy values in instead (with torch.no_grad(): p.copy_(tensor)); choose the dtype "
+        "with shard(..., mixed_precision=...) and the device before sharding")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN equals NaN, -0.0 differs from 0.0): one tensor copied."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _storage_of(p: torch.Tensor) -> int:
