@@ -108,6 +108,25 @@ def test_failing_configuration_is_reported_and_the_rest_complete(
     assert rows["ddp"]["status"] == "ok" and rows["zs-s3-full"]["status"] == "ok"
 
 
+def test_a_rows_loss_does_not_depend_on_the_other_rows(fast_run: dict[str, Any],
+                                                        tmp_path) -> None:  # noqa: ANN001
+    """The test-only ``patch-linear`` row replaces ``torch.nn.functional.linear`` in its
+    build, as DeepSpeed's ZeRO-3 does (its linear is also 2^-8 off torch's). Built first
+    here, it used to reach every row stepping after it; now each row steps with the torch
+    its build saw: DDP's and zeroshard's losses are those of ``fast_run`` (the same
+    settings, no such row), bit for bit, and the row says what it replaces."""
+    code = run(_args("--model", "gpt2-tiny", "--seq", "32", "--micro-batch", "2",
+                     "--world-size", "2", "--warmup", "1", "--steps", "2", "--configs",
+                     "patch-linear,ddp,zs-s3-full", "--quiet",
+                     "--json", str(tmp_path / "r.json")))
+    assert code == 0
+    rows, alone = _rows(json.loads((tmp_path / "r.json").read_text())), _rows(fast_run["json"])
+    for name in ("ddp", "zs-s3-full"):
+        assert rows[name]["loss"] == alone[name]["loss"], name
+    assert rows["patch-linear"]["loss"] != alone["ddp"]["loss"]
+    assert "replaces torch.nn.functional.linear" in rows["patch-linear"]["note"]
+
+
 def test_deepspeed_absent_is_skipped_with_a_note(fast_run: dict[str, Any]) -> None:
     try:
         import deepspeed  # noqa: F401

@@ -297,3 +297,110 @@ def test_sqrt_follower_called_alone_and_no_grad() -> None:
     idx = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
         assert torch.equal(model(idx), ref(idx))
+
+
+# -- in-place writes into a kept matmul output (issue #65, zeroshard/sac_policy.py) --------
+class _SplitLinear(torch.autograd.Function):
+    """DeepSpeed ZeRO-3's memory-efficient linear (``zero3_linear_wrap``), which replaces
+    ``F.linear`` process-wide: ``input.matmul(w.t())`` (``mm`` + ``_unsafe_view`` on 3-D
+    input) and the bias added in place."""
+
+    @staticmethod
+    def forward(x, w, b):  # type: ignore[override]
+        out = x.matmul(w.t())
+        out += b
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[override]
+        ctx.save_for_backward(inputs[0], inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        return g @ w, g2.t() @ x.reshape(-1, x.shape[-1]), g2.sum(0)
+
+
+class _WritingBlock(nn.Module):
+    """Two linears and a nonlinearity; ``how`` picks the linear: torch's F.linear on a
+    non-contiguous 3-D input (at::linear's own matmul + add_), DeepSpeed's, or one that
+    reads the kept matmul before writing into it (cannot be recomputed exactly)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def _linear(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        if self.how == "transposed":
+            return F.linear(x.transpose(0, 1), lin.weight, lin.bias).transpose(0, 1)
+        if self.how == "deepspeed":
+            return _SplitLinear.apply(x, lin.weight, lin.bias)
+        out = x.matmul(lin.weight.t())  # "read-then-write"
+        seen = torch.tanh(out)
+        out += lin.bias
+        return out + seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self._linear(torch.tanh(self._linear(x, self.a)), self.b)
+
+
+class _Writing(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_WritingBlock(how), _WritingBlock(how)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _writing_grads(how: str, policy: str) -> list[torch.Tensor]:
+    model = _Writing(how)
+    apply_checkpointing(model, policy)
+    x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["transposed", "deepspeed"])
+def test_selective_op_is_exact_when_a_kept_matmul_is_written_in_place(how: str) -> None:
+    """The kept ``mm`` output is written by ``+= bias`` through an ``_unsafe_view`` (a
+    version counter of its own, so torch's guard misses it): the recompute added the bias
+    twice (gradients 3.8 off). The write is kept too: bitwise the unchecked gradients."""
+    want = _writing_grads(how, "none")
+    for got in (_writing_grads(how, "selective-op"), _writing_grads(how, "full")):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_selective_op_refuses_a_write_it_cannot_recompute() -> None:
+    """A recomputed op read the kept matmul before the write: the recompute would hand it
+    the written values. Refused in the forward, naming the op and the way out."""
+    with pytest.raises(RuntimeError, match="aten.add_.Tensor writes in place into the output "
+                       "of a kept matmul that aten.tanh.default read.*'full'"):
+        _writing_grads("read-then-write", "selective-op")
+    assert _writing_grads("read-then-write", "full")  # full checkpointing recomputes all
+
+
+def test_selective_op_refuses_a_kept_output_written_after_the_forward() -> None:
+    """torch's guard, kept: a kept output written after the region returned it."""
+
+    class Out(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8, bias=False)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.blocks[0](x)  # the block's output is the kept mm output itself
+            y.mul_(2)
+            return y.sum()
+
+    model = Out()
+    apply_checkpointing(model, "selective-op")
+    loss = model(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match="aten.mm.default kept by selective activation "
+                       "checkpointing was written in place after the forward kept it"):
+        loss.backward()

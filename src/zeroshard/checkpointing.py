@@ -80,6 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from zeroshard.memory.saved import record_kept
+from zeroshard.sac_policy import keep_outputs_contexts
 
 __all__ = [
     "CheckpointPolicy",
@@ -208,10 +209,8 @@ def _saved_ops() -> frozenset:
     return frozenset([aten.mm.default, aten.addmm.default, *fused])
 
 
-def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy as Sac
-
-    return Sac.MUST_SAVE if op in _SAVED_OPS else Sac.PREFER_RECOMPUTE
+def _keep_matmuls(op: Any, args: tuple) -> bool:
+    return op in _SAVED_OPS
 
 
 class _ReportCached(TorchDispatchMode):
@@ -242,9 +241,9 @@ class _Both:
 
 
 def _op_level_contexts() -> tuple[Any, Any]:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    # exact under in-place writes into a kept matmul: [Note: in-place writes into a kept
+    # output] in sac_policy.py
+    forward, recompute = keep_outputs_contexts(_keep_matmuls)
     return _Both(forward, _ReportCached()), recompute
 
 

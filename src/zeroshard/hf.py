@@ -159,22 +159,19 @@ def _sac_context(inputs: set[int]) -> Callable[[], tuple[Any, Any]]:
     storages ``inputs``: save the outputs of matmuls *of those inputs* (the q, k, v
     projections); recompute every other op. The output projection is recomputed in
     principle, but nothing after it is saved, so the recompute stops before it (torch's
-    early stop): it never runs twice."""
-    from torch.utils.checkpoint import CheckpointPolicy as Sac
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    early stop): it never runs twice. Exact under in-place writes into a kept projection
+    ([Note: in-place writes into a kept output], sac_policy.py)."""
+    from .sac_policy import keep_outputs_contexts
 
     aten = torch.ops.aten
     matmuls = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> index of its input matrix
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    def keep(op: Any, args: tuple) -> bool:
         i = matmuls.get(op)
-        if i is not None and isinstance(args[i], torch.Tensor) and (
-            args[i].untyped_storage()._cdata in inputs
-        ):
-            return Sac.MUST_SAVE
-        return Sac.PREFER_RECOMPUTE
+        return i is not None and isinstance(args[i], torch.Tensor) and (
+            args[i].untyped_storage()._cdata in inputs)
 
-    return lambda: create_selective_checkpoint_contexts(policy)
+    return lambda: keep_outputs_contexts(keep)
 
 
 class _SelectiveMixin(nn.Module):

@@ -51,8 +51,11 @@ SYSTEMS: dict[str, tuple[str, int, str]] = {
 #: optimizers), and its default list.
 MUON_SYSTEMS = ("ddp", "naive-muon", "zs-s0", "zs-s1", "zs-s2", "zs-s3")
 MUON_CONFIGS = ("ddp", "naive-muon", "zs-s1", "zs-s3")
-#: Test-only (not listed): a DDP run whose step raises on rank 1.
-HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1")}
+#: Test-only (not listed): a DDP run whose step raises on rank 1; a DDP run whose build
+#: replaces torch.nn.functional.linear with a function of its own, as DeepSpeed's ZeRO-3
+#: does (see [Note: the rows must not touch each other] in isolation.py).
+HIDDEN = {"fail": ("ddp", 0, "test-only: raises inside its step on rank 1"),
+          "patch-linear": ("ddp", 0, "test-only: replaces torch.nn.functional.linear")}
 _RESHARDABLE = ("fsdp2", "zs-s3")
 POLICIES = ("none", "full", "selective", "selective-op", "sqrt")  # plus every-<k>
 HF_FACTORY = "zeroshard.hf:bench_model"

@@ -38,6 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -409,6 +410,31 @@ def _tp_step(model: nn.Module, opt: torch.optim.Optimizer, mesh) -> Callable:
     return step
 
 
+class _ForeignLinear(torch.autograd.Function):
+    """The test-only ``patch-linear`` row's replacement for ``F.linear``: shaped as
+    DeepSpeed ZeRO-3's (matmul, bias added in place) and scaled by 1 + 2^-8, so any other
+    row that steps through it ends at another loss."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.matmul(w.t())
+        if b is not None:
+            out += b
+        return out * (1 + 2**-8)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.bias = len(inputs) > 2 and inputs[2] is not None
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        x, w = ctx.saved_tensors
+        g = g * (1 + 2**-8)
+        g2 = g.reshape(-1, g.shape[-1])
+        return g @ w, g2.t() @ x.reshape(-1, x.shape[-1]), g2.sum(0) if ctx.bias else None
+
+
 def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,
                  settings: BenchSettings, device: torch.device) -> Runner:
     """Wrap ``model`` (already on ``device``, checkpointing applied) for ``spec``."""
@@ -418,6 +444,10 @@ def build_runner(spec: ConfigSpec, model: nn.Module, group: dist.ProcessGroup,
         return wrap(spec, model, group, settings, device, tp_mesh=tp_mesh)
     if spec.prefix == "fail":
         return _ddp(spec, model, group, settings, device, fail_rank=1)
+    if spec.prefix == "patch-linear":
+        runner = _ddp(spec, model, group, settings, device)
+        torch.nn.functional.linear = _ForeignLinear.apply  # what deepspeed.initialize does
+        return runner
     if spec.system in ("zeroshard", "naive_muon"):
         return _zeroshard(spec, model, group, settings, device)
     if spec.system in ("ddp", "ddp_zero_redundancy"):

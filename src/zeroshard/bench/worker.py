@@ -42,6 +42,7 @@ stay matched. DeepSpeed uses the world group and does not get this protection.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import math
@@ -57,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.bench.configs import HF_FACTORY, BenchSettings, ConfigSpec
+from zeroshard.bench.isolation import TorchPatches
 from zeroshard.bench.measure import (
     StepMemory,
     measured_step,
@@ -96,6 +98,8 @@ class _Config:
     error: str = ""
     note: str = ""
     runner: Runner | None = None
+    patches: TorchPatches | None = None
+    """What its build replaced in torch, in place for its steps only (isolation.py)."""
     step_s: list[float] = field(default_factory=list)
     time_optimizer: bool = False  # --optimizer muon: time the optimizer step too
     optimizer_s: list[float] = field(default_factory=list)
@@ -169,17 +173,23 @@ def _build(c: _Config, s: BenchSettings, device: torch.device, ctrl: dist.Proces
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=s.timeout_s))
     skip, err = False, ""
+    found: list[TorchPatches] = []
     try:
-        model = make_model(s, device)
-        if c.spec.activation_checkpointing != "none":
-            if s.model_factory == HF_FACTORY:  # HF layers: zeroshard.hf's policies
-                from zeroshard.hf import apply_checkpointing as apply_hf
+        with TorchPatches.during(found):  # see [Note: the rows must not touch each other]
+            model = make_model(s, device)
+            if c.spec.activation_checkpointing != "none":
+                if s.model_factory == HF_FACTORY:  # HF layers: zeroshard.hf's policies
+                    from zeroshard.hf import apply_checkpointing as apply_hf
 
-                apply_hf(model, c.spec.activation_checkpointing)
-            else:
-                apply_checkpointing(model, c.spec.activation_checkpointing)
-        c.runner = build_runner(c.spec, model, group, s, device)
+                    apply_hf(model, c.spec.activation_checkpointing)
+                else:
+                    apply_checkpointing(model, c.spec.activation_checkpointing)
+            c.runner = build_runner(c.spec, model, group, s, device)
+        c.patches = found[0]
         c.note = c.runner.note
+        if c.patches:
+            c.note += (("; " if c.note else "") + "replaces "
+                       + ", ".join(c.patches.names) + " (in its own steps only)")
     except SkipConfig as exc:
         skip, err = True, str(exc)
     except Exception as exc:
@@ -200,16 +210,19 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
     x, y = batches[k]
     err, secs, loss, mem, opt_secs = "", 0.0, float("nan"), None, 0.0
     try:
-        if kind == "profiled":
-            c.newton_schulz_s, loss = optimizer_matmul_seconds(c.runner.step, x, y, device)
-        elif kind == "measured":
-            ledger = c.runner.ledger
-            release_memory(collect=False)  # trim only: nothing of this configuration is garbage
-            mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
-                                count_comm=ledger is None)
-            loss = mem.loss
-        else:
-            secs, loss, opt_secs = timed_step(c.runner.step, x, y, device, c.time_optimizer)
+        # its own replacements of torch's functions, and no other row's (isolation.py)
+        with c.patches or contextlib.nullcontext():
+            if kind == "profiled":
+                c.newton_schulz_s, loss = optimizer_matmul_seconds(c.runner.step, x, y, device)
+            elif kind == "measured":
+                ledger = c.runner.ledger
+                release_memory(collect=False)  # trim only: nothing of this configuration is garbage
+                mem = measured_step(c.runner.step, c.runner.tracker(), x, y, device,
+                                    count_comm=ledger is None)
+                loss = mem.loss
+            else:
+                secs, loss, opt_secs = timed_step(c.runner.step, x, y, device,
+                                                  c.time_optimizer)
         if not math.isfinite(loss):
             err = f"loss is {loss} at step {k}"
     except Exception as exc:
