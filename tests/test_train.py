@@ -234,3 +234,32 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted_run(tmp_path: Path
     assert [(r["restart"], r["step"]) for r in resumed] == [(1, 4)], records
     assert int((ckpt / "rank1.pid").read_text()) != killed  # a new process finished the run
     _same_checkpoint(step_dir(tmp_path / "ref", 12), step_dir(ckpt, 12))
+
+
+def _per_node(rank: int, world: int, root: str, lr: str) -> str:
+    """Each rank its own --metrics file (as each node of a multi-node job has), and --lr
+    as given: the run checkpoints; options that must agree are checked at the start."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", *TINY, "--stage", "2", "--steps", "4", "--ckpt-every", "2",
+                     "--ckpt-dir", f"{root}/ckpt", "--metrics", f"{root}/metrics-{rank}.jsonl",
+                     "--lr", lr if rank == 0 else "1e-3"])
+    return f"exit {code}: {err.getvalue().strip()}" if code else "exit 0"
+
+
+def test_node_local_metrics_paths_checkpoint_and_differing_options_are_named(
+        tmp_path: Path) -> None:
+    """#64 item 7: a per-node --metrics path stopped the first checkpoint ("extra differs
+    across ranks"). Node-local paths stay out of what must agree; an option that differs
+    (--lr) is refused before training, naming it."""
+    assert run_ranks(_per_node, 2, str(tmp_path / "a"), "1e-3", timeout=300) == ["exit 0"] * 2
+    assert (step_dir(tmp_path / "a" / "ckpt", 4)).exists()
+    assert (tmp_path / "a" / "metrics-0.jsonl").exists()  # rank 0 logs
+    said = run_ranks(_per_node, 2, str(tmp_path / "b"), "2e-3", timeout=300)
+    assert said[0] == said[1]
+    assert said[0].startswith("exit 2: zeroshard train: error: --lr is 0.002 "
+                              "on rank 0 and 0.001 on rank(s) [1]; start every node with the "
+                              "same options"), said[0]

@@ -258,6 +258,7 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
     from zeroshard.state.manifest import prune
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    _check_same_config(c, world)
     if c.global_batch % (world * c.accum):
         raise ValueError(f"global_batch={c.global_batch} is not a multiple of world size "
                          f"{world} x accum {c.accum}; use e.g. {world * c.accum * 4}")
@@ -321,7 +322,7 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
             t1 = time.perf_counter()
             path = save_checkpoint(step_dir(c.ckpt_dir, step), model, optim,
                                    extra={"step": step, "data": loader.state_dict(),
-                                          "config": dataclasses.asdict(c),
+                                          "config": _shared_config(c),
                                           "loss": None if loss_step is None else loss,
                                           "loss_step": loss_step})
             if rank == 0:
@@ -334,6 +335,35 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
 
 
 _SCHEDULE = ("steps", "warmup", "lr", "min_lr")
+
+
+#: Options that may differ from node to node: paths on the node's own disk (each node's
+#: metrics file; its copy of the text). The rest must agree on every rank.
+_NODE_LOCAL = ("metrics", "text")
+
+
+def _shared_config(c: TrainConfig) -> dict[str, Any]:
+    """The options every rank must agree on: what a checkpoint records."""
+    return {k: v for k, v in dataclasses.asdict(c).items() if k not in _NODE_LOCAL}
+
+
+def _check_same_config(c: TrainConfig, world: int) -> None:
+    """Refuse, before anything is built, options that differ across ranks (a node
+    started with another --lr): naming the option, its value on rank 0 and the ranks that
+    differ. Node-local paths (:data:`_NODE_LOCAL`) may differ."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return
+    configs: list[Any] = [None] * world
+    dist.all_gather_object(configs, _shared_config(c))
+    for k, v in configs[0].items():
+        odd = [r for r, cfg in enumerate(configs) if cfg[k] != v]
+        if odd:
+            raise ValueError(
+                f"--{k.replace('_', '-')} is {v!r} on rank 0 and "
+                f"{configs[odd[0]][k]!r} on rank(s) {odd}; start every node with the same "
+                f"options (only {', '.join('--' + n for n in _NODE_LOCAL)} may differ)")
 
 
 def _schedule_change(saved: dict[str, Any] | None, c: TrainConfig, step: int) -> str | None:

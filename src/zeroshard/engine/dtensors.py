@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["make_spec", "dtensor"]
+__all__ = ["make_spec", "dtensor", "dtensor_at_zero"]
 
 
 def make_spec(mesh, placements: tuple, shape: torch.Size, dtype: torch.dtype):
@@ -26,3 +26,16 @@ def dtensor(local: torch.Tensor, spec) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_at_zero(local: torch.Tensor, spec) -> torch.Tensor:
+    """:func:`dtensor`, with the wrapper's storage offset 0 whatever ``local``'s. A DTensor
+    copies its local tensor's offset, and its storage-less wrapper then reports a nonzero
+    ``data_ptr()``: DCP's async staging reads that as "has a storage of its own" and fails
+    ("invalid python storage"). FSDP2's locals start their own storage; ours are views
+    into flat buffers, so the wrapper is built on an empty tensor and given the view."""
+    from torch.distributed.tensor import DTensor
+
+    out = DTensor(local.new_empty(0), spec, requires_grad=False)
+    out._local_tensor = local
+    return out

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .sharded_state import load_local, local_if_ours
+
 if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
@@ -165,13 +167,26 @@ def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                            + "\n\t".join(errors))
+    rows: list[FlatBucket] = []  # buckets loaded from DTensor shards laid out as ours
     for b, i, s in slots:
         key = next((n for n in s.names if n in state_dict), None)
         if key is not None:
+            local = (local_if_ours(state_dict[key], s.spec, s.local_shape(b.rank))
+                     if engine.tp is None else None)
+            if local is not None:  # torch's DCP API, sharded: no communication
+                load_local(b, i, local)
+                if b not in rows:
+                    rows.append(b)
+                continue
             t = _full(state_dict[key], key)
             if engine.tp is not None:  # this tp rank's piece, then its dp piece
                 t = engine.tp.local_piece(s.param, t)
             _load_slot(engine, b, i, t)
+    # The compute weights of the rows loaded: every rank's rows at stages 1-2 (a
+    # collective: torch's set_state_dict runs on every rank), the 16-bit copy at stage 3.
+    trainable = [b for b in engine.buckets if b in rows]
+    if trainable:
+        engine.refresh_weights(phase="load", buckets=trainable)
     # Resident stage-3 units ([Note: resident units] in stage3.py) hold the old values.
     engine.schedule.drop_stale(engine.all_buckets)
     bucketed = {n for n, *_ in named}

@@ -28,6 +28,7 @@ from .chunks import skip_slots
 from .composite import CompositeOptimizer
 from .engine import Engine
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
+from .sharded_state import called_by_dcp_api, sharded_answer
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
@@ -196,10 +197,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- state in torch's format ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What torch's optimizer over the unsharded model (same groups, same order)
-        returns; collective at stages >= 1. See [Note: torch-format optimizer state]."""
-        if self.engine.policy.shard_optimizer:  # a collective: gathers every slice
+        returns; collective at stages >= 1. See [Note: torch-format optimizer state].
+        To torch's DCP API, DTensor shards ([Note: sharded state dicts for torch's DCP
+        API])."""
+        return self.torch_format(sharded=called_by_dcp_api())
+
+    def torch_format(self, sharded: bool = False) -> dict[str, Any]:
+        """Torch's format: whole values (a collective at stages >= 1), or with ``sharded``
+        (stages 1-3, no tensor parallelism or whole-parameter optimizer) DTensor views."""
+        sharded = sharded and sharded_answer(self.engine) and self.whole is None
+        if self.engine.policy.shard_optimizer and not sharded:  # gathers every slice
             self.engine.world.sync_point("optimizer.state_dict")
-        sd = torch_state_dict(self.engine, self.optim, self.param_groups, self.whole)
+        sd = torch_state_dict(self.engine, self.optim, self.param_groups, self.whole,
+                              sharded=sharded)
         if self.engine.scaler.enabled:
             sd[_SCALER_KEY] = self.engine.scaler.state_dict()
         return sd
@@ -293,8 +303,10 @@ class OptimizerPart(torch.optim.Optimizer):
         return self.core.loss_scale
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's format for this optimizer's groups (collective, as the core's)."""
-        return part_state_dict(self.core.state_dict(), self._range)
+        """Torch's format for this optimizer's groups (collective, as the core's; DTensor
+        shards to torch's DCP API, as the core's)."""
+        return part_state_dict(self.core.torch_format(sharded=called_by_dcp_api()),
+                               self._range)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's format for this optimizer's groups. A collective where the optimizer

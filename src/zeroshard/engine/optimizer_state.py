@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .chunks import bucket_state, set_bucket_state, slot_scalars
+from .sharded_state import local_if_ours
 from .whole import WholeUpdates
 from .whole_state import load_whole_state, whole_state_dict
 
@@ -53,10 +54,12 @@ def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
 
 @torch.no_grad()
 def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
-                     groups: list[dict[str, Any]], whole: WholeUpdates | None = None
-                     ) -> dict[str, Any]:
+                     groups: list[dict[str, Any]], whole: WholeUpdates | None = None,
+                     sharded: bool = False) -> dict[str, Any]:
     """See [Note: torch-format optimizer state]; a whole-parameter optimizer's entries
-    come from their owners (whole_state.py)."""
+    come from their owners (whole_state.py). ``sharded``: per-element entries are DTensor
+    views of this rank's state, nothing gathered ([Note: sharded state dicts for torch's
+    DCP API])."""
     packed, index = _numbering(groups)
     state: dict[int, dict[str, Any]] = {}
     for b in engine.buckets:
@@ -64,6 +67,9 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         if not bstate:
             continue
         keys = _per_element(bstate, b)
+        if sharded:
+            _sharded_entries(engine, inner, b, bstate, keys, index, state)
+            continue
         gathered = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
                         if engine.policy.shard_optimizer else bstate[k].detach())
                     for k in keys}
@@ -85,6 +91,34 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
     if whole is not None:  # the whole-parameter groups' entries, from their owners
         state.update(whole_state_dict(whole, inner, index, engine.device))
     return {"state": dict(sorted(state.items())), "param_groups": packed}
+
+
+def _sharded_entries(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
+                     bstate: dict[str, Any], keys: list[str], index: dict[torch.Tensor, int],
+                     state: dict[int, dict[str, Any]]) -> None:
+    """This bucket's entries as DTensor views of this rank's flat state (no copy, no
+    collective); scalars copied, as the whole form has them."""
+    from .dtensors import dtensor_at_zero
+
+    for i, s in enumerate(b.slots):
+        scalars = slot_scalars(inner.state, b, i)
+        if s.user not in index or engine.group_of.get(s.names[0], 0) < 0 or scalars is None:
+            continue
+        entry: dict[str, Any] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                 for k, v in scalars.items()}
+        for k in keys:
+            local = b.local(bstate[k].detach(), i)
+            entry[k] = dtensor_at_zero(local, _spec_as(s.spec, local.dtype))
+        state[index[s.user]] = entry
+
+
+def _spec_as(spec: Any, dtype: torch.dtype) -> Any:
+    """``spec`` with the state's dtype (a state entry may differ from its weights')."""
+    if spec.tensor_meta.dtype == dtype:
+        return spec
+    from .dtensors import make_spec
+
+    return make_spec(spec.mesh, spec.placements, spec.tensor_meta.shape, dtype)
 
 
 def _check_groups(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
@@ -156,10 +190,17 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
             if k not in values:
                 values[k] = torch.zeros(b.shard_numel, dtype=b.master_dtype,
                                         device=b.master_device)
-            if engine.tp is not None:  # this tp rank's piece first
-                v = engine.tp.local_piece(s.param, v)
             lo, hi = s.piece(b.rank)
             dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
+            local = (local_if_ours(v, s.spec, s.local_shape(b.rank))
+                     if engine.tp is None else None)
+            if local is not None:  # a shard laid out as ours (torch's DCP API, sharded)
+                dst.copy_(local.reshape(-1))
+                continue
+            if hasattr(v, "full_tensor"):  # another DTensor layout: whole first
+                v = v.full_tensor()
+            if engine.tp is not None:  # this tp rank's piece first
+                v = engine.tp.local_piece(s.param, v)
             dst.copy_(v.detach().reshape(-1)[lo:hi])
         scalars.append(own)
     if all(x is None for x in scalars):

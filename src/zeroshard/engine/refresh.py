@@ -38,6 +38,9 @@ class WeightRefresh:
         # Told which buckets' compute weights were re-derived (the engine connects stage
         # 3's schedule: resident gathered copies of them are stale).
         self.on_refresh: Callable[[list[FlatBucket]], None] = lambda buckets: None
+        # Buckets whose masters were handed out as views (torch's DCP API: [Note: sharded
+        # state dicts for torch's DCP API]) -> their version when last derived from.
+        self.watched: dict[FlatBucket, int] = {}
 
     @torch.no_grad()
     def refresh(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
@@ -85,7 +88,19 @@ class WeightRefresh:
         for p in pending:
             p.wait()
         self.note_edits(self.buckets if buckets is None else buckets)
+        for b in self.buckets if buckets is None else buckets:
+            if b in self.watched:
+                self.watched[b] = _version(b)
         self.on_refresh(self.buckets if buckets is None else buckets)
+
+    def watch(self, buckets: list[FlatBucket]) -> None:
+        """Views of these buckets' masters were handed out (a sharded state dict that
+        ``dcp.load`` may write into): re-derive them before a forward if they change. For
+        the model's life: torch's recipe steps a fresh optimizer (``_init_optim_state``)
+        between handing the views out and loading into them."""
+        for b in buckets:
+            if b in self.buckets:  # trainable (frozen stage-3 slices are read directly)
+                self.watched[b] = _version(b)
 
     def note_edits(self, buckets: list[FlatBucket]) -> None:
         """Remember the user parameters' versions the compute weights now derive from."""
@@ -103,8 +118,15 @@ class WeightRefresh:
         (the optimizer steps the masters' chunks, which leaves those alone). At stages
         1-2 the refresh is an all-gather: every rank must make the same edit, as DDP's
         replicas must."""
-        if not self.faces.swap:
-            return  # the modules' parameters are the compute weights: edits are seen
-        stale = [b for b in self.buckets if self.faces.edits(b) != b.edits_seen]
+        # Masters written through handed-out views (dcp.load into a sharded state dict).
+        stale = [b for b, v in self.watched.items() if _version(b) != v]
+        if self.faces.swap:  # else the modules' parameters are the compute weights
+            stale += [b for b in self.buckets
+                      if self.faces.edits(b) != b.edits_seen and b not in stale]
         if stale:
-            self.refresh(phase="forward", buckets=stale)
+            self.refresh(phase="forward", buckets=[b for b in self.buckets if b in stale])
+
+
+def _version(b: FlatBucket) -> int:
+    """The version counter the masters' views share (inside ``full`` at stages 1-2, fp32)."""
+    return (b.master if b.master is not None else b.full)._version

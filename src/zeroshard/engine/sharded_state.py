@@ -1,0 +1,133 @@
+"""torch's DCP state-dict API answered as FSDP2 answers it: DTensor shards, no copies.
+
+[Note: sharded state dicts for torch's DCP API]
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (and
+``get_optimizer_state_dict``, ``get_state_dict``) call ``model.state_dict()`` and
+``optimizer.state_dict()``. A script written for DDP calls the same methods on rank 0
+and ``torch.save``s the result, so those keep DDP's answer (whole tensors: [Note: model
+state dicts], [Note: torch-format optimizer state]) — except when torch's DCP API is the
+caller, which is told apart by the calling frame's module
+(``torch.distributed.checkpoint.state_dict``; torch is pinned, and
+tests/test_dcp_sharded.py fails if that ever stops holding). Then, at stages 1-3:
+
+* each parameter is a ``DTensor`` with ``Shard(0)`` (``(Replicate(), Shard(0))`` on a
+  hybrid mesh) whose local tensor is this rank's rows of the fp32 master weights — a
+  view, FSDP2's layout (``torch.chunk`` rows: the last ranks may hold fewer or none);
+* each per-element optimizer state entry (AdamW's moments) likewise, a view of this
+  rank's flat state; scalars (``step``) are copies, as the whole form has them;
+* buffers and frozen parameters (stages 1-2) as they are; stage 0 gives DDP's whole
+  tensors (nothing is sharded there).
+
+No tensor data moves (the ledger records no collective) and nothing is copied: DCP writes
+each rank's 1/N. ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` goes
+through torch's own gathering, one tensor at a time, kept on rank 0 only.
+
+Loading accepts both forms (``load_model_state_dict`` / ``load_torch_state_dict``): a
+DTensor laid out as ours is copied from its local tensor (skipped where it is our own
+view), another one is made whole first. ``dcp.load`` into the views writes the masters
+in place, so the compute weights derived from them (16-bit copies, stage 1-2's whole
+rows of other ranks) are stale until re-derived: the buckets handed out are watched
+(``WeightRefresh.watch``) and re-derived before the next forward if their masters
+changed — ``set_state_dict`` after ``dcp.load`` (torch's recipe) is then a copy onto
+itself. Not here yet: tensor parallelism and whole-parameter optimizers (Muon) answer
+with whole tensors, as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .dtensors import dtensor_at_zero
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .flat import FlatBucket
+
+__all__ = ["called_by_dcp_api", "sharded_answer", "master_view", "sharded_model_state_dict",
+           "local_if_ours", "load_local"]
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def called_by_dcp_api(depth: int = 2) -> bool:
+    """Is the caller ``depth`` frames up torch's DCP state-dict module?"""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return False
+    return frame.f_globals.get("__name__") == _DCP_STATE_DICT
+
+
+def sharded_answer(engine: Engine) -> bool:
+    """Whether this engine answers torch's DCP API with DTensor shards (see the Note)."""
+    return engine.policy.shard_optimizer and engine.tp is None
+
+
+def master_view(b: FlatBucket, i: int) -> torch.Tensor:
+    """Slot ``i``'s rows of this rank's master weights (frozen stage-3 buckets: the kept
+    compute slice), shaped as its DTensor local: a view."""
+    s = b.slots[i]
+    if b.master is not None or b.shard16 is not None:
+        weights = b.master if b.master is not None else b.shard16
+        return b.local(weights.detach(), i)
+    n = s.rows_of(b.rank) * s.row  # stages 1-2, fp32: the masters live inside ``full``
+    if not n:
+        return b.full.detach()[:0].view(s.local_shape(b.rank))
+    return b.master_range(s.shard_offset, s.shard_offset + n).view(s.local_shape(b.rank))
+
+
+@torch.no_grad()
+def sharded_model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = None,
+                             prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    """See [Note: sharded state dicts for torch's DCP API]."""
+    values: dict[str, torch.Tensor] = {}
+    handed: list[FlatBucket] = []
+    for b in engine.all_buckets:
+        for i, s in enumerate(b.slots):
+            values.update(dict.fromkeys(s.names, dtensor_at_zero(master_view(b, i), s.spec)))
+        handed.append(b)
+    engine.weights.watch(handed)
+    if destination is None:
+        destination = OrderedDict()
+        destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+    before = set(destination)
+    nn.Module.state_dict(model, destination=destination, prefix=prefix, keep_vars=True)
+    for key in [k for k in destination if k not in before]:
+        name = key[len(prefix):]
+        if name in values:
+            destination[key] = values[name]
+        elif name in engine.orig_dtype and not keep_vars:  # a frozen parameter, stages 1-2
+            destination[key] = destination[key].detach().to(engine.orig_dtype[name])
+        elif not keep_vars and isinstance(destination[key], torch.Tensor):
+            destination[key] = destination[key].detach()
+    return destination
+
+
+def local_if_ours(t: Any, spec: Any, local_shape: torch.Size) -> torch.Tensor | None:
+    """``t``'s local tensor if ``t`` is a DTensor laid out as ``spec`` (the same ranks,
+    placements and global shape: this rank's rows of it), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or spec is None or not isinstance(t, module.DTensor):
+        return None
+    mesh = t.device_mesh
+    if (tuple(t.placements) != tuple(spec.placements) or tuple(t.shape) != tuple(spec.shape)
+            or mesh.device_type != spec.mesh.device_type
+            or mesh.mesh.tolist() != spec.mesh.mesh.tolist()):
+        return None
+    local = t.to_local()
+    return local if local.shape == local_shape else None
+
+
+@torch.no_grad()
+def load_local(b: FlatBucket, i: int, local: torch.Tensor) -> None:
+    """This rank's rows of slot ``i`` -> its masters (the caller re-derives the compute
+    weights); nothing to do where ``local`` is our own view (set_state_dict after
+    dcp.load into a sharded state dict)."""
+    dst = master_view(b, i)
+    if dst.numel() and dst.data_ptr() != local.data_ptr():
+        dst.copy_(local)
