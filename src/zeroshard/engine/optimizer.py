@@ -27,6 +27,7 @@ import torch
 from .chunks import skip_slots
 from .composite import CompositeOptimizer
 from .engine import Engine
+from .load_guard import refuse_weightless_accelerate_load
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .sharded_state import called_by_dcp_api, sharded_answer
 from .whole import WholeUpdates
@@ -217,6 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (from this optimizer at any stage and world size, or from a
         plain torch optimizer over the same groups); no communication."""
+        refuse_weightless_accelerate_load(self.engine.model)
         load_torch_state_dict(self.engine, self.optim, self.param_groups, state_dict,
                               self.whole)
         self._sync_hyperparameters()
