@@ -59,8 +59,11 @@ def _save(model, optim, path: str, use_async: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optim)
-    if use_async:  # torchtitan's async checkpointing: training goes on while it writes
-        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path)
+    if use_async:  # torchtitan's async checkpointing: training goes on while it writes,
+        # on a process group of its own, as DCP advises (docs/checkpoints.md)
+        group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path,
+                                process_group=group)
         future.result()
     else:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)

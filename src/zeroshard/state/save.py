@@ -35,6 +35,7 @@ from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
 from ..engine.engine import Engine
 from . import rng
+from .async_save import AsyncCheckpoint, stage, start, wait_pending, writer_group
 from .layout import (
     ParamEntry,
     bucket_view,
@@ -272,7 +273,9 @@ def _agree_tmp(path: Path, engine: Engine) -> Path:
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, *, async_save: bool = False,
+                    pin_memory: bool | None = None, process_group: Any = None,
+                    ) -> Path | AsyncCheckpoint:
     """Save a sharded checkpoint to the directory ``path``; collective (every rank calls).
 
     Each rank writes only what it owns: its pieces of the fp32 master weights and of the
@@ -281,19 +284,36 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     every rank — typically ``{"step": step, "data": loader.state_dict()}`` — and is what
     :func:`load_checkpoint` returns. The checkpoint appears at ``path`` only once complete
     (see [Note: atomic checkpoints]); an existing ``path`` is replaced. Returns ``path``.
+
+    ``async_save=True`` returns once this rank's share is copied to host memory (pinned
+    on CUDA unless ``pin_memory=False``) and writes it on a thread, on a process group of
+    its own (``process_group``: yours, never the default one); training may go on. It
+    returns an :class:`~zeroshard.state.async_save.AsyncCheckpoint`: ``wait()`` gives the
+    path once committed (or raises the write's error), ``done()`` polls. See [Note:
+    asynchronous checkpoints]. A later save waits for the one in flight.
     """
     engine = engine_of(model)
     optimizer = one_optimizer(optimizer)
     path = Path(path)
+    wait_pending(engine)  # one save in flight at a time
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
+    if async_save:
+        group = writer_group(engine, process_group)  # first: refusals before anything
+        _check_same_extra(engine, extra_json, extra_tensors)
+        sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
+        staged = stage(sd, pin_memory)
+        del sd
+        return start(engine, path, lambda: _write(path, engine, staged, layout, tmp,
+                                                  extra_json, t0, group))
     _check_same_extra(engine, extra_json, extra_tensors)
     writes = checkpoint_group(engine)[4]
     failed: BaseException | None = None
     if writes:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
         try:
-            _write(path, engine, model, optimizer, extra_json, extra_tensors, t0)
+            sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
+            _write(path, engine, sd, layout, tmp, extra_json, t0)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
             failed = exc
     if engine.replicate is not None:  # the other replicas learn how replica 0's save went
@@ -346,16 +366,26 @@ def _model_group(engine: Engine):
 
 
 
-def _write(path: Path, engine: Engine, model: nn.Module,
-           optimizer: torch.optim.Optimizer | None, extra_json: Any,
-           extra_tensors: dict[str, torch.Tensor], t0: float) -> None:
-    """One replica's ranks write the checkpoint together and rank 0 of them commits it."""
-    group, rank, size, _, _ = checkpoint_group(engine)
+def _prepare(path: Path, engine: Engine, model: nn.Module,
+             optimizer: torch.optim.Optimizer | None, extra_tensors: dict[str, torch.Tensor]
+             ) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """The collective part of a save, on the training thread: what this rank writes (views
+    of its buffers), the manifest's layout, and the temporary directory."""
     sd, layout = _collect(engine, model, optimizer)
     rng_sd, rng_rows = _rng_tables(engine)
     sd.update(rng_sd)
     sd.update(extra_tensors)
-    tmp = _agree_tmp(path, engine)
+    layout["rng"] = {"world_size": checkpoint_group(engine)[2], "rows": rng_rows}
+    return sd, layout, _agree_tmp(path, engine)
+
+
+def _write(path: Path, engine: Engine, sd: dict[str, Any], layout: dict[str, Any],
+           tmp: Path, extra_json: Any, t0: float, group: Any = None) -> None:
+    """One replica's ranks write ``sd`` into ``tmp`` together and rank 0 of them commits
+    it as ``path``. Every collective runs on ``group`` (default: the checkpoint group):
+    an asynchronous save passes its own (async_save.py)."""
+    ckpt_group, rank, size, _, _ = checkpoint_group(engine)
+    group = ckpt_group if group is None else group
     what = (f"saving {str(path)!r} failed, nothing was committed (the previous "
             "checkpoints are intact)")
     with dcp_errors(what):
@@ -381,7 +411,6 @@ def _write(path: Path, engine: Engine, model: nn.Module,
             **({"tp": engine.tp.size} if engine.tp is not None else {}),
             **layout, "loss_scaler": {"enabled": engine.scaler.enabled,
                                       **engine.scaler.state_dict()},
-            "rng": {"world_size": size, "rows": rng_rows},
             "extra": extra_json, "write_seconds": round(time.perf_counter() - t0, 3),
             "files": files,
         }

@@ -1,0 +1,170 @@
+"""``save_checkpoint(..., async_save=True)``: the files are written while training goes on.
+
+[Note: asynchronous checkpoints]
+A synchronous save of a large model stalls every accelerator for as long as the slowest
+rank writes. Here the save is split where torchtitan's and DCP's ``async_save`` split it:
+
+1. on the training thread, everything collective the save needs from the model (the
+   layout, the RNG rows, the agreed temporary directory, one all-gather of ``extra``'s
+   CRC), then the **staging copy**: each tensor this rank writes copied to host memory —
+   its own 1/N of the masters and optimizer state, nothing else (pinned on CUDA, so the
+   copy is a DMA the next step overlaps; ``pin_memory=`` says otherwise);
+2. on a writer thread, DCP writes the copies and rank 0 commits the directory by renaming
+   it once every rank's files are on disk ([Note: atomic checkpoints] in manifest.py).
+
+Every collective of the writer thread runs on a process group of its own (gloo, created
+once per model with the model's ``timeout=``): DCP gathers plans and results on it, and a
+collective on a group the training loop also uses, issued from another thread, could pair
+with the wrong call on a peer — the default group is refused for that reason. A rank that
+dies during the write leaves its peers waiting in DCP's last collective until that group's
+timeout; they then fail, nothing is committed, and the previous checkpoint stays the
+latest (``latest_checkpoint``). The new one is complete or absent, never half there.
+
+One save is in flight at a time: a later save (or ``wait()``) waits for the earlier one.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.dtensors import dtensor_at_zero
+from ..engine.engine import Engine
+from .layout import checkpoint_group, global_ranks
+
+__all__ = ["AsyncCheckpoint", "stage", "writer_group", "start", "wait_pending"]
+
+# model engine -> (its checkpoint group's ranks, the writer's group); one per model
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model engine -> the save in flight
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class AsyncCheckpoint:
+    """The handle ``save_checkpoint(..., async_save=True)`` returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """Has the write finished (committed or failed)?"""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is committed and return its path; re-raise the
+        write's error (nothing was committed then) on this rank."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the asynchronous save of {str(self.path)!r} is still "
+                               f"writing after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    result = wait  # concurrent.futures' name, as DCP's async_save returns a Future
+
+    def _run(self, write: Any) -> None:
+        try:
+            write()
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+def writer_group(engine: Engine, group: Any = None) -> Any:
+    """The writer thread's process group: ``group`` if given (not the default one), else
+    one made once per model over the checkpoint group's ranks. Collective the first time
+    (``new_group``: every rank of the job calls it, as every rank calls save)."""
+    if group is not None:
+        if group is dist.group.WORLD or group == dist.distributed_c10d._get_default_group():
+            raise ValueError(
+                "save_checkpoint(async_save=True, process_group=<the default group>): the "
+                "writer thread's collectives would interleave with the training loop's on "
+                "that group and pair with the wrong calls. Pass a group of its own, "
+                "dist.new_group(backend='gloo'), or leave process_group=None (zeroshard "
+                "makes one)")
+        return group
+    if engine.replicate is not None or engine.tp is not None:
+        raise NotImplementedError(
+            "save_checkpoint(async_save=True) with hybrid sharding or tensor parallelism is "
+            "not supported yet (the writer's group would differ per replica); save with "
+            "async_save=False")
+    ranks = global_ranks(checkpoint_group(engine)[0])
+    if len(ranks) != dist.get_world_size():
+        raise ValueError(
+            f"save_checkpoint(async_save=True): the model is sharded over ranks {ranks}, not "
+            "the whole job, and a group of the writer's own is made by every rank of the "
+            "job: pass process_group=dist.new_group(ranks, backend='gloo'), made on every "
+            "rank")
+    known = _GROUPS.get(engine)
+    if known is not None and known[0] == ranks:
+        return known[1]
+    seconds = engine.config.timeout or 1800.0
+    made = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=seconds))
+    _GROUPS[engine] = (ranks, made)
+    return made
+
+
+def _pin(pin_memory: bool | None) -> bool:
+    if pin_memory is None:
+        return torch.cuda.is_available()
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn("save_checkpoint(async_save=True, pin_memory=True): no CUDA device, so "
+                      "host memory cannot be pinned; staging in pageable memory instead",
+                      stacklevel=3)
+        return False
+    return bool(pin_memory)
+
+
+@torch.no_grad()
+def stage(sd: dict[str, Any], pin_memory: bool | None = None) -> dict[str, Any]:
+    """Host copies of every tensor in ``sd`` (a DTensor: of its local piece), so training
+    may change the originals while the copies are written. Exactly this rank's bytes: a
+    view is copied as the view, not its whole storage."""
+    pinned = _pin(pin_memory)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        out.copy_(t, non_blocking=pinned)
+        return out
+
+    staged: dict[str, Any] = {}
+    for k, v in sd.items():
+        if hasattr(v, "to_local"):  # a DTensor: its piece, under the same spec
+            staged[k] = dtensor_at_zero(copy(v.to_local()), v._spec)
+        elif isinstance(v, torch.Tensor):
+            staged[k] = copy(v)
+        else:
+            staged[k] = v
+    if pinned:
+        torch.cuda.synchronize()  # the copies are complete before the writer reads them
+    return staged
+
+
+def wait_pending(engine: Engine) -> None:
+    """Wait for this model's save in flight, if any (its error is raised by its handle's
+    ``wait``, not here: a later save must not fail for an earlier one)."""
+    pending = _PENDING.pop(engine, None)
+    if pending is not None:
+        pending._done.wait()
+
+
+def start(engine: Engine, path: Path, write: Any) -> AsyncCheckpoint:
+    """Run ``write`` (the DCP write and the commit) on a writer thread."""
+    handle = AsyncCheckpoint(path)
+    thread = threading.Thread(target=handle._run, args=(write,),
+                              name=f"zeroshard-save-{path.name}", daemon=True)
+    handle._thread = thread
+    _PENDING[engine] = handle
+    thread.start()
+    return handle
