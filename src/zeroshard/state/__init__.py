@@ -10,11 +10,11 @@ bounded memory. See docs/checkpoints.md.
 
 from __future__ import annotations
 
+from .async_save import AsyncCheckpoint
 from .consolidate import CheckpointReader, consolidate
 from .full import full_optimizer_state
 from .load import load_checkpoint
 from .manifest import CheckpointError, latest_checkpoint, step_dir
-from .async_save import AsyncCheckpoint
 from .save import save_checkpoint
 
 __all__ = [

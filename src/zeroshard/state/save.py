@@ -33,6 +33,7 @@ from torch import nn
 from .._version import __version__
 from ..api import engine_of
 from ..engine.chunks import bucket_state, slot_scalars
+from ..engine.dtensors import dtensor_at_zero
 from ..engine.engine import Engine
 from . import rng
 from .async_save import AsyncCheckpoint, stage, start, wait_pending, writer_group
@@ -313,6 +314,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     if writes:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
         try:
             sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
+            sd = {k: _own_storage(v) for k, v in sd.items()}
             _write(path, engine, sd, layout, tmp, extra_json, t0)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
             failed = exc
@@ -377,6 +379,21 @@ def _prepare(path: Path, engine: Engine, model: nn.Module,
     sd.update(extra_tensors)
     layout["rng"] = {"world_size": checkpoint_group(engine)[2], "rows": rng_rows}
     return sd, layout, _agree_tmp(path, engine)
+
+
+def _own_storage(t: Any) -> Any:
+    """``t`` (or a DTensor's piece) as an alias whose storage is exactly its bytes: a slice
+    of its buffer's storage, which keeps the buffer alive. DCP's writer clones a tensor
+    whose storage is larger (torch.save would write the whole storage), and ours are
+    views into flat buffers: a copy of every piece, one at a time, for nothing."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(local, torch.Tensor) or not local.is_contiguous() or (
+            local.untyped_storage().size() == local.nbytes) or local.device.type != "cpu":
+        return t
+    lo = local.storage_offset() * local.element_size()
+    alias = torch.empty(0, dtype=local.dtype).set_(
+        local.untyped_storage()[lo:lo + local.nbytes], 0, local.shape, local.stride())
+    return dtensor_at_zero(alias, t._spec) if local is not t else alias
 
 
 def _write(path: Path, engine: Engine, sd: dict[str, Any], layout: dict[str, Any],
