@@ -39,7 +39,7 @@ from .engine.units import UnitSpec
 from .engine.whole import WholeUpdates, whole_updates
 from .gather import UnshardHandle, unshard
 from .memory.tracker import MemoryTracker
-from .wrapping import ddp_refusal, refuse_wrapped
+from .wrapping import ddp_refusal, refuse_constructing_wrapper, refuse_wrapped
 
 __all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of", "memory_tracker"]
 
@@ -92,6 +92,13 @@ class ShardedModule:
         # parameter: the place to refuse DDP around a sharded model ([Note: double
         # wrapping] in wrapping.py).
         raise ddp_refusal(self)  # type: ignore[arg-type]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if not recurse:  # what DDP's and fully_shard's constructors ask each module
+            refuse_constructing_wrapper(self)  # type: ignore[arg-type]
+        return super().named_parameters(  # type: ignore[misc]
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     @property
     def module(self) -> nn.Module:

@@ -20,6 +20,12 @@ other wrapper reduces or re-lays out behind its back. So:
   exists: DDP marks the module whose forward runs (``_get_active_ddp_module()``, the
   hook torch keeps for dynamo) and the root pre-forward hook asks
   (:func:`refuse_active_ddp`).
+* At stage 3 the parameters are DTensors, and DDP around a parent of the sharded model,
+  or ``fully_shard`` of it, failed inside torch's constructors before any forward
+  ("c10d.broadcast_ does not have a sharding strategy", "Invariant encountered"). Both
+  ask each module for its own parameters (``named_parameters(recurse=False)``) first:
+  ``ShardedModule`` answers a call from their modules with the error
+  (:func:`refuse_constructing_wrapper`).
 * FSDP1 and FSDP2 around a sharded model replace its parameters; the pre-forward hook's
   check of the parameters refuses that and names these wrappers
   (:data:`REPLACED_HINT`).
@@ -34,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["REPLACED_HINT", "ddp_refusal", "foreign_wrapper", "refuse_active_ddp",
-           "refuse_wrapped", "refuse_wrapping_caller"]
+           "refuse_constructing_wrapper", "refuse_wrapped", "refuse_wrapping_caller"]
 
 #: What to do instead, in every refusal.
 SUPPORTED = (
@@ -99,6 +105,25 @@ def ddp_refusal(model: nn.Module) -> RuntimeError:
         f"DistributedDataParallel around a model sharded by zeroshard "
         f"({type(model).__name__}): zeroshard already reduces its gradients, so DDP would "
         f"reduce them a second time (or fail inside backward). {SUPPORTED}")
+
+
+#: Modules whose constructors list each module's own parameters: the wrapper they build.
+_CONSTRUCTORS = {"torch.nn.parallel.distributed": "DistributedDataParallel around a module "
+                 "that contains", "torch.distributed.fsdp._fully_shard": "fully_shard of"}
+
+
+def refuse_constructing_wrapper(model: nn.Module) -> None:
+    """Raise if the caller of ``model.named_parameters(recurse=False)`` (two frames up) is
+    DDP's or FSDP2's constructor (see [Note: double wrapping])."""
+    import sys
+
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    what = next((w for m, w in _CONSTRUCTORS.items() if caller.startswith(m)), None)
+    if what is not None:
+        raise RuntimeError(
+            f"{what} a model sharded by zeroshard ({type(model).__name__}): zeroshard already "
+            "shards it and reduces its gradients, so a second data-parallel wrapper would "
+            f"reduce them again or re-lay out its shards. {SUPPORTED}")
 
 
 #: ``forward`` methods of wrappers that call the model they wrap, by qualified name.
