@@ -333,3 +333,71 @@ def test_fabric_strategy_name_under_torchrun_equals_ddp(tmp_path) -> None:
     want = _torchrun_fabric(tmp_path / "ddp", "ddp")
     assert len(got) == 6
     _same(got, want)
+
+
+# -- load_from_checkpoint on the path Lightning reports (#64 item 5) -------------------------
+def _autoencoder(rank: int, world: int, root: str) -> dict:
+    """Lightning's README example, LitAutoEncoder (an MNIST-shaped encoder/decoder, Adam),
+    on random 28x28 images, trained at stage 3 with a ModelCheckpoint keeping the best and
+    the last; then loaded for inference from the paths Lightning reports."""
+    import warnings
+
+    import lightning as L
+    from torch import nn
+    from torch.nn import functional as F
+
+    import zeroshard
+    import zeroshard.integrations.lightning_trainer as zl
+
+    warnings.filterwarnings("ignore")
+
+    class LitAutoEncoder(L.LightningModule):
+        def __init__(self, hidden: int = 64) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.encoder = nn.Sequential(nn.Linear(28 * 28, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+            self.decoder = nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, 28 * 28))
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0].view(batch[0].size(0), -1)
+            loss = F.mse_loss(self.decoder(self.encoder(x)), x)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.rand(64, 1, 28, 28))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="train_loss",
+                                               save_last=True)
+    model = LitAutoEncoder(hidden=32)
+    trainer = L.Trainer(strategy="zeroshard_stage_3", accelerator="cpu", devices=world,
+                        max_epochs=1, callbacks=[ckpt], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader)
+    trained = zeroshard.full_state_dict(model)  # collective: every rank
+    out: dict = {}
+    try:
+        LitAutoEncoder.load_from_checkpoint(ckpt.last_model_path)
+    except IsADirectoryError as e:
+        out["plain"] = f"IsADirectoryError: {e}"
+    last = zl.load_from_checkpoint(LitAutoEncoder, ckpt.last_model_path)
+    best = zl.load_from_checkpoint(LitAutoEncoder, ckpt.best_model_path, map_location="cpu")
+    out["last_equal"] = all(torch.equal(v, trained[k]) for k, v in last.state_dict().items())
+    out["hidden"] = last.hparams.hidden
+    out["best_is_dir"] = Path(ckpt.best_model_path).is_dir()
+    out["best_loads"] = isinstance(best, LitAutoEncoder) and best.state_dict().keys() == trained.keys()
+    return out
+
+
+def test_load_from_checkpoint_reads_the_directory_lightning_reports(tmp_path) -> None:  # noqa: ANN001
+    """LitAutoEncoder.load_from_checkpoint(<best or last path>) raised IsADirectoryError on a
+    zeroshard strategy's checkpoint (a directory); zeroshard.integrations.lightning_trainer.
+    load_from_checkpoint(LitAutoEncoder, path, ...) takes the same path and arguments and
+    gives the trained weights, bit for bit, and the saved hyperparameters."""
+    for got in run_ranks(_autoencoder, 2, str(tmp_path), timeout=300):
+        assert got["plain"].startswith("IsADirectoryError"), got
+        assert got["last_equal"] and got["hidden"] == 32 and got["best_is_dir"], got
+        assert got["best_loads"], got

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_lightning_checkpoint", "whole_state_dict", "LIGHTNING_STATE"]
+__all__ = ["to_lightning_checkpoint", "load_from_checkpoint", "lightning_checkpoint_dict",
+           "whole_state_dict", "LIGHTNING_STATE"]
 
 #: Inside a zeroshard Lightning checkpoint directory: everything but weights and
 #: optimizer state, as Lightning's checkpoint dict (written by rank 0).
@@ -102,12 +103,10 @@ def _per_optimizer(osd: dict[str, Any] | None, manifest: dict[str, Any]) -> list
     return [part_state_dict(osd, range(a, a + n)) for a, n in zip(starts, counts)]
 
 
-def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                            optimizer: bool = True) -> Path:
-    """Write the zeroshard Lightning checkpoint directory ``checkpoint`` as Lightning's
-    one-file ``.ckpt`` at ``out``: whole weights in their saved dtypes (fp32 masters of
-    trained parameters), the optimizer state in torch's format (unless ``optimizer=False``:
-    a smaller file for inference), and the rest of Lightning's state as saved."""
+def lightning_checkpoint_dict(checkpoint: str | os.PathLike, *, optimizer: bool = True
+                              ) -> dict[str, Any]:
+    """The dict Lightning's one-file ``.ckpt`` holds, for the zeroshard Lightning checkpoint
+    directory ``checkpoint`` (see :func:`to_lightning_checkpoint`)."""
     from ..state.consolidate import CheckpointReader
     from ..state.manifest import CheckpointError
 
@@ -124,6 +123,39 @@ def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLik
     ckpt["optimizer_states"] = _per_optimizer(osd, reader.manifest)
     if not optimizer:
         ckpt.pop("lr_schedulers", None)
+    return ckpt
+
+
+def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike | Any,
+                         map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` (a ``LightningModule`` class) for the path a zeroshard
+    strategy reports — ``trainer.checkpoint_callback.best_model_path`` / ``last_model_path``
+    name a *directory* (each rank's shards), which Lightning's reader, a classmethod that
+    never sees the strategy, cannot open (``IsADirectoryError``). The directory's weights
+    are read whole in this one process (one tensor at a time; no process group, no
+    optimizer state) into the one-file form Lightning reads, handed to it in memory; the
+    arguments are Lightning's. A plain ``.ckpt`` file goes straight to Lightning."""
+    import io
+
+    if not (isinstance(checkpoint_path, (str, os.PathLike)) and Path(checkpoint_path).is_dir()):
+        return cls.load_from_checkpoint(checkpoint_path, map_location=map_location,
+                                        hparams_file=hparams_file, strict=strict, **kwargs)
+    buffer = io.BytesIO()
+    torch.save(lightning_checkpoint_dict(checkpoint_path, optimizer=False), buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location,
+                                    hparams_file=hparams_file, strict=strict, **kwargs)
+
+
+def to_lightning_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+                            optimizer: bool = True) -> Path:
+    """Write the zeroshard Lightning checkpoint directory ``checkpoint`` as Lightning's
+    one-file ``.ckpt`` at ``out``: whole weights in their saved dtypes (fp32 masters of
+    trained parameters), the optimizer state in torch's format (unless ``optimizer=False``:
+    a smaller file for inference), and the rest of Lightning's state as saved."""
+
+    ckpt = lightning_checkpoint_dict(checkpoint, optimizer=optimizer)
     out = Path(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 
 from .lightning_checkpoint import LIGHTNING_STATE as _LIGHTNING_STATE
-from .lightning_checkpoint import to_lightning_checkpoint, whole_state_dict
+from .lightning_checkpoint import load_from_checkpoint, to_lightning_checkpoint, whole_state_dict
 from .lightning_fabric import check_precision, one_optimizer, register, strategy_options
 
-__all__ = ["ZeroShardStrategy", "to_lightning_checkpoint"]
+__all__ = ["ZeroShardStrategy", "load_from_checkpoint", "to_lightning_checkpoint"]
 
 
 def _strategy_class() -> type:
