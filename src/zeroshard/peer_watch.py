@@ -142,8 +142,10 @@ def _main_thread_state() -> dict[str, Any]:
 def _dtensor_state(frames: list[Any], where: str) -> dict[str, Any]:
     """A main thread blocked in a collective torch issues for a DTensor (``p.full_tensor()``
     on a stage-3 parameter, ``redistribute``): waiting in a functional collective, under
-    a DTensor method. Its ranks are the DTensor's mesh's (1-D meshes; a collective over
-    one dimension of a larger mesh is not attributed: reported as running)."""
+    a DTensor method. Its ranks are those of the mesh dimensions the call moves data over
+    (``full_tensor``: every dimension not ``Replicate``; ``redistribute``: those whose
+    placement changes; on a 1-D mesh, the mesh) — on a hybrid ``(replicate, shard)`` mesh
+    ``full_tensor()`` gathers over the shard dimension only, this rank's shard group."""
     waiting = any(f.f_globals.get("__name__", "") == "torch.distributed._functional_collectives"
                   and f.f_code.co_name in _FUNCTIONAL_WAITS for f in frames)
     api = next((f for f in reversed(frames)  # the outermost DTensor method
@@ -151,13 +153,35 @@ def _dtensor_state(frames: list[Any], where: str) -> dict[str, Any]:
                 and f.f_code.co_name in ("full_tensor", "redistribute")), None)
     if not waiting or api is None:
         return {"state": "running", "where": where}
-    mesh = getattr(api.f_locals.get("self"), "device_mesh", None)
-    if mesh is None or mesh.ndim != 1:
+    ranks = _dtensor_ranks(api)
+    if not ranks:
         return {"state": "running", "where": where}
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     call = (f"DTensor.{api.f_code.co_name}() (torch's collective over ranks {ranks}: every "
             "one of them must run it, e.g. p.full_tensor() of a stage-3 parameter)")
     return {"state": "foreign", "call": call, "where": where, "ranks": ranks}
+
+
+def _dtensor_ranks(api: Any) -> list[int]:
+    """The ranks a DTensor's ``full_tensor()`` / ``redistribute(...)`` (the frame ``api``)
+    exchanges data with: the union of this rank's groups on the mesh dimensions it moves
+    over. Empty if they cannot be told (then the peer counts as running)."""
+    me = api.f_locals.get("self")
+    mesh = getattr(me, "device_mesh", None)
+    try:
+        placements = tuple(me.placements)
+        target = api.f_locals.get("placements") if api.f_code.co_name == "redistribute" else None
+        if target is not None and len(tuple(target)) == len(placements):
+            dims = [d for d, (p, t) in enumerate(zip(placements, tuple(target))) if p != t]
+        else:
+            dims = [d for d, p in enumerate(placements) if not p.is_replicate()]
+        if mesh.ndim == 1:
+            return [int(r) for r in mesh.mesh.flatten().tolist()] if dims else []
+        ranks: set[int] = set()
+        for d in dims:
+            ranks.update(dist.get_process_group_ranks(mesh.get_group(d)))
+        return sorted(ranks)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return []
 
 
 #: Where a functional collective (DTensor's) blocks: waiting for its result.
