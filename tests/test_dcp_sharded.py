@@ -27,6 +27,7 @@ import torch.distributed as dist
 from _training import loader, loss_of, make_model
 
 import zeroshard
+from zeroshard.state import full_optimizer_state
 from zeroshard.testing import run_ranks, sweep
 
 LR = 1e-2
@@ -240,3 +241,44 @@ def test_a_world_2_checkpoint_loads_on_one_rank(tmp_path) -> None:  # noqa: ANN0
     want = run_ranks(_saved, 2, path, timeout=120)[0]
     got = run_ranks(_one_rank, 1, path, timeout=120)[0]
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _at(rank: int, world: int, path: str, stage: int, save: bool) -> dict:
+    """Save (after one step) or load the sharded state at this world and stage; the local
+    shard sizes, and the whole state after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = _build(stage)
+    if save:
+        _train(model, optim, [next(loader("gpt2-tiny", rank, world))])
+    msd, osd = get_state_dict(model, optim)
+    rows = _local(msd["tok_emb.weight"]).shape[0]
+    state = {"model": msd, "optim": osd}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    return {"rows": rows, "weights": zeroshard.full_state_dict(model),
+            "optim": full_optimizer_state(model, optim)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "second"), [((4, 3), (2, 2)), ((2, 1), (4, 3))])
+def test_world_4_and_world_2_checkpoints_load_at_the_other(tmp_path, first, second) -> None:  # noqa: ANN001
+    """N -> M through DCP with the sharded state: world 4 stage 3 -> world 2 stage 2, and
+    world 2 stage 1 -> world 4 stage 3; each rank holds 1/N of the rows, and the loaded
+    state is the saved one, bit for bit."""
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_at, first[0], path, first[1], True, timeout=300)
+    loaded = run_ranks(_at, second[0], path, second[1], False, timeout=300)
+    vocab = make_model("gpt2-tiny").tok_emb.weight.shape[0]
+    assert [r["rows"] for r in saved] == [vocab // first[0]] * first[0]
+    assert [r["rows"] for r in loaded] == [vocab // second[0]] * second[0]
+    want = saved[0]
+    for got in loaded:
+        assert all(torch.equal(got["weights"][k], v) for k, v in want["weights"].items())
+        assert all(torch.equal(torch.as_tensor(got["optim"][p][k]), torch.as_tensor(v))
+                   for p, e in want["optim"].items() for k, v in e.items())
