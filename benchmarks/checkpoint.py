@@ -236,9 +236,8 @@ def worker(a: argparse.Namespace) -> None:
                 "stall_s": _slowest(span) - a.k * median_step, "peak_bytes": peak,
                 "bytes_written": written})
     fresh, fresh_optim = _build(a.system, a.layers, a.hidden)
-    for _ in range(1):  # the fresh optimizer's state exists, as a resumed run's would
-        _step(fresh, fresh_optim, rank)
-    for r in range(a.repeats):
+    _step(fresh, fresh_optim, rank)  # its optimizer state exists, as a resumed run's would
+    for _ in range(a.repeats):
         _trim()
         dist.barrier()
         before = _rss()
@@ -263,15 +262,16 @@ def _med_peak(rows: list[dict]) -> float:
 
 def table(results: list[dict]) -> str:
     mib = 2**20
-    lines = [f"model: {results[0]['psi'] / 1e6:.0f}M parameters, AdamW fp32; medians of "
-             f"{len(results[0]['save'])} repeats; peak = max over ranks of RSS increase",
-             f"{'system':<22} {'world':>5} {'save s':>8} {'stall s':>8} {'load s':>8} "
+    lines = [f"AdamW fp32; medians of {len(results[0]['save'])} repeats; peak = max over "
+             "ranks of the RSS increase during the call",
+             f"{'system':<22} {'params':>7} {'world':>5} {'save s':>8} {'stall s':>8} {'load s':>8} "
              f"{'MiB written':>12} {'save peak MiB':>14} {'load peak MiB':>14} {'step s':>7}"]
     for r in results:
         rows = [("sync", r["save"])] + ([("async", r["async"])] if r["async"] else [])
         for mode, saves in rows:
             lines.append(
-                f"{r['system'] + ' ' + mode:<22} {r['world']:>5} {_med(saves, 'seconds'):>8.2f} "
+                f"{r['system'] + ' ' + mode:<22} {r['psi'] / 1e6:>6.0f}M {r['world']:>5} "
+                f"{_med(saves, 'seconds'):>8.2f} "
                 f"{_med(saves, 'stall_s'):>8.2f} "
                 f"{_med(r['load'], 'seconds') if mode == 'sync' else float('nan'):>8.2f} "
                 f"{_med(saves, 'bytes_written') / mib:>12,.0f} {_med_peak(saves) / mib:>14,.0f} "
@@ -287,6 +287,11 @@ def main() -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--ddp-world", type=int, default=2,
                    help="DDP keeps the whole state on every rank: 4 x 355M does not fit 23 GiB")
+    p.add_argument("--ddp-layers", type=int, default=None,
+                   help="a smaller model for DDP (labelled in the table)")
+    p.add_argument("--ddp-hidden", type=int, default=768)
+    p.add_argument("--keep", default="",
+                   help="systems whose figures in --json are kept (not run again)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
@@ -297,22 +302,25 @@ def main() -> None:
     a = p.parse_args()
     if a.system is not None:
         return worker(a)
-    results = []
+    done = json.loads(Path(a.json).read_text()) if a.json and Path(a.json).exists() else []
+    results = [r for r in done if a.keep and r["system"] in a.keep.split(",")]
     for system in a.systems.split(","):
         root = tempfile.mkdtemp(prefix=f"zs-ckpt-bench-{system}-")
         out = Path(root) / "result.json"
         world = a.ddp_world if system == "ddp" else a.world
+        layers, hidden = ((a.ddp_layers, a.ddp_hidden) if system == "ddp" and a.ddp_layers
+                          else (a.layers, a.hidden))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world), __file__, "--worker", system, "--root", root,
-               "--json", str(out), "--layers", str(a.layers), "--hidden", str(a.hidden),
+               "--json", str(out), "--layers", str(layers), "--hidden", str(hidden),
                "--repeats", str(a.repeats), "--steps", str(a.steps), "--k", str(a.k)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env)
         results.append(json.loads(out.read_text()))
         shutil.rmtree(root, ignore_errors=True)
+        if a.json:  # each system's figures as soon as it is done
+            Path(a.json).write_text(json.dumps(results, indent=1))
     print(table(results))
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
