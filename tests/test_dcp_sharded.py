@@ -12,9 +12,10 @@ World 2, gpt2-tiny (tied embedding and head), AdamW, one step taken, stages 0-3 
 * ``model.state_dict()`` (a DDP script's ``torch.save`` on rank 0) stays whole.
 * ``dcp.save`` of the sharded state, then into a fresh model and optimizer: torch's recipe
   (``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``), and ``dcp.load`` alone (it
-  writes the masters in place: the compute weights are re-derived before the next forward)
-  continue exactly as the uninterrupted run; ``broadcast_from_rank0`` loads rank 0's full
-  state; a checkpoint written at stage 3 loads at stage 1 and on one rank.
+  writes the masters in place: the compute weights are re-derived before the next forward,
+  or before the whole weights are read) continue exactly as the uninterrupted run, at
+  stages 0-3; ``broadcast_from_rank0`` loads rank 0's full state; a checkpoint written at
+  stage 3 loads at stage 1 and on one rank (world 4 <-> 2: ``make slow``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def _resume(rank: int, world: int, stage: int, mp: str | None, root: str, how: s
     path = os.path.join(root, f"{stage}-{mp}-{how}-{load_stage}")
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = zeroshard.full_state_dict(model)
     want = _train(model, optim, batches[2:])
     model2, optim2 = _build(stage if load_stage is None else load_stage, mp)
     if how == "broadcast":  # rank 0's full weights, broadcast (FSDP2's way to load a
@@ -132,12 +134,38 @@ def _resume(rank: int, world: int, stage: int, mp: str | None, root: str, how: s
     msd2, osd2 = get_state_dict(model2, optim2)
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=path)
+    exported = True
     if how == "recipe":
         set_state_dict(model2, optim2, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:  # the weights as dcp.load left them; the optimizer's step and groups are set
         set_optimizer_state_dict(model2, optim2, state["optim"])
-    return {"want": want, "got": _train(model2, optim2, batches[2:])}
+    if how == "load-get":  # the views handed out again before the next forward
+        get_state_dict(model2, optim2)
+    if how == "load-export":  # the whole weights read before any forward: the saved ones
+        whole = zeroshard.full_state_dict(model2)
+        plain = model2.state_dict()
+        exported = all(torch.equal(whole[k], v) and torch.equal(plain[k].float(), v)
+                       for k, v in saved.items())
+    return {"want": want, "got": _train(model2, optim2, batches[2:]), "exported": exported}
+
+
+# torch's recipe and dcp.load alone at stages 0-3 (fp32, bf16); dcp.load then the views
+# handed out again; dcp.load then the whole weights read before a forward; stage 3 -> 1;
+# broadcast_from_rank0 (last)
+RESUMES = [{"stage": s, "mp": mp, "how": how}
+           for s, mp in ((0, None), (1, None), (2, None), (3, None), (0, "bf16"), (2, "bf16"),
+                         (3, "bf16"))
+           for how in ("recipe", "load-only")]
+RESUMES += [{"stage": s, "mp": mp, "how": how}
+            for s, mp, how in ((1, None, "load-get"), (2, "bf16", "load-get"),
+                               (3, "bf16", "load-get"), (0, None, "load-export"),
+                               (1, None, "load-export"), (2, None, "load-export"))]
+RESUMES += [{"stage": 3, "mp": None, "how": "recipe", "load_stage": 1},
+            {"stage": 2, "mp": None, "how": "broadcast"}]
+RESUME_CASES = [f"s{c['stage']}-{c['mp']}-{c['how']}" + (f"-to-s{c['load_stage']}"
+                                                          if "load_stage" in c else "")
+                for c in RESUMES[:-1]]
 
 
 def _grid(rank: int, world: int, root: str) -> dict:
@@ -145,13 +173,7 @@ def _grid(rank: int, world: int, root: str) -> dict:
     shapes = sweep(_shapes, [{"stage": s, "mp": mp, **where}
                              for s, mp in ((0, None), (1, None), (2, None), (3, None),
                                            (2, "bf16"), (3, "bf16"))])
-    resumes = sweep(_resume, [{"stage": s, "mp": mp, "how": how, "root": root, **where}
-                              for s, mp in ((1, None), (2, None), (3, None), (2, "bf16"),
-                                            (3, "bf16"))
-                              for how in ("recipe", "load-only")]
-                    + [{"stage": 3, "mp": None, "how": "recipe", "root": root,
-                        "load_stage": 1, **where},
-                       {"stage": 2, "mp": None, "how": "broadcast", "root": root, **where}])
+    resumes = sweep(_resume, [{**c, "root": root, **where} for c in RESUMES])
     dist.barrier()
     return {"shapes": shapes, "resumes": resumes}
 
@@ -192,18 +214,18 @@ def test_default_options_give_local_shards_and_move_nothing(results, case: int) 
     assert results[1]["shapes"][case]["full_keys"] == []
 
 
-RESUME_CASES = [f"s{s}-{mp}-{how}" for s, mp in ((1, None), (2, None), (3, None), (2, "bf16"),
-                                                 (3, "bf16"))
-                for how in ("recipe", "load-only")] + ["s3-to-s1"]
-
 
 @pytest.mark.parametrize("case", range(len(RESUME_CASES)), ids=RESUME_CASES)
 def test_dcp_save_of_the_sharded_state_resumes_bitwise(results, case: int) -> None:
     """torch's recipe, and dcp.load into the views alone (the compute weights re-derived
-    before the next forward), continue as the uninterrupted run, bit for bit."""
+    before the next forward; stage 0's views are DDP's whole parameters), continue as the
+    uninterrupted run, bit for bit — also with the views handed out again after the load
+    (a new-user trial: that cancelled the re-derivation), and the whole weights read before
+    any forward (full_state_dict, model.state_dict()) are the saved ones."""
     for r in results:
         got = r["resumes"][case]
         assert got["got"] == got["want"], RESUME_CASES[case]
+        assert got["exported"], RESUME_CASES[case]
 
 
 def test_broadcast_from_rank0_loads_rank0s_full_state(results) -> None:

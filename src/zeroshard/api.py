@@ -588,6 +588,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     engine = engine_of(model)
     engine.world.sync_point("full_state_dict")
+    engine.refresh_handed_out("full_state_dict after dcp.load")
     values: dict[str, torch.Tensor] = {}
     for b in engine.all_buckets:
         full = engine.full_master(b)

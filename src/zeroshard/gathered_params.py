@@ -63,6 +63,7 @@ def gathered_parameters(model: nn.Module,
     engine.between_steps("gathered_parameters()")
     wanted = _slots(engine, params)
     engine.world.sync_point("gathered_parameters")
+    engine.refresh_handed_out("gathered_parameters after dcp.load")
     copies: dict[str, torch.Tensor] = {}
     for b in engine.all_buckets:  # the same order on every rank
         mine = [s for s in b.slots if s in wanted]

@@ -114,6 +114,7 @@ def stream_weights(model: nn.Module, *, dtype: torch.dtype | None = None,
 def _stream(model: nn.Module, engine: Any, dtype: torch.dtype | None,
             to_rank: int | None, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
     engine.world.sync_point("stream_weights")
+    engine.refresh_handed_out("stream_weights after dcp.load")
     mine = to_rank is None or engine.world.rank == to_rank
     done: set[str] = set()
     for b in engine.all_buckets:

@@ -434,6 +434,17 @@ class Engine:
         self.weights.refresh(phase=phase, buckets=buckets)
         self.schedule.drop_stale(self.all_buckets if buckets is None else buckets)
 
+    def refresh_handed_out(self, what: str) -> None:
+        """Before reading the whole weights (``what``: a state dict): re-derive buckets
+        whose masters ``dcp.load`` wrote through handed-out views with no forward or
+        ``set_state_dict`` since ([Note: sharded state dicts for torch's DCP API]). A
+        collective where the refresh is (stages 1-2): every rank loaded, so every rank
+        calls it; one rank alone gets the divergence error, not stale weights."""
+        stale = self.weights.stale_watched()
+        if stale:
+            self.world.sync_point(what)
+            self.refresh_weights(phase="load", buckets=stale)
+
     # -- state -----------------------------------------------------------------------------
     def full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole master-precision weights of a bucket, every rank (sources.py)."""

@@ -104,6 +104,7 @@ def model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = Non
                      prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     """See [Note: model state dicts]."""
     check_outside_forward(engine, "model.state_dict()")
+    engine.refresh_handed_out("model.state_dict() after dcp.load")
     values = _values(engine, keep_vars)
     if destination is None:
         destination = OrderedDict()

@@ -96,8 +96,9 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
 def _sharded_entries(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
                      bstate: dict[str, Any], keys: list[str], index: dict[torch.Tensor, int],
                      state: dict[int, dict[str, Any]]) -> None:
-    """This bucket's entries as DTensor views of this rank's flat state (no copy, no
-    collective); scalars copied, as the whole form has them."""
+    """This bucket's entries as DTensor views of this rank's flat state (stage 0: whole
+    views, as torch's optimizer holds them; no copy, no collective); scalars copied, as the
+    whole form has them."""
     from .dtensors import dtensor_at_zero
 
     for i, s in enumerate(b.slots):
@@ -107,6 +108,9 @@ def _sharded_entries(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket
         entry: dict[str, Any] = {k: v.detach().clone() if torch.is_tensor(v) else v
                                  for k, v in scalars.items()}
         for k in keys:
+            if not engine.policy.shard_optimizer:  # stage 0: the whole state, as torch's
+                entry[k] = b.slot_view(bstate[k].detach(), i)
+                continue
             local = b.local(bstate[k].detach(), i)
             entry[k] = dtensor_at_zero(local, _spec_as(s.spec, local.dtype))
         state[index[s.user]] = entry

@@ -100,7 +100,14 @@ class WeightRefresh:
         between handing the views out and loading into them."""
         for b in buckets:
             if b in self.buckets:  # trainable (frozen stage-3 slices are read directly)
-                self.watched[b] = _version(b)
+                # An entry already there keeps its version: a dcp.load into the earlier
+                # views that nothing has re-derived yet must stay seen (refresh() moves it).
+                self.watched.setdefault(b, _version(b))
+
+    def stale_watched(self) -> list[FlatBucket]:
+        """Watched buckets written through their handed-out views since last derived, in
+        the buckets' order (the same on every rank: the refresh may be collective)."""
+        return [b for b in self.buckets if b in self.watched and _version(b) != self.watched[b]]
 
     def note_edits(self, buckets: list[FlatBucket]) -> None:
         """Remember the user parameters' versions the compute weights now derive from."""
@@ -119,7 +126,7 @@ class WeightRefresh:
         1-2 the refresh is an all-gather: every rank must make the same edit, as DDP's
         replicas must."""
         # Masters written through handed-out views (dcp.load into a sharded state dict).
-        stale = [b for b, v in self.watched.items() if _version(b) != v]
+        stale = self.stale_watched()
         if self.faces.swap:  # else the modules' parameters are the compute weights
             stale += [b for b in self.buckets
                       if self.faces.edits(b) != b.edits_seen and b not in stale]

@@ -16,7 +16,7 @@ tests/test_dcp_sharded.py fails if that ever stops holding). Then, at stages 1-3
 * each per-element optimizer state entry (AdamW's moments) likewise, a view of this
   rank's flat state; scalars (``step``) are copies, as the whole form has them;
 * buffers and frozen parameters (stages 1-2) as they are; stage 0 gives DDP's whole
-  tensors (nothing is sharded there).
+  parameters, views of the weights as DDP's are (nothing is sharded there).
 
 No tensor data moves (the ledger records no collective) and nothing is copied: DCP writes
 each rank's 1/N. ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` goes
@@ -64,14 +64,17 @@ def called_by_dcp_api(depth: int = 2) -> bool:
 
 
 def sharded_answer(engine: Engine) -> bool:
-    """Whether this engine answers torch's DCP API with DTensor shards (see the Note)."""
-    return engine.policy.shard_optimizer and engine.tp is None
+    """Whether this engine answers torch's DCP API with views (see the Note): DTensor
+    shards at stages 1-3, DDP's whole parameters at stage 0."""
+    return engine.tp is None
 
 
 def master_view(b: FlatBucket, i: int) -> torch.Tensor:
     """Slot ``i``'s rows of this rank's master weights (frozen stage-3 buckets: the kept
     compute slice), shaped as its DTensor local: a view."""
     s = b.slots[i]
+    if b.world == 1 or not s.spec:  # stage 0: the whole master (inside ``full`` in fp32)
+        return b.slot_view((b.master if b.master is not None else b.full).detach(), i)
     if b.master is not None or b.shard16 is not None:
         weights = b.master if b.master is not None else b.shard16
         return b.local(weights.detach(), i)
@@ -87,9 +90,12 @@ def sharded_model_state_dict(model: nn.Module, engine: Engine, *, destination: A
     """See [Note: sharded state dicts for torch's DCP API]."""
     values: dict[str, torch.Tensor] = {}
     handed: list[FlatBucket] = []
+    sharded = engine.policy.shard_optimizer
     for b in engine.all_buckets:
         for i, s in enumerate(b.slots):
-            values.update(dict.fromkeys(s.names, dtensor_at_zero(master_view(b, i), s.spec)))
+            view = master_view(b, i)  # stage 0: a whole parameter, as DDP's
+            values.update(dict.fromkeys(s.names, dtensor_at_zero(view, s.spec)
+                                        if sharded else view))
         handed.append(b)
     engine.weights.watch(handed)
     if destination is None:
