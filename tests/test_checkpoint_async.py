@@ -192,3 +192,33 @@ def test_the_default_group_is_refused_and_pinning_without_cuda_falls_back(tmp_pa
     assert "process_group=<the default group>" in said[0] and "dist.new_group" in said[0]
     assert "staging in pageable memory instead" in said[1]
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+
+
+def _checksummed_as_written(rank: int, world: int, root: str) -> bool:
+    """The shard files' CRCs come from the writer's stream (no read-back: save.py's
+    file_record refuses them here), and the load's own verification accepts them."""
+    from zeroshard.state import save as saving
+
+    original = saving.file_record
+
+    def no_read_back(path):  # noqa: ANN001, ANN202
+        assert not Path(path).name.startswith("__"), f"{path} read back to checksum it"
+        return original(path)
+
+    model, optim = _setup(1)
+    data = loader("gpt2-tiny", rank, world)
+    _steps(model, optim, data, 1)
+    want = _state(model, optim)
+    saving.file_record = no_read_back
+    try:
+        save_checkpoint(step_dir(root, 1), model, optim)
+        save_checkpoint(step_dir(root, 2), model, optim, async_save=True).wait()
+    finally:
+        saving.file_record = original
+    fresh, fresh_optim = _setup(3, seed=4)
+    load_checkpoint(step_dir(root, 2), fresh, fresh_optim)  # verify=True: every CRC read
+    return _same(_state(fresh, fresh_optim), want)
+
+
+def test_files_are_checksummed_as_they_are_written(tmp_path) -> None:  # noqa: ANN001
+    assert run_ranks(_checksummed_as_written, 2, str(tmp_path), timeout=120) == [True, True]

@@ -37,6 +37,7 @@ from ..engine.dtensors import dtensor_at_zero
 from ..engine.engine import Engine
 from . import rng
 from .async_save import AsyncCheckpoint, stage, start, wait_pending, writer_group
+from .crc_writer import ChecksummingWriter
 from .layout import (
     ParamEntry,
     bucket_view,
@@ -405,10 +406,11 @@ def _write(path: Path, engine: Engine, sd: dict[str, Any], layout: dict[str, Any
     group = ckpt_group if group is None else group
     what = (f"saving {str(path)!r} failed, nothing was committed (the previous "
             "checkpoints are intact)")
+    writer = ChecksummingWriter(tmp, sync_files=True)
     with dcp_errors(what):
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                 process_group=group)
-    mine = {p.name: file_record(p) for p in tmp.iterdir()
+        dcp.save(sd, storage_writer=writer, process_group=group)
+    # each file's size and CRC as written ([Note: checksums while writing]), or read back
+    mine = {p.name: writer.records.get(p.name) or file_record(p) for p in tmp.iterdir()
             if p.name.startswith(f"__{rank}_")}
     gathered: list[Any] = [mine]
     if size > 1:
@@ -420,7 +422,7 @@ def _write(path: Path, engine: Engine, sd: dict[str, Any], layout: dict[str, Any
             files.update(part)
         for p in sorted(tmp.iterdir()):
             if p.name not in files and p.is_file():
-                files[p.name] = file_record(p)
+                files[p.name] = writer.records.get(p.name) or file_record(p)
         manifest = {
             "format": FORMAT, "version": VERSION, "zeroshard": __version__,
             "torch": torch.__version__, "world_size": size,
