@@ -168,6 +168,7 @@ def _wrong(rank: int, world: int, case: str) -> str:
             box = [path]
             torch.distributed.broadcast_object_list(box)
             accelerator.save_state(box[0])  # optimizer.bin, no model weights
+            accelerator.wait_for_everyone()  # rank 0 writes the files
             accelerator.load_state(box[0])  # would put step 1's moments on these weights
         elif case == "registered_resume":  # the same, with the model registered: loads
             import tempfile
@@ -179,6 +180,7 @@ def _wrong(rank: int, world: int, case: str) -> str:
             box = [tempfile.mkdtemp() if rank == 0 else None]
             torch.distributed.broadcast_object_list(box)
             accelerator.save_state(box[0])
+            accelerator.wait_for_everyone()
             accelerator.load_state(box[0])
         else:
             raise AssertionError(case)
