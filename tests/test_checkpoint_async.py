@@ -113,6 +113,18 @@ def test_training_goes_on_and_the_checkpoint_is_the_moment_of_the_call(tmp_path)
             assert 3 * r["own"] <= r["staged"] <= 3 * r["own"] + 64 * 1024, r
 
 
+@pytest.mark.slow
+def test_at_world_4_the_staging_copy_is_this_ranks_quarter(tmp_path) -> None:  # noqa: ANN001
+    """Stage 3 at world 4: each rank stages 3 x its own master bytes (a quarter of the
+    model state's), and the checkpoint is the moment of the call."""
+    results = run_ranks(_while_training, 4, str(tmp_path), 3, None, timeout=300)
+    whole = sum(p.numel() for p in make_model("gpt2-tiny").parameters()) * 4
+    for r in results:
+        assert r["equal"] and r["moved"], r
+        assert 3 * r["own"] <= r["staged"] <= 3 * r["own"] + 64 * 1024, r
+        assert r["own"] <= whole / 4 * 1.1, (r["own"], whole)  # padding only
+
+
 def _dies_writing(rank: int, world: int, root: str, how: str) -> str:
     from torch.distributed.checkpoint import FileSystemWriter
 

@@ -17,7 +17,7 @@ from .config import ShardConfig, ignored_options, suggest_option
 from .engine.buffers import ignored_buffers, rank0_copies
 from .engine.composite import CompositeOptimizer
 from .engine.engine import Engine, ParamInit, engine_of
-from .engine.model_state import check_outside_forward, load_model_state_dict, model_state_dict
+from .engine.model_state import load_model_state_dict, model_state_dict
 from .engine.optimizer import OptimizerPart, ShardedOptimizer, one_optimizer
 from .engine.optimizer_spec import (
     DIVIDES_ITSELF,
@@ -34,7 +34,7 @@ from .engine.optimizer_spec import (
     whole_plan,
 )
 from .engine.outside_unit import explain_outside_read
-from .engine.sharded_state import called_by_dcp_api, sharded_answer, sharded_model_state_dict
+from .engine.sharded_state import called_by_dcp_api, sharded_answer
 from .engine.units import UnitSpec
 from .engine.whole import WholeUpdates, whole_updates
 from .gather import UnshardHandle, unshard
@@ -114,12 +114,9 @@ class ShardedModule:
             raise TypeError("pass state_dict's destination, prefix and keep_vars as keywords "
                             "(torch deprecated the positional form)")
         engine = self._zeroshard_engine
-        if called_by_dcp_api() and sharded_answer(engine):  # FSDP2's answer: DTensor shards
-            check_outside_forward(engine, "model.state_dict()")
-            return sharded_model_state_dict(self, engine, destination=destination,  # type: ignore[arg-type]
-                                            prefix=prefix, keep_vars=keep_vars)
-        return model_state_dict(self, self._zeroshard_engine,  # type: ignore[arg-type]
-                                destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return model_state_dict(self, engine, destination=destination,  # type: ignore[arg-type]
+                                prefix=prefix, keep_vars=keep_vars,  # FSDP2's answer to DCP
+                                sharded=called_by_dcp_api() and sharded_answer(engine))
 
     def load_state_dict(self, state_dict: Any, strict: bool = True,
                         assign: bool = False) -> Any:

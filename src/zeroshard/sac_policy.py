@@ -55,9 +55,8 @@ class KeepOutputs:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import CheckpointPolicy as Sac
 
-        outputs = _storages(ctx.op_output)
         if self.keep(op, args):
-            self.kept.update((s, None) for s in outputs - self.kept.keys())
+            self.kept.update((s, None) for s in _storages(ctx.op_output) - self.kept.keys())
             self._note_versions(op, ctx.op_output, bump=False)
             return Sac.MUST_SAVE
         if not self.kept:
@@ -79,7 +78,8 @@ class KeepOutputs:
             # written tensor's counter once more as the op returns
             self._note_versions(op, ctx.op_output, bump=True)
             return Sac.MUST_SAVE
-        for s in (_storages((args, kwargs)) & self.kept.keys()) - outputs:
+        read = _storages((args, kwargs)) & self.kept.keys()
+        for s in read - _storages(ctx.op_output) if read else ():  # a view is not a read
             if self.kept[s] is None:
                 self.kept[s] = str(op)
         return Sac.PREFER_RECOMPUTE

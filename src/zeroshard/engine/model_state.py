@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .sharded_state import load_local, local_if_ours
+from .sharded_state import load_local, local_if_ours, sharded_values
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -101,11 +101,16 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
 
 
 def model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = None,
-                     prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """See [Note: model state dicts]."""
+                     prefix: str = "", keep_vars: bool = False,
+                     sharded: bool = False) -> dict[str, Any]:
+    """See [Note: model state dicts]; ``sharded``: torch's DCP API's answer ([Note: sharded
+    state dicts for torch's DCP API])."""
     check_outside_forward(engine, "model.state_dict()")
-    engine.refresh_handed_out("model.state_dict() after dcp.load")
-    values = _values(engine, keep_vars)
+    if sharded:
+        values = sharded_values(engine)
+    else:
+        engine.refresh_handed_out("model.state_dict() after dcp.load")
+        values = _values(engine, keep_vars)
     if destination is None:
         destination = OrderedDict()
         destination._metadata = OrderedDict()  # type: ignore[attr-defined]

@@ -107,6 +107,8 @@ class WeightRefresh:
     def stale_watched(self) -> list[FlatBucket]:
         """Watched buckets written through their handed-out views since last derived, in
         the buckets' order (the same on every rank: the refresh may be collective)."""
+        if not self.watched:  # (before every forward: nothing handed out, nothing to do)
+            return []
         return [b for b in self.buckets if b in self.watched and _version(b) != self.watched[b]]
 
     def note_edits(self, buckets: list[FlatBucket]) -> None:

@@ -36,11 +36,9 @@ with whole tensors, as before.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from .dtensors import dtensor_at_zero
 
@@ -48,7 +46,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
 
-__all__ = ["called_by_dcp_api", "sharded_answer", "master_view", "sharded_model_state_dict",
+__all__ = ["called_by_dcp_api", "sharded_answer", "master_view", "sharded_values",
            "local_if_ours", "load_local"]
 
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
@@ -84,34 +82,19 @@ def master_view(b: FlatBucket, i: int) -> torch.Tensor:
     return b.master_range(s.shard_offset, s.shard_offset + n).view(s.local_shape(b.rank))
 
 
-@torch.no_grad()
-def sharded_model_state_dict(model: nn.Module, engine: Engine, *, destination: Any = None,
-                             prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """See [Note: sharded state dicts for torch's DCP API]."""
+def sharded_values(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every bucketed parameter, by each of its names, as torch's DCP API gets it: a
+    DTensor view of this rank's rows (stage 0: a view of the whole parameter, as DDP's).
+    The buckets are watched from now on (``WeightRefresh.watch``)."""
     values: dict[str, torch.Tensor] = {}
-    handed: list[FlatBucket] = []
     sharded = engine.policy.shard_optimizer
     for b in engine.all_buckets:
         for i, s in enumerate(b.slots):
-            view = master_view(b, i)  # stage 0: a whole parameter, as DDP's
+            view = master_view(b, i)
             values.update(dict.fromkeys(s.names, dtensor_at_zero(view, s.spec)
                                         if sharded else view))
-        handed.append(b)
-    engine.weights.watch(handed)
-    if destination is None:
-        destination = OrderedDict()
-        destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-    before = set(destination)
-    nn.Module.state_dict(model, destination=destination, prefix=prefix, keep_vars=True)
-    for key in [k for k in destination if k not in before]:
-        name = key[len(prefix):]
-        if name in values:
-            destination[key] = values[name]
-        elif name in engine.orig_dtype and not keep_vars:  # a frozen parameter, stages 1-2
-            destination[key] = destination[key].detach().to(engine.orig_dtype[name])
-        elif not keep_vars and isinstance(destination[key], torch.Tensor):
-            destination[key] = destination[key].detach()
-    return destination
+    engine.weights.watch(engine.all_buckets)
+    return values
 
 
 def local_if_ours(t: Any, spec: Any, local_shape: torch.Size) -> torch.Tensor | None:
