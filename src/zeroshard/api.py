@@ -39,6 +39,7 @@ from .engine.units import UnitSpec
 from .engine.whole import WholeUpdates, whole_updates
 from .gather import UnshardHandle, unshard
 from .memory.tracker import MemoryTracker
+from .unwrapped import twin_of
 from .wrapping import ddp_refusal, refuse_constructing_wrapper, refuse_wrapped
 
 __all__ = ["shard", "full_state_dict", "ShardedModule", "engine_of", "memory_tracker"]
@@ -102,8 +103,9 @@ class ShardedModule:
 
     @property
     def module(self) -> nn.Module:
-        """The model itself (DDP scripts reach the wrapped model as ``model.module``)."""
-        return self._modules.get("module") or self  # type: ignore[attr-defined]
+        """What DDP's ``model.module`` is: the same module, with no ``.module`` of its own
+        (see [Note: DDP's unwrap idiom] in unwrapped.py)."""
+        return self._modules.get("module") or twin_of(self)  # type: ignore[attr-defined, arg-type]
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
