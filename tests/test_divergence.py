@@ -171,9 +171,16 @@ def test_collective_timeout_names_rank_unit_and_phase() -> None:
 
 # -- with the default options (issue #16, item 8) ----------------------------------------
 def _alone(rank: int, world: int, what: str, stage: int, mixed_precision: str | None) -> dict:
-    """Train 3 steps; after the first, rank 0 alone evaluates or takes a state dict."""
-    model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=stage,
-                                   lr=1e-2, mixed_precision=mixed_precision)
+    """Train 3 steps; after the first, rank 0 alone evaluates or takes a state dict
+    (``muon``: of torch's Muon over the matrices, whose state stays a collective)."""
+    model = make_model("gpt2-tiny")
+    if what == "muon":
+        optim = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+        model, optim = zeroshard.shard(model, optim, stage=stage,
+                                       mixed_precision=mixed_precision)
+    else:
+        model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=stage,
+                                       lr=1e-2, mixed_precision=mixed_precision)
     data = loader("gpt2-tiny", rank, world)
     start = time.monotonic()
     alone = None
@@ -197,11 +204,13 @@ def _alone(rank: int, world: int, what: str, stage: int, mixed_precision: str | 
 
 
 ALONE = [  # (what rank 0 does alone, stage, mixed precision, is it a collective there?)
-    ("eval", 3, None, True), ("state_dict", 3, "bf16", True),
-    ("state_dict", 1, "bf16", True), ("optimizer", 2, None, True),
+    ("eval", 3, None, True), ("muon", 2, None, True),
     ("eval", 1, "bf16", False), ("eval", 2, None, False),
     ("state_dict", 2, None, False), ("state_dict", 0, "bf16", False),
     ("optimizer", 0, None, False),
+    # read from the peers ([Note: state dicts served]): no collective on gloo
+    ("state_dict", 3, "bf16", False), ("state_dict", 1, "bf16", False),
+    ("optimizer", 2, None, False), ("optimizer", 3, None, False),
 ]
 
 
@@ -211,9 +220,10 @@ def _alone_each(rank: int, world: int, points: list) -> list:
 
 def test_one_rank_alone_is_an_error_on_every_rank_or_correct() -> None:
     """Evaluating or taking a state dict on rank 0 alone — the usual DDP habit — works
-    wherever it needs no collective, and is an error on every rank, naming the fix, where
-    it does (never a hang, an abort or mixed-up weights), with the default options. (An
-    error leaves the process group unusable, as a failed collective does: one run each.)"""
+    wherever it needs no collective (state dicts on gloo: read from the peers), and is an
+    error on every rank, naming the fix, where it does (never a hang, an abort or mixed-up
+    weights), with the default options. (An error leaves the process group unusable, as a
+    failed collective does: one run each.)"""
     fine = [p for p in ALONE if not p[3]]
     runs = [[p] for p in ALONE if p[3]] + [fine]
     for points in runs:
@@ -233,6 +243,9 @@ def test_one_rank_alone_is_an_error_on_every_rank_or_correct() -> None:
                 fix = "evaluation included, on every rank" if what == "eval" else (
                     "on every rank and save on one")
                 assert fix in msg, (where, msg)
+                if what == "muon":  # what the other rank does, said rightly
+                    assert "A rank is taking a state dict alone" in msg, msg
+                    assert "evaluation on one rank" not in msg, msg
 
 
 # -- a stage-3 state dict on one rank, the others elsewhere (issue #31, item 2) -------------
@@ -241,8 +254,10 @@ TIMEOUT = 60.0
 
 def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
     """Rank 0 takes a stage-3 state dict alone; the other ranks exit, wait in a barrier
-    of their own, or run a forward. A rank blocked in the barrier is ended by its peer
-    watch: what it printed goes to ``root``, beside the time its wait began."""
+    of their own, run a training step, or (``export``) rank 0 runs zeroshard.hf's
+    save_pretrained alone, still a collective. A rank blocked in the barrier of an export
+    is ended by its peer watch: what it printed goes to ``root``, beside the time its wait
+    began."""
     from zeroshard.comm import CollectiveError
 
     model, optim = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
@@ -251,44 +266,68 @@ def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
     loss_of(model, x, y).backward()
     optim.step()
     start = time.time()
-    if rank > 0 and others in ("barrier", "export"):
+    if rank > 0 and others == "export":
         print_to_file(root, rank)  # its watch's last words
         dist.barrier()
         return {"error": None}  # not reached: the watch ends this process
+    if rank > 0 and others == "exit":
+        Path(root, f"pid{rank}").write_text(str(os.getpid()))
+        return {"error": None, "exited": True}  # a fresh rank's process ends here
     try:
         if rank == 0:
+            if others == "exit":  # the others' processes have ended
+                for r in range(1, world):
+                    _wait_gone(Path(root, f"pid{r}"))
+                start = time.time()
             if others == "export":  # zeroshard.hf.save_pretrained on rank 0 only
                 from zeroshard.hf import save_pretrained
 
                 save_pretrained(model, "/nonexistent/never-written")
-            else:
-                model.state_dict()
-            return {"error": None}
-        if others == "exit":
-            return {"error": None, "exited": True}
-        loss_of(model, x, y).backward()
+                return {"error": None}
+            alone = model.state_dict()  # the others: in a barrier, or training on
+        if others == "barrier":
+            dist.barrier()
+        else:  # the others' next step waits for rank 0's forward
+            loss_of(model, x, y).backward()
+        everyone = model.state_dict()
+        optim.step()
     except (CollectiveMismatch, CollectiveTimeout, CollectiveError) as e:
         result = {"error": f"{type(e).__name__}: {e}", "seconds": time.time() - start}
         with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         return result
-    return {"error": None}
+    same = rank > 0 or all(torch.equal(alone[k], everyone[k]) for k in everyone)
+    return {"error": None, "same": same, "seconds": time.time() - start}
+
+
+def _wait_gone(pid_file: Path) -> None:
+    """Until the process whose pid ``pid_file`` will hold has ended."""
+    while not pid_file.exists():
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("others,world", [("exit", 2), ("barrier", 2), ("barrier", 3),
                                           ("forward", 2), ("export", 2)])
-def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(
-        others: str, world: int, tmp_path: Path) -> None:
-    """Every rank still running ends with an error that says to call state_dict() on every
-    rank — well within the timeout: a rank blocked in a barrier of the user's is found by
-    asking the peers ([Note: asking the peers]), not by waiting TIMEOUT seconds; rank 0
-    raises, the blocked ranks' watches print the same error and end their processes."""
+def test_state_dict_on_one_rank_alone(others: str, world: int, tmp_path: Path) -> None:
+    """Rank 0 takes a stage-3 state dict alone, the DDP habit: with the others in a barrier
+    of the user's or training on, it is the state dict every rank takes at the same step
+    ([Note: state dicts served]); with the others gone, an error naming them, well within
+    the timeout. zeroshard.hf.save_pretrained stays a collective: on one rank alone, an
+    error on every rank still running, a rank blocked in a barrier found by asking the
+    peers ([Note: asking the peers]) and ended by its watch."""
     from zeroshard.testing.errors import RankError
 
     # Fresh ranks: "exit" needs a process that ends, and the answers of a kept rank's peer
     # watch are not reliable across calls (see [Note: reused ranks]).
     args = (_state_dict_alone, world, others, str(tmp_path))
-    if others in ("barrier", "export"):
+    if others == "export":
         with pytest.raises(RankError, match="exit code 1"):
             run_ranks(*args, timeout=TIMEOUT + 60, fresh=True)
         per_rank = [json.loads((tmp_path / "rank0.json").read_text())] + [
@@ -301,22 +340,17 @@ def test_state_dict_on_one_rank_is_an_error_on_every_rank_still_running(
             assert r == {"error": None, "exited": True}
             continue
         msg = r["error"]
+        if others in ("barrier", "forward"):
+            assert msg is None and r["same"], (rank, r)
+            continue
         assert msg is not None, (rank, r)
+        assert r["seconds"] < 15, (rank, r["seconds"], msg)
         if others == "export":  # the fix names the call that was made alone
             assert "zeroshard.hf.save_pretrained and zeroshard.full_state_dict gather the " \
                    "weights from every rank: call them on every rank" in msg, (rank, msg)
             continue
-        assert "on every rank and save on one" in msg, (rank, msg)
-        assert r["seconds"] < 15, (rank, r["seconds"], msg)
-        if others == "exit":
-            assert msg.startswith("CollectiveError") and "no longer running" in msg, msg
-            assert "Rank 0 takes a state dict that the other ranks skipped" in msg, msg
-        elif others == "barrier":
-            assert msg.startswith("CollectiveMismatch"), msg
-            assert "is blocked in torch.distributed.barrier() called at" in msg, msg
-            assert "test_divergence.py" in msg, msg
-        else:
-            assert msg.startswith("CollectiveMismatch") and "state_dict" in msg, msg
+        assert msg.startswith("CollectiveError"), msg
+        assert "asked rank 1 for its shards, but rank 1 is no longer running" in msg, msg
 
 
 def _check_group_after_reinit(rank: int, world: int, root: str) -> bool:

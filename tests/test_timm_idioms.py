@@ -90,3 +90,121 @@ def test_unwrap_ema_and_dist_bn_as_under_ddp() -> None:
             assert torch.equal(r["eval"], ddp["eval"]), where
             _equal(r["weights"], ddp["weights"], where)
             _equal(r["ema"], ddp["ema"], where)
+
+
+# -- rank-0-only saving (item 2) --------------------------------------------------------------
+def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> float:
+    x, y = _batch(step, rank)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _sharded(kind: str, stage: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model(kind)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return zeroshard.shard(model, optim, stage=stage)
+
+
+def _save_run(rank: int, world: int, kind: str, stage: int, alone: bool, path: str) -> dict:
+    """Six steps; after step 1 every rank takes both state dicts (an earlier call), after
+    step 3 rank 0 saves alone (the others train on into step 4) or every rank does."""
+    from _timm_idioms import rank0_save
+
+    from zeroshard.engine.engine import engine_of
+
+    model, optim = _sharded(kind, stage)
+    server = engine_of(model).server
+    out: dict = {"losses": []}
+    for step in range(6):
+        out["losses"].append(_step(model, optim, step, rank))
+        if step == 1:
+            model.state_dict(), optim.state_dict()
+            out["served_before"] = server.served if server is not None else 0
+        if step == 2:
+            before = server.served if server is not None else 0
+        if step == 3:
+            # no request reached a server in a step without a state dict call
+            out["served_quiet_step"] = (server.served if server is not None else 0) - before
+            if alone:
+                saved = rank0_save(model, optim, epoch=step)
+            else:
+                saved = {"state_dict": model.state_dict(), "optimizer": optim.state_dict()}
+            if rank == 0:
+                torch.save(saved, path)
+                out["saved"] = saved
+    out["final"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _resume(rank: int, path: str, kind: str, stage: int) -> dict:
+    """A fresh model at ``stage`` loads the rank-0 checkpoint and trains steps 4-5."""
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 wrote it
+    saved = torch.load(path, weights_only=True)
+    model, optim = _sharded(kind, stage)
+    model.load_state_dict(saved["state_dict"])
+    optim.load_state_dict(saved["optimizer"])
+    losses = [_step(model, optim, step, rank) for step in (4, 5)]
+    return {"losses": losses, "final": model.state_dict()}
+
+
+def _save_all(rank: int, world: int, kind: str, root: str) -> list:
+    out = []
+    for stage in (0, 1, 2, 3):
+        runs = [_save_run(rank, world, kind, stage, alone, f"{root}/s{stage}-{alone}.pt")
+                for alone in (True, False)]
+        resumed = [_resume(rank, f"{root}/s{stage}-True.pt", kind, s) for s in (stage, 3 - stage)]
+        out.append((runs, resumed))
+    return out
+
+
+def _equal_state(a: dict, b: dict, where: object) -> None:
+    assert a.keys() == b.keys(), where
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), (where, k)
+        elif isinstance(a[k], dict):
+            _equal_state(a[k], b[k], (where, k))
+        elif isinstance(a[k], list):
+            assert len(a[k]) == len(b[k]), (where, k)
+            for i, (x, y) in enumerate(zip(a[k], b[k])):
+                if isinstance(x, dict):
+                    _equal_state(x, y, (where, k, i))
+                else:
+                    assert x == y, (where, k, i)
+        else:
+            assert a[k] == b[k], (where, k)
+
+
+def test_rank0_only_save_is_the_all_rank_state_of_that_step_and_resumes(tmp_path) -> None:
+    """CheckpointSaver's save on rank 0 alone, the other rank training on into the next
+    step (blocked at its first collective with rank 0), two steps after an earlier state
+    dict call: ``{"state_dict", "optimizer"}`` equal, bitwise, the dicts every rank takes
+    at that step in the same run without it, at stages 0-3; nothing else changes (losses
+    and final weights bitwise those of the all-rank run); it loads strict into a fresh
+    model at the same stage and another and training resumes bitwise; no request reaches
+    a server in a step without a state dict call ([Note: state dicts served])."""
+    per_rank = run_ranks(_save_all, 2, "resnet", str(tmp_path), timeout=300)
+    for rank, stages in enumerate(per_rank):
+        for stage, ((alone, everyone), resumed) in enumerate(stages):
+            where = (rank, stage)
+            assert alone["served_quiet_step"] == 0 == everyone["served_quiet_step"], where
+            assert alone["losses"] == everyone["losses"], where
+            _equal(alone["final"], everyone["final"], where)
+            if rank == 0:
+                assert alone["saved"]["arch"] == "TinyResNet"
+                _equal(alone["saved"]["state_dict"], everyone["saved"]["state_dict"], where)
+                _equal_state(alone["saved"]["optimizer"], everyone["saved"]["optimizer"],
+                             where)
+                # what a plain torch AdamW and model load
+                plain = _model("resnet")
+                plain.load_state_dict(alone["saved"]["state_dict"], strict=True)
+                torch.optim.AdamW(plain.parameters(), lr=1e-2).load_state_dict(
+                    alone["saved"]["optimizer"])
+            for r in resumed:  # at this stage and at 3 - stage
+                assert r["losses"] == alone["losses"][4:], where
+                _equal(r["final"], alone["final"], where)

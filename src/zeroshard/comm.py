@@ -99,8 +99,12 @@ class CommLedger:
     #: Named windows (``window()``): the last WINDOW_RECORDS records issued inside each.
     windows: dict[str, deque[CommRecord]] = field(default_factory=dict)
     _window: str | None = None
+    #: Collectives recorded since the ledger was made (never reset): a rank that sees it
+    #: move knows its peers joined a collective since (engine/state_clock.py).
+    issued: int = 0
 
     def add(self, record: CommRecord) -> None:
+        self.issued += 1
         if self._window is not None:
             self.windows[self._window].append(record)
         else:

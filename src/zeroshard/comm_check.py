@@ -93,8 +93,11 @@ def mismatch(rows: list[list[int]], c: CheckedGroup) -> CollectiveMismatch:
 
 _STATE_UNITS = frozenset({"state_dict", "optimizer.state_dict", "full_state_dict",
                           "save_pretrained"})
-_STATE_HINT = ("A state dict of a sharded model is a collective here: call "
-               "model.state_dict() / optimizer.state_dict() on every rank and save on "
+_STATE_HINT = ("A rank is taking a state dict alone (rank 0 saving alone, as DDP scripts "
+               "do?) while the others train on. With this model it is a collective — NCCL, "
+               "tensor parallelism or a whole-parameter optimizer such as Muon (on gloo "
+               "without those, one rank may take it alone: [Note: state dicts served]) — so "
+               "call model.state_dict() / optimizer.state_dict() on every rank and save on "
                "one (sd = model.state_dict(); if rank == 0: torch.save(sd, path)).")
 _EXPORT_HINT = ("zeroshard.hf.save_pretrained and zeroshard.full_state_dict gather the "
                 "weights from every rank: call them on every rank (rank 0 writes the files).")
@@ -148,7 +151,9 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_state_hint(state))
     phases = [PHASES[r[4]] for r in rows]
     training = [p in _TRAINING for p in phases]
-    if units & _GATHER_UNITS:
+    if state:  # the other ranks are simply training on: the state hint says so
+        pass
+    elif units & _GATHER_UNITS:
         hints.append(_GATHER_HINT)
     elif units == {"buffers"} and len({r[5] for r in rows}) > 1:
         hints.append(_BUFFER_SIZES_HINT)
@@ -160,7 +165,8 @@ def _fix(rows: list[list[int]], names: dict[int, str]) -> str:
         hints.append(_UNIT_HINT)
     elif "forward" in phases and not all(training) and not state:
         hints.append(_FORWARD_HINT)
-    if any(training) and not all(training):
+    saving_alone = bool(state) and not state & {"save_pretrained", "full_state_dict"}
+    if any(training) and not all(training) and not saving_alone:
         hints.append(_UNEVEN_HINT)
     if _BUFFER_SIZES_HINT not in hints:
         hints.append(_ORDER_HINT)

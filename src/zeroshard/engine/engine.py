@@ -103,8 +103,10 @@ from .reduction import Reducer
 from .refresh import WeightRefresh
 from .replay import JoinReplay
 from .root_guard import root_guards
+from .shard_server import server_for
 from .sources import full_master, gather_shard, memory_sources
 from .stage3 import UnitSchedule, in_backward
+from .state_clock import StateClock
 from .step_grads import StepGrads
 from .storage import same_memory, shares
 from .tensor_parallel import TensorParallel
@@ -188,6 +190,15 @@ class Engine:
             buckets=self.buckets, faces=self.faces, reducer=self.reducer,
             offloader=self.offloader, scaler=self.scaler, tied=self.tied, tp=self.tp)
         self._wire()
+        # State dicts read from the peers, so one rank may take them alone ([Note: state
+        # dicts served] in shard_server.py); every change to the shards ticks the clock.
+        self.clock = StateClock()
+        self.server = server_for(self) if self.policy.shard_optimizer else None
+        self.server_id = self.server.register(self) if self.server is not None else -1
+        if self.server is not None:
+            self.clock.peers = {p for p in comm.peers if p != comm.global_rank}
+            ledger = comm.ledger
+            self.clock.issued = lambda: ledger.issued
 
     # -- set-up -----------------------------------------------------------------------------
     def _materialize(self, param_init: ParamInit | None, mesh: Any) -> None:
@@ -427,6 +438,17 @@ class Engine:
         if close:
             self.replay.step_done()
             self.comm.ledger.mark_step()
+
+    @contextmanager
+    def loading(self, what: str) -> Iterator[None]:
+        """Around a load into the shards (every rank loads): where peers read this rank's
+        state ([Note: state dicts served]), the ranks first agree they all reached it — a
+        peer still reading this rank's shards for a state dict taken just before is done
+        then — and the load ticks the clock ([Note: the state clock])."""
+        if self.server is not None:
+            self.comm.all_reduce(torch.zeros(1, device=self.device), phase="state", unit=what)
+        with self.clock.change():
+            yield
 
     def refresh_weights(self, *, phase: str, buckets: list[FlatBucket] | None = None) -> None:
         """Re-derive the compute weights from the masters (refresh.py); resident stage-3

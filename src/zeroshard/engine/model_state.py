@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .shard_server import WEIGHTS
 from .sharded_state import load_local, local_if_ours, sharded_values
 
 if TYPE_CHECKING:
@@ -72,10 +73,19 @@ def _extract(b: FlatBucket, gathered: torch.Tensor, i: int, dtype: torch.dtype) 
 
 @torch.no_grad()
 def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
-    """Every bucketed parameter's whole value, by each of its names."""
+    """Every bucketed parameter's whole value, by each of its names: read from the peers
+    where they serve it ([Note: state dicts served] in shard_server.py), else gathered."""
+    if needs_collective(engine) and engine.server is not None:
+        with engine.server.session(engine, "model.state_dict()") as fetch:
+            return _values_from(engine, keep_vars,
+                                lambda b, shard: fetch.gathered(b, shard, WEIGHTS))
+    return _values_from(engine, keep_vars, None)
+
+
+def _values_from(engine: Engine, keep_vars: bool, read: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     gather = needs_collective(engine)
-    if gather:
+    if gather and read is None:
         engine.world.sync_point("state_dict")
     for b in engine.all_buckets:
         if not gather:
@@ -89,8 +99,12 @@ def _values(engine: Engine, keep_vars: bool) -> dict[str, torch.Tensor]:
                 out.update(dict.fromkeys(s.names, v))
             continue
         shard = (b.master if b.master is not None else b.shard16).detach()
-        gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
-        engine.comm.all_gather_into(gathered, shard.to(b.device), phase="state", unit=b.name)
+        if read is not None:
+            gathered = read(b, shard)
+        else:
+            gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
+            engine.comm.all_gather_into(gathered, shard.to(b.device), phase="state",
+                                        unit=b.name)
         for i, s in enumerate(b.slots):
             v = _extract(b, gathered, i, engine.orig_dtype.get(s.names[0], shard.dtype))
             if engine.tp is not None:  # the tp pieces joined: the same slots, in order,
@@ -138,10 +152,16 @@ def _full(t: Any, key: str) -> torch.Tensor:
     return t.detach()
 
 
-@torch.no_grad()
 def load_model_state_dict(model: nn.Module, engine: Engine, state_dict: Any,
                           strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
-    """See [Note: model state dicts]."""
+    """See [Note: model state dicts]; a change to the shards ([Note: the state clock])."""
+    with engine.loading("load_state_dict"):
+        return _load(model, engine, state_dict, strict, assign)
+
+
+@torch.no_grad()
+def _load(model: nn.Module, engine: Engine, state_dict: Any, strict: bool,
+          assign: bool) -> _IncompatibleKeys:
     if assign:
         raise NotImplementedError(
             "load_state_dict(assign=True) would replace the sharded parameters; zeroshard "

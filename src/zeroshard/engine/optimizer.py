@@ -29,6 +29,7 @@ from .composite import CompositeOptimizer
 from .engine import Engine
 from .load_guard import refuse_weightless_accelerate_load
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
+from .shard_server import WEIGHTS
 from .sharded_state import called_by_dcp_api, sharded_answer
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
@@ -65,6 +66,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # With zeroshard's own fp16 loss scaling, GradScaler would scale twice: torch's
         # GradScaler hands optimizers that set this to their own step, which refuses it.
         self._step_supports_amp_scaling = engine.scaler.enabled
+        # Its state served to a rank taking optimizer.state_dict() alone ([Note: state
+        # dicts served] in shard_server.py); a weak reference: the server outlives it.
+        me = weakref.ref(self)
+        self._serve_kind = WEIGHTS + 1 + engine.server.register_optimizer(
+            engine.server_id, lambda: me().optim.state if me() is not None else {}
+        ) if engine.server is not None else -1
 
     def _sync_hyperparameters(self) -> None:
         """Hyperparameters set on the user's groups (lr schedules) -> the inner groups."""
@@ -100,6 +107,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with self.engine.clock.change():  # see [Note: the state clock]
+            self._step(part, stepped)
+        return loss
+
+    def _step(self, part: int | None, stepped: torch.optim.Optimizer | None) -> None:
         asked = self if stepped is None else stepped
         if self._step_supports_amp_scaling and (
                 getattr(asked, "grad_scale", None) is not None
@@ -113,7 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if engine.prepare_grads():  # fp16 overflow somewhere: skip, back off the scale
             engine.scaler.update(overflow=True)
             engine.skip_step()
-            return loss
+            return
         engine.scaler.update(overflow=False)
         engine.adopt_user_grads()  # .grad assigned by the user (see step_grads.py)
         self._sync_hyperparameters()
@@ -137,7 +149,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if old is not None:
             old._opt_called = True  # type: ignore[attr-defined]
         engine.after_step(close=self._iteration_done(part))
-        return loss
 
     def _iteration_done(self, part: int | None) -> bool:
         """Whether this step ends the iteration: always with one optimizer; with several,
@@ -207,10 +218,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Torch's format: whole values (a collective at stages >= 1), or with ``sharded``
         (stages 1-3, no tensor parallelism or whole-parameter optimizer) DTensor views."""
         sharded = sharded and sharded_answer(self.engine) and self.whole is None
-        if self.engine.policy.shard_optimizer and not sharded:  # gathers every slice
-            self.engine.world.sync_point("optimizer.state_dict")
+        served = self.engine.server is not None and self.whole is None
+        if self.engine.policy.shard_optimizer and not sharded and not served:
+            self.engine.world.sync_point("optimizer.state_dict")  # a collective: gathers
         sd = torch_state_dict(self.engine, self.optim, self.param_groups, self.whole,
-                              sharded=sharded)
+                              sharded=sharded,
+                              served=self._serve_kind if served and not sharded else None)
         if self.engine.scaler.enabled:
             sd[_SCALER_KEY] = self.engine.scaler.state_dict()
         return sd
@@ -219,8 +232,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load torch's format (from this optimizer at any stage and world size, or from a
         plain torch optimizer over the same groups); no communication."""
         refuse_weightless_accelerate_load(self.engine.model)
-        load_torch_state_dict(self.engine, self.optim, self.param_groups, state_dict,
-                              self.whole)
+        with self.engine.loading("optimizer.load_state_dict"):
+            load_torch_state_dict(self.engine, self.optim, self.param_groups, state_dict,
+                                  self.whole)
         self._sync_hyperparameters()
         if self.engine.scaler.enabled and _SCALER_KEY in state_dict:
             self.engine.scaler.load_state_dict(state_dict[_SCALER_KEY])

@@ -26,6 +26,7 @@ import torch
 
 from .chunks import bucket_state, set_bucket_state, slot_scalars
 from .sharded_state import local_if_ours
+from .sources import full_of
 from .whole import WholeUpdates
 from .whole_state import load_whole_state, whole_state_dict
 
@@ -55,11 +56,23 @@ def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
 @torch.no_grad()
 def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
                      groups: list[dict[str, Any]], whole: WholeUpdates | None = None,
-                     sharded: bool = False) -> dict[str, Any]:
+                     sharded: bool = False, served: int | None = None) -> dict[str, Any]:
     """See [Note: torch-format optimizer state]; a whole-parameter optimizer's entries
     come from their owners (whole_state.py). ``sharded``: per-element entries are DTensor
     views of this rank's state, nothing gathered ([Note: sharded state dicts for torch's
-    DCP API])."""
+    DCP API]). ``served``: the optimizer's kind at its server — the peers' state is read
+    from them, not gathered ([Note: state dicts served] in shard_server.py)."""
+    if served is None:
+        return _torch_state_dict(engine, inner, groups, whole, sharded, None)
+    with engine.server.session(engine, "optimizer.state_dict()") as fetch:
+        return _torch_state_dict(
+            engine, inner, groups, whole, sharded,
+            lambda b, local, key: fetch.gathered(b, local, served, key))
+
+
+def _torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
+                      groups: list[dict[str, Any]], whole: WholeUpdates | None,
+                      sharded: bool, read: Any) -> dict[str, Any]:
     packed, index = _numbering(groups)
     state: dict[int, dict[str, Any]] = {}
     for b in engine.buckets:
@@ -70,8 +83,9 @@ def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
         if sharded:
             _sharded_entries(engine, inner, b, bstate, keys, index, state)
             continue
-        gathered = {k: (engine.gather_shard(b, bstate[k].detach(), phase="state")
-                        if engine.policy.shard_optimizer else bstate[k].detach())
+        gathered = {k: (bstate[k].detach() if not engine.policy.shard_optimizer
+                        else engine.gather_shard(b, bstate[k].detach(), phase="state")
+                        if read is None else full_of(b, read(b, bstate[k], k)))
                     for k in keys}
         for i, s in enumerate(b.slots):
             scalars = slot_scalars(inner.state, b, i)

@@ -16,7 +16,7 @@ from .step_grads import StepGrads
 from .storage import shares
 from .tied import TiedGrads
 
-__all__ = ["memory_sources", "full_master", "gather_shard"]
+__all__ = ["memory_sources", "full_master", "gather_shard", "full_of"]
 
 
 def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
@@ -98,6 +98,11 @@ def gather_shard(comm: Comm, b: FlatBucket, shard: torch.Tensor, *, phase: str
     # Offloaded slices are on the host; collectives run on the device (NCCL needs it).
     gathered = torch.empty(b.padded_numel, dtype=shard.dtype, device=b.device)
     comm.all_gather_into(gathered, shard.to(b.device), phase=phase, unit=b.name)
+    return full_of(b, gathered)
+
+
+def full_of(b: FlatBucket, gathered: torch.Tensor) -> torch.Tensor:
+    """A gathered-layout tensor (``world`` rows of shards) in the full layout."""
     if b.world == 1:
         return gathered
     full = torch.empty_like(gathered)
