@@ -122,11 +122,14 @@ class ShardServer:
         self._thread.start()
 
     def alive(self) -> bool:
-        try:  # a destroyed default group leaves this one unusable (see comm_check._alive)
+        """Whether the group still works: a destroyed default group leaves it unusable
+        (see comm_check._alive). Read alike on every rank — never the thread's own
+        state — since a new server is a collective."""
+        try:
             dist.get_process_group_ranks(self.group)
         except (RuntimeError, ValueError, KeyError):
             return False
-        return self._thread.is_alive()
+        return True
 
     def register(self, engine: Engine) -> int:
         """Number an engine: every rank of the group shards its models in the same order."""
