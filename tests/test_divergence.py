@@ -302,7 +302,7 @@ def _state_dict_alone(rank: int, world: int, others: str, root: str) -> dict:
 
 def _wait_gone(pid_file: Path) -> None:
     """Until the process whose pid ``pid_file`` will hold has ended."""
-    while not pid_file.exists():
+    while not pid_file.exists() or not pid_file.read_text():
         time.sleep(0.05)
     pid = int(pid_file.read_text())
     while True:

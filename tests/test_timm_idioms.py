@@ -7,8 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _timm_idioms import (Block, EmaV3, TinyResNet, TinyViT, distribute_bn, get_state_dict,
-                          unwrap_model)
+from _timm_idioms import (
+    Block,
+    EmaV3,
+    TinyResNet,
+    TinyViT,
+    distribute_bn,
+    get_state_dict,
+    unwrap_model,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard

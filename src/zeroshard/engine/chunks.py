@@ -52,6 +52,7 @@ checkpoints through ``state/layout.py: weights_view``.
 from __future__ import annotations
 
 import bisect
+import threading
 from typing import Any
 
 import torch
@@ -59,6 +60,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .flat import FlatBucket
+
+#: Held while a bucket's state is flattened and read: the main thread and the shard
+#: server's thread may both ask for it at once.
+_FLATTENING = threading.RLock()
 
 __all__ = ["CHUNK", "make_chunks", "set_master_grad", "bucket_state", "flatten_state",
            "set_bucket_state", "slot_scalars", "skip_slots"]
@@ -208,14 +213,15 @@ def flatten_state(state: dict, b: FlatBucket) -> None:
 def bucket_state(state: dict, b: FlatBucket) -> dict[str, Any]:
     """The bucket's state as one dict: per-element keys as master-shaped tensors (the flat
     buffers), scalar keys as the first chunk's. Empty before the first step."""
-    keys, scalars = _keys(state, b)
-    if not keys and not scalars:
-        return {}
-    flatten_state(state, b)
-    out: dict[str, Any] = {k: b.chunking.state[k] for k in keys}
-    for k in scalars:  # the first chunk's that has it (all chunks step together)
-        out[k] = next(state[c][k] for c in b.chunks if k in state.get(c, {}))
-    return out
+    with _FLATTENING:  # the shard server's thread reads it too ([Note: state dicts served])
+        keys, scalars = _keys(state, b)
+        if not keys and not scalars:
+            return {}
+        flatten_state(state, b)
+        out: dict[str, Any] = {k: b.chunking.state[k] for k in keys}
+        for k in scalars:  # the first chunk's that has it (all chunks step together)
+            out[k] = next(state[c][k] for c in b.chunks if k in state.get(c, {}))
+        return out
 
 
 def set_bucket_state(state: dict, b: FlatBucket, values: dict[str, Any],

@@ -67,11 +67,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # GradScaler hands optimizers that set this to their own step, which refuses it.
         self._step_supports_amp_scaling = engine.scaler.enabled
         # Its state served to a rank taking optimizer.state_dict() alone ([Note: state
-        # dicts served] in shard_server.py); a weak reference: the server outlives it.
-        me = weakref.ref(self)
+        # dicts served] in shard_server.py).
         self._serve_kind = WEIGHTS + 1 + engine.server.register_optimizer(
-            engine.server_id, lambda: me().optim.state if me() is not None else {}
-        ) if engine.server is not None else -1
+            engine.server_id, self) if engine.server is not None else -1
 
     def _sync_hyperparameters(self) -> None:
         """Hyperparameters set on the user's groups (lr schedules) -> the inner groups."""

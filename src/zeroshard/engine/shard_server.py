@@ -39,10 +39,35 @@ error, whose hint says that rank 0 is taking a state dict alone.
 The server's messages travel outside the communicators (not in the ledger, no collective
 check); the peer watch sees the asking rank as running ([Note: asking the peers]), as it
 waits in ``Work.wait`` under this module, never in a ``torch.distributed`` collective.
+
+[Note: no waiting on askers]
+A server answers one request at a time, and a blocking send completes only once the
+receiver has posted its receive. So an asker posts the receives of a request's answer
+(its status, and the data of an item) *before* sending the request, on tags of its own
+for that request, and never waits for an END to be delivered (it is waited for at the
+next state dict): a server then never waits on an asker, and askers waiting on servers
+cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
+server sending a reply to an asker that was itself sending to another busy server. A
+stale receive (a request that failed) cannot catch a later answer: each has its tags.
+
+[Note: leaving together]
+A rank that takes no state dict, or finished its own, may reach the end of its script
+while a peer still reads from it — timm's last ``save_checkpoint`` runs on rank 0 alone
+while the others go on to ``destroy_process_group()`` and exit; every rank taking
+``model.state_dict()`` then exiting is the same race (a rank done reading may leave before
+its peers have read from it). So (1) the server's group is made outside
+torch.distributed's registry (a ``ProcessGroupGloo`` on a prefix of the default store),
+so ``destroy_process_group()`` does not close it; and (2) at interpreter exit each rank
+tells its peers it is leaving and serves on until each peer has said so too, has gone
+(its connection closed), or ``CHECK_TIMEOUT`` passed — as torchrun's ranks end together
+anyway. A process ended with ``os._exit`` or a signal skips (2), as it skips every
+``atexit`` handler.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 import weakref
 import zlib
@@ -59,21 +84,27 @@ from ..comm_wait import CollectiveError, CollectiveTimeout
 from .state_clock import Ahead
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .flat import FlatBucket
+
+#: The engine (engine.py imports this module, so it is not imported back, even for types).
+Engine = Any
 
 __all__ = ["ShardServer", "serves", "server_for", "key_code", "WEIGHTS"]
 
-# Request: [op, engine, version, kind, bucket, key, numel, dtype]; reply: [status, info].
-_BEGIN, _ITEM, _END = 1, 2, 3
-_OK, _AHEAD, _NO_ENGINE, _LATE, _NOT_HELD, _BAD = 0, 1, 2, 3, 4, 5
-_TAG_ASK, _TAG_REPLY, _TAG_DATA = 7301, 7302, 7303
+# Request: [op, engine, version, kind, bucket, key, numel, dtype, tag]; reply: [status,
+# info] on ``tag``, data on ``tag + 1``. The asker posts both receives before it sends the
+# request, so a server never waits on an asker (see [Note: no waiting on askers]).
+_BEGIN, _ITEM, _END, _BYE = 1, 2, 3, 4
+_OK, _AHEAD, _NO_ENGINE, _LATE, _NOT_HELD, _BAD, _FAILED = 0, 1, 2, 3, 4, 5, 6
+_TAG_ASK, _TAG_FIRST = 7301, 1 << 16
 #: ``kind`` of the model's weights; optimizer ``k`` (creation order) is ``1 + k``.
 WEIGHTS = 0
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int32, torch.uint8, torch.int8, torch.bool]
 
-_SERVERS: dict[tuple[int, ...], ShardServer] = {}
+_SERVERS: dict[tuple[int, ...], ShardServer] = {}  # by global ranks
+_MADE: dict[tuple[int, ...], int] = {}  # servers made, by global ranks
+_log = logging.getLogger("zeroshard")
 
 
 def key_code(key: str) -> int:
@@ -97,74 +128,176 @@ def server_for(engine: Engine) -> ShardServer | None:
             return None
     except (RuntimeError, ValueError):
         return None
+    # One per group of ranks under one default group (a test harness re-creates that:
+    # the old server's models are gone with it).
     key = tuple(comm.peers)
     server = _SERVERS.get(key)
-    if server is None or not server.alive():
-        server = _SERVERS[key] = ShardServer(comm.peers, whole_world=comm.group is None)
+    if server is None or server.world is not dist.GroupMember.WORLD:
+        server = _SERVERS[key] = ShardServer(comm.peers)
+        if len(_SERVERS) == 1:
+            atexit.register(_leave_together)
     return server
+
+
+def _leave_together() -> None:
+    """At exit, wait for the peers to exit too ([Note: no waiting on askers]
+A server answers one request at a time, and a blocking send completes only once the
+receiver has posted its receive. So an asker posts the receives of a request's answer
+(its status, and the data of an item) *before* sending the request, on tags of its own
+for that request, and never waits for an END to be delivered (it is waited for at the
+next state dict): a server then never waits on an asker, and askers waiting on servers
+cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
+server sending a reply to an asker that was itself sending to another busy server. A
+stale receive (a request that failed) cannot catch a later answer: each has its tags.
+
+[Note: leaving together])."""
+    for server in list(_SERVERS.values()):
+        server.leave()
+
+
+class _Link:
+    """Point-to-point messages over a gloo process group of the server's own, made
+    outside torch.distributed's registry so that ``destroy_process_group()`` leaves it
+    ([Note: no waiting on askers]
+A server answers one request at a time, and a blocking send completes only once the
+receiver has posted its receive. So an asker posts the receives of a request's answer
+(its status, and the data of an item) *before* sending the request, on tags of its own
+for that request, and never waits for an END to be delivered (it is waited for at the
+next state dict): a server then never waits on an asker, and askers waiting on servers
+cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
+server sending a reply to an asker that was itself sending to another busy server. A
+stale receive (a request that failed) cannot catch a later answer: each has its tags.
+
+[Note: leaving together]); ranks are global in and out."""
+
+    def __init__(self, peers: list[int], number: int) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self.peers = peers
+        # ``number``: the servers this process made for these ranks before; a store kept
+        # from an earlier default group must not hand this group its old addresses.
+        store = dist.PrefixStore(
+            f"zeroshard/shard-server/{','.join(map(str, peers))}/{number}/",
+            c10d._get_default_store())
+        self.pg = dist.ProcessGroupGloo(store, peers.index(dist.get_rank()), len(peers),
+                                        timedelta(seconds=CHECK_TIMEOUT))
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.pg.send([t], self.peers.index(dst), tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        return self.pg.recv([t], self.peers.index(src), tag)
+
+    def recv_any(self, t: torch.Tensor, tag: int) -> int:
+        work = self.pg.recv_anysource([t], tag)
+        work.wait()
+        return self.peers[work._source_rank()]
 
 
 class ShardServer:
     """The serving thread and the asking side of one group of ranks (see the Note)."""
 
-    def __init__(self, peers: list[int], whole_world: bool) -> None:
+    def __init__(self, peers: list[int]) -> None:
         self.peers = list(peers)
-        self.group = (dist.new_group(backend="gloo") if whole_world else
-                      dist.new_group(self.peers, backend="gloo",
-                                     use_local_synchronization=True))
+        key = tuple(peers)
+        self.world = dist.GroupMember.WORLD  # held: its identity tells a new default group
+        _MADE[key] = _MADE.get(key, 0) + 1
+        self.link = _Link(self.peers, _MADE[key])
         self.rank = dist.get_rank()
+        self._left: set[int] = set()  # peers that said they are exiting
+        self._broken = False  # the link failed: a peer has gone
         self._engines: dict[int, weakref.ref[Engine]] = {}
+        self._registered = threading.Condition()
+        self._next = 0  # the next engine number this rank proposes
+        self._kept: list[Any] = []  # the newest engine and its optimizers, held
         self._optimizers: dict[tuple[int, int], Callable[[], Any]] = {}
         self._held: dict[tuple[int, int], Any] = {}  # (asker, engine) -> its clock
+        self._tag = 0  # the request being answered: its reply's tag
+        self._seq = 0  # the asking side's last request: tags of its own
+        self._unsent: list[tuple[Any, torch.Tensor]] = []  # END messages in flight
         self.served = 0  # requests answered (tests assert none arrive unasked)
         self._thread = threading.Thread(target=self._serve, name="zeroshard-shard-server",
                                         daemon=True)
         self._thread.start()
 
-    def alive(self) -> bool:
-        """Whether the group still works: a destroyed default group leaves it unusable
-        (see comm_check._alive). Read alike on every rank — never the thread's own
-        state — since a new server is a collective."""
-        try:
-            dist.get_process_group_ranks(self.group)
-        except (RuntimeError, ValueError, KeyError):
-            return False
-        return True
-
     def register(self, engine: Engine) -> int:
-        """Number an engine: every rank of the group shards its models in the same order."""
-        number = len(self._engines)
-        self._engines[number] = weakref.ref(engine)
+        """Number an engine, the same number on every rank of its group: the largest of
+        the ranks' next numbers (a collective over the group, at shard time). Counting
+        alone is not enough — a process that sharded a model its peers did not (a test
+        harness's reused ranks, a model sharded on some ranks only) would number the next
+        one differently, and be asked for another model's shards."""
+        proposal = torch.tensor([self._next], dtype=torch.int64)
+        dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=engine.comm.group)
+        number = int(proposal)
+        with self._registered:
+            self._next = number + 1
+            self._engines[number] = weakref.ref(engine)
+            # The newest model stays alive here until the next is sharded: a peer may
+            # still read it after this rank's script dropped it (its function returned,
+            # it exited: [Note: leaving together]). Every rank of the group is past any
+            # state dict of an older one once they all shard the next (this collective).
+            self._kept = [engine]
+            self._registered.notify_all()
         return number
 
-    def register_optimizer(self, engine_id: int, state: Callable[[], Any]) -> int:
-        """``state()``: the optimizer's torch-style ``state`` dict (by chunk)."""
+    def _engine(self, eid: int, wait: float) -> Engine | None:
+        """Engine ``eid``, waiting up to ``wait`` seconds for this rank to finish sharding
+        it (a peer done with shard() may ask before this rank has registered it)."""
+        with self._registered:
+            self._registered.wait_for(lambda: eid in self._engines, timeout=wait)
+            ref = self._engines.get(eid)
+        return ref() if ref is not None else None
+
+    def register_optimizer(self, engine_id: int, optimizer: Any) -> int:
+        """A ShardedOptimizer of engine ``engine_id``: its number within the engine."""
         k = sum(1 for e, _ in self._optimizers if e == engine_id)
-        self._optimizers[(engine_id, k)] = state
+        self._optimizers[(engine_id, k)] = weakref.ref(optimizer)
+        if engine_id == self._next - 1:
+            self._kept.append(optimizer)
         return k
 
     # -- serving (the server thread) ----------------------------------------------------
     def _serve(self) -> None:
-        head = torch.zeros(8, dtype=torch.int64)
+        head = torch.zeros(9, dtype=torch.int64)
         while True:
             try:
-                src = dist.recv(head, src=None, group=self.group, tag=_TAG_ASK)
-            except Exception:  # the group is gone (process group destroyed, peer exited)
+                src = self.link.recv_any(head, _TAG_ASK)
+            except Exception:  # a peer has gone (its process ended): nothing to serve
+                with self._registered:
+                    self._broken = True
+                    self._registered.notify_all()
                 return
             self.served += 1
+            ask = [int(v) for v in head.tolist()]
             try:
-                self._answer(int(src), [int(v) for v in head.tolist()])
-            except Exception:  # the asker has gone; its error is raised there
-                self._held.pop((int(src), int(head[1])), None)
+                self._answer(int(src), ask)
+            except Exception as e:  # never leave the asker waiting for its timeout
+                self._failed(int(src), ask, e)
+
+    def _failed(self, src: int, ask: list[int], error: Exception) -> None:
+        clock = self._held.pop((src, ask[1]), None)
+        if clock is not None:
+            clock.release()
+        _log.error("zeroshard: rank %d could not serve rank %d's state-dict request %s: %r",
+                   self.rank, src, ask, error)
+        if ask[0] != _END:
+            try:
+                self._reply(src, _FAILED)
+            except Exception:  # the asker has gone; its own error says so
+                pass
 
     def _reply(self, dst: int, status: int, info: int = 0) -> None:
-        dist.send(torch.tensor([status, info], dtype=torch.int64), dst=dst, group=self.group,
-                  tag=_TAG_REPLY)
+        self.link.isend(torch.tensor([status, info], dtype=torch.int64), dst,
+                        self._tag).wait()
 
     def _answer(self, src: int, head: list[int]) -> None:
-        op, eid, version, kind, bucket, key, numel, dtype = head
-        ref = self._engines.get(eid)
-        engine = ref() if ref is not None else None
+        op, eid, version, kind, bucket, key, numel, dtype, self._tag = head
+        engine = self._engine(eid, CHECK_TIMEOUT if op == _BEGIN else 0.0)
+        if op == _BYE:
+            with self._registered:
+                self._left.add(src)
+                self._registered.notify_all()
+            return
         if op == _END:
             clock = self._held.pop((src, eid), None)
             if clock is not None:
@@ -189,7 +322,7 @@ class ShardServer:
         if t is None or t.numel() != numel or _DTYPES.index(t.dtype) != dtype:
             return self._reply(src, _BAD, -1 if t is None else t.numel())
         self._reply(src, _OK)
-        dist.send(t, dst=src, group=self.group, tag=_TAG_DATA)
+        self.link.isend(t, src, self._tag + 1).wait()
 
     def _tensor(self, engine: Engine, eid: int, kind: int, bucket: int, key: int
                 ) -> torch.Tensor | None:
@@ -202,12 +335,46 @@ class ShardServer:
         if kind == WEIGHTS:
             t = b.master if b.master is not None else b.shard16
         else:
-            state = self._optimizers.get((eid, kind - 1))
-            if state is None:
+            ref = self._optimizers.get((eid, kind - 1))
+            optimizer = ref() if ref is not None else None
+            if optimizer is None:
                 return None
-            t = next((v for k, v in bucket_state(state(), b).items()
+            t = next((v for k, v in bucket_state(optimizer.optim.state, b).items()
                       if key_code(k) == key and torch.is_tensor(v)), None)
         return None if t is None else t.detach().cpu().contiguous()
+
+    def flush(self, timeout: float) -> None:
+        """Wait for the END messages of earlier state dicts (main thread)."""
+        unsent, self._unsent = self._unsent, []
+        for sent, _ in unsent:
+            try:
+                sent.wait(timedelta(seconds=timeout))
+            except Exception:  # that peer has gone: nothing is held there any more
+                pass
+
+    def leave(self) -> None:
+        """Say this rank is exiting, then serve on until every peer has said so (or has
+        gone, or ``CHECK_TIMEOUT`` passed): see [Note: no waiting on askers]
+A server answers one request at a time, and a blocking send completes only once the
+receiver has posted its receive. So an asker posts the receives of a request's answer
+(its status, and the data of an item) *before* sending the request, on tags of its own
+for that request, and never waits for an END to be delivered (it is waited for at the
+next state dict): a server then never waits on an asker, and askers waiting on servers
+cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
+server sending a reply to an asker that was itself sending to another busy server. A
+stale receive (a request that failed) cannot catch a later answer: each has its tags.
+
+[Note: leaving together]."""
+        others = [p for p in self.peers if p != self.rank]
+        head = torch.tensor([_BYE, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+        for peer in others:
+            try:
+                self.link.isend(head, peer, _TAG_ASK).wait(timedelta(seconds=CHECK_TIMEOUT))
+            except Exception:  # gone already
+                pass
+        with self._registered:
+            self._registered.wait_for(lambda: self._broken or self._left >= set(others),
+                                      timeout=CHECK_TIMEOUT)
 
     # -- asking (the main thread) -------------------------------------------------------
     @contextmanager
@@ -236,10 +403,22 @@ class Fetch:
         self._begun: list[int] = []
 
     def _ask(self, peer: int, op: int, kind: int = 0, bucket: int = 0, key: int = 0,
-             numel: int = 0, dtype: int = 0) -> None:
-        head = torch.tensor([op, self.eid, self.version, kind, bucket, key, numel, dtype],
-                            dtype=torch.int64)
-        self._wait(dist.isend(head, dst=peer, group=self.server.group, tag=_TAG_ASK), peer)
+             numel: int = 0, dtype: int = 0, into: torch.Tensor | None = None
+             ) -> tuple[Any, torch.Tensor, Any, Any]:
+        """Send a request, its answer's receives posted first (status, and ``into``'s
+        data): (the send, the status buffer, its receive, the data's receive)."""
+        server = self.server
+        server._seq = (server._seq + 2) % (1 << 30)
+        tag = _TAG_FIRST + server._seq
+        reply = torch.zeros(2, dtype=torch.int64)
+        head = torch.tensor([op, self.eid, self.version, kind, bucket, key, numel, dtype,
+                             tag], dtype=torch.int64)
+        try:
+            status = server.link.irecv(reply, peer, tag) if op != _END else None
+            data = server.link.irecv(into, peer, tag + 1) if into is not None else None
+            return server.link.isend(head, peer, _TAG_ASK), reply, status, data
+        except Exception as e:  # the connection is closed already
+            raise self._gone(peer, e) from e
 
     def _wait(self, work: Any, peer: int) -> None:
         try:
@@ -247,13 +426,16 @@ class Fetch:
         except Exception as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise self._late(peer) from e
-            raise CollectiveError(
-                f"rank {self.server.rank} takes {self.what} and asked rank {peer} for its "
-                f"shards, but rank {peer} is no longer running (it exited or crashed: "
-                f"{str(e).splitlines()[0][:200]}). Its part of the state is lost with it: "
-                "take state dicts while every rank is still in the job") from e
+            raise self._gone(peer, e) from e
         if ok is False:
             raise self._late(peer)
+
+    def _gone(self, peer: int, e: Exception) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.server.rank} takes {self.what} and asked rank {peer} for its "
+            f"shards, but rank {peer} is no longer running (it exited or crashed: "
+            f"{str(e).splitlines()[0][:200]}). Its part of the state is lost with it: "
+            "take state dicts while every rank is still in the job")
 
     def _late(self, peer: int) -> CollectiveTimeout:
         return CollectiveTimeout(
@@ -262,17 +444,21 @@ class Fetch:
             f"{self.timeout:g} s (timeout=): it is blocked somewhere it cannot finish that "
             "step, or has left the job. Raise timeout= if it is only slow")
 
-    def _status(self, peer: int) -> tuple[int, int]:
-        reply = torch.zeros(2, dtype=torch.int64)
-        self._wait(dist.irecv(reply, src=peer, group=self.server.group, tag=_TAG_REPLY), peer)
+    def _status(self, peer: int, asked: tuple[Any, torch.Tensor, Any, Any]
+                ) -> tuple[int, int]:
+        sent, reply, status, _ = asked
+        self._wait(status, peer)
+        self._wait(sent, peer)
         return int(reply[0]), int(reply[1])
 
     def begin(self) -> None:
+        self.server.flush(self.timeout)
+        asked = {}
         for peer in self.others:
-            self._ask(peer, _BEGIN)
+            asked[peer] = self._ask(peer, _BEGIN)
             self._begun.append(peer)
         for peer in self.others:
-            status, info = self._status(peer)
+            status, info = self._status(peer, asked[peer])
             if status == _AHEAD:
                 raise RuntimeError(
                     f"rank {self.server.rank} takes {self.what} alone at state version "
@@ -282,6 +468,9 @@ class Fetch:
                     "already. Take it after optimizer.step() (or on every rank)")
             if status == _LATE:
                 raise self._late(peer)
+            if status == _FAILED:
+                raise RuntimeError(f"rank {peer} failed to serve {self.what}: its log "
+                                   "says why (zeroshard: rank ... could not serve ...)")
             if status != _OK:
                 raise RuntimeError(
                     f"rank {peer} does not know the model rank {self.server.rank} asks "
@@ -291,9 +480,10 @@ class Fetch:
     def end(self) -> None:
         if self._begun == self.others:
             self.engine.clock.asked()
-        for peer in self._begun:
+        for peer in self._begun:  # not waited for here: see [Note: no waiting on askers]
             try:
-                self._ask(peer, _END)
+                sent, head, _, _ = self._ask(peer, _END)
+                self.server._unsent.append((sent, head))
             except Exception:  # the peer is gone; nothing is held there any more
                 pass
         self._begun = []
@@ -308,16 +498,15 @@ class Fetch:
         bucket = self.engine.all_buckets.index(b)
         code = _DTYPES.index(local.dtype)
         peers = self.engine.comm.peers
-        asked = [q for q in range(b.world) if q != b.rank]
-        for q in asked:
-            self._ask(peers[q], _ITEM, kind, bucket, key_code(key), b.shard_numel, code)
-        for q in asked:
-            status, info = self._status(peers[q])
-            if status != _OK:
+        asked = {q: self._ask(peers[q], _ITEM, kind, bucket, key_code(key), b.shard_numel,
+                              code, into=rows[q])
+                 for q in range(b.world) if q != b.rank}
+        for q, ask in asked.items():
+            status, info = self._status(peers[q], ask)
+            if status != _OK:  # _FAILED: the peer's log says why
                 raise RuntimeError(
                     f"rank {peers[q]} could not serve its shard of bucket {b.name!r} "
                     f"({'weights' if kind == WEIGHTS else key}) for {self.what}: status "
                     f"{status}, {info} elements where {b.shard_numel} were expected")
-            self._wait(dist.irecv(rows[q], src=peers[q], group=self.server.group,
-                                  tag=_TAG_DATA), peers[q])
+            self._wait(ask[3], peers[q])
         return out
