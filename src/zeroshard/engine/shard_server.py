@@ -209,13 +209,13 @@ class ShardServer:
         self._engines: dict[int, weakref.ref[Engine]] = {}
         self._registered = threading.Condition()
         self._next = 0  # the next engine number this rank proposes
-        self._kept: list[Any] = []  # the newest engine and its optimizers, held
+        self._pinned: dict[int, list[Any]] = {}  # held until every peer has read (pin)
         self._optimizers: dict[tuple[int, int], Callable[[], Any]] = {}
         self._held: dict[tuple[int, int], Any] = {}  # (asker, engine) -> its clock
         self._tag = 0  # the request being answered: its reply's tag
         self._seq = 0  # the asking side's last request: tags of its own
         self._unsent: list[tuple[Any, torch.Tensor]] = []  # END messages in flight
-        self.served = 0  # requests answered (tests assert none arrive unasked)
+        self.served = 0  # reads answered (tests assert none arrive unasked)
         self._thread = threading.Thread(target=self._serve, name="zeroshard-shard-server",
                                         daemon=True)
         self._thread.start()
@@ -232,12 +232,9 @@ class ShardServer:
         with self._registered:
             self._next = number + 1
             self._engines[number] = weakref.ref(engine)
-            # The newest model stays alive here until the next is sharded: a peer may
-            # still read it after this rank's script dropped it (its function returned,
-            # it exited: [Note: leaving together]). Every rank of the group is past any
-            # state dict of an older one once they all shard the next (this collective).
-            self._kept = [engine]
             self._registered.notify_all()
+        # a pin holds one version: once the shards change, no peer may read it any more
+        engine.clock.changed = lambda: self._pinned.pop(number, None)
         return number
 
     def _engine(self, eid: int, wait: float) -> Engine | None:
@@ -252,9 +249,20 @@ class ShardServer:
         """A ShardedOptimizer of engine ``engine_id``: its number within the engine."""
         k = sum(1 for e, _ in self._optimizers if e == engine_id)
         self._optimizers[(engine_id, k)] = weakref.ref(optimizer)
-        if engine_id == self._next - 1:
-            self._kept.append(optimizer)
         return k
+
+    def pin(self, engine: Engine) -> None:
+        """After this rank's own state dict (main thread): keep the model and its
+        optimizers alive until every peer has read this version too — a rank done first
+        may drop them (its function returns, its script ends) while a slower peer still
+        reads from it. Released once the last peer's read ends."""
+        eid = engine.server_id
+        with self._registered:
+            if engine.clock.all_read():
+                return
+            self._pinned[eid] = [engine] + [
+                o for (e, _), ref in self._optimizers.items() if e == eid
+                for o in [ref()] if o is not None]
 
     # -- serving (the server thread) ----------------------------------------------------
     def _serve(self) -> None:
@@ -267,8 +275,8 @@ class ShardServer:
                     self._broken = True
                     self._registered.notify_all()
                 return
-            self.served += 1
             ask = [int(v) for v in head.tolist()]
+            self.served += ask[0] in (_BEGIN, _ITEM)  # reads asked for, not goodbyes
             try:
                 self._answer(int(src), ask)
             except Exception as e:  # never leave the asker waiting for its timeout
@@ -303,6 +311,9 @@ class ShardServer:
             if clock is not None:
                 clock.release()
                 clock.read_by(src, version)
+                with self._registered:
+                    if clock.all_read():
+                        self._pinned.pop(eid, None)
             return
         if engine is None:
             return self._reply(src, _NO_ENGINE)
@@ -480,6 +491,7 @@ class Fetch:
     def end(self) -> None:
         if self._begun == self.others:
             self.engine.clock.asked()
+            self.server.pin(self.engine)
         for peer in self._begun:  # not waited for here: see [Note: no waiting on askers]
             try:
                 sent, head, _, _ = self._ask(peer, _END)

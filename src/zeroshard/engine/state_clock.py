@@ -51,6 +51,7 @@ class StateClock:
         self._read_by: dict[int, set[int]] = {}  # version -> peers done reading it
         self.peers: set[int] = set()  # global ranks that may read this rank's shards
         self.issued: Any = lambda: 0  # the engine's count of collectives issued
+        self.changed: Any = lambda: None  # called after each change (the server unpins)
 
     def asked(self) -> None:
         """This rank has read its peers' shards at the current version (main thread)."""
@@ -63,6 +64,11 @@ class StateClock:
             for v in [v for v in self._read_by if v < self.version - 1]:
                 del self._read_by[v]
             self._cv.notify_all()
+
+    def all_read(self) -> bool:
+        """Whether every peer has read this rank's shards at its current version."""
+        with self._cv:
+            return self.peers <= self._read_by.get(self.version, set())
 
     @contextmanager
     def change(self) -> Iterator[None]:
@@ -86,6 +92,7 @@ class StateClock:
                 self._changing = False
                 self.version += 1
                 self._cv.notify_all()
+            self.changed()
 
     def hold(self, version: int, timeout: float) -> int:
         """Wait until this rank holds ``version`` with no change running, then hold changes
