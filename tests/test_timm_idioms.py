@@ -131,12 +131,7 @@ def _save_run(rank: int, world: int, kind: str, stage: int, alone: bool, path: s
         out["losses"].append(_step(model, optim, step, rank))
         if step == 1:
             model.state_dict(), optim.state_dict()
-            out["served_before"] = server.served if server is not None else 0
-        if step == 2:
-            before = server.served if server is not None else 0
         if step == 3:
-            # no request reached a server in a step without a state dict call
-            out["served_quiet_step"] = (server.served if server is not None else 0) - before
             if alone:
                 saved = rank0_save(model, optim, epoch=step)
             else:
@@ -145,6 +140,8 @@ def _save_run(rank: int, world: int, kind: str, stage: int, alone: bool, path: s
                 torch.save(saved, path)
                 out["saved"] = saved
     out["final"] = {k: v.clone() for k, v in model.state_dict().items()}
+    # the state versions a peer read this rank's shards at (version k: after k steps)
+    out["read_at"] = sorted(server.served) if server is not None else []
     return out
 
 
@@ -197,11 +194,25 @@ def test_rank0_only_save_is_the_all_rank_state_of_that_step_and_resumes(tmp_path
     and final weights bitwise those of the all-rank run); it loads strict into a fresh
     model at the same stage and another and training resumes bitwise; no request reaches
     a server in a step without a state dict call ([Note: state dicts served])."""
-    per_rank = run_ranks(_save_all, 2, "resnet", str(tmp_path), timeout=300)
+    _check_saves(run_ranks(_save_all, 2, "resnet", str(tmp_path), timeout=300))
+
+
+@pytest.mark.slow
+def test_rank0_only_save_at_world_4(tmp_path) -> None:
+    """The same at world 4: rank 0 reads three peers' shards, each training on."""
+    _check_saves(run_ranks(_save_all, 4, "resnet", str(tmp_path), timeout=600))
+
+
+def _check_saves(per_rank: list) -> None:
     for rank, stages in enumerate(per_rank):
         for stage, ((alone, everyone), resumed) in enumerate(stages):
             where = (rank, stage)
-            assert alone["served_quiet_step"] == 0 == everyone["served_quiet_step"], where
+            # read only after the steps a state dict was taken at (1, 3, the last): no
+            # request reaches a server in a step without one
+            assert set(alone["read_at"]) <= {2, 4, 6}, (where, alone["read_at"])
+            assert set(everyone["read_at"]) <= {2, 4, 6}, (where, everyone["read_at"])
+            if stage == 3:  # the last model.state_dict() is read from the peers
+                assert 6 in everyone["read_at"], where
             assert alone["losses"] == everyone["losses"], where
             _equal(alone["final"], everyone["final"], where)
             if rank == 0:

@@ -215,7 +215,7 @@ class ShardServer:
         self._tag = 0  # the request being answered: its reply's tag
         self._seq = 0  # the asking side's last request: tags of its own
         self._unsent: list[tuple[Any, torch.Tensor]] = []  # END messages in flight
-        self.served = 0  # reads answered (tests assert none arrive unasked)
+        self.served: dict[int, int] = {}  # reads answered by state version (for tests)
         self._thread = threading.Thread(target=self._serve, name="zeroshard-shard-server",
                                         daemon=True)
         self._thread.start()
@@ -276,7 +276,8 @@ class ShardServer:
                     self._registered.notify_all()
                 return
             ask = [int(v) for v in head.tolist()]
-            self.served += ask[0] in (_BEGIN, _ITEM)  # reads asked for, not goodbyes
+            if ask[0] in (_BEGIN, _ITEM):  # reads asked for (not goodbyes), by version
+                self.served[ask[2]] = self.served.get(ask[2], 0) + 1
             try:
                 self._answer(int(src), ask)
             except Exception as e:  # never leave the asker waiting for its timeout
