@@ -59,8 +59,10 @@ its peers have read from it). So (1) the server's group is made outside
 torch.distributed's registry (a ``ProcessGroupGloo`` on a prefix of the default store),
 so ``destroy_process_group()`` does not close it; and (2) at interpreter exit each rank
 tells its peers it is leaving and serves on until each peer has said so too, has gone
-(its connection closed), or ``CHECK_TIMEOUT`` passed — as torchrun's ranks end together
-anyway. A process ended with ``os._exit`` or a signal skips (2), as it skips every
+(its connection closed), or nobody has read from it for ``LEAVE_IDLE_S`` — as torchrun's
+ranks end together anyway. A rank still training while a peer exits (uneven data without
+``join()``) thus learns of it up to ``LEAVE_IDLE_S`` later than before; a script ending
+on an error does not wait at all. A process ended with ``os._exit`` or a signal skips (2), as it skips every
 ``atexit`` handler.
 """
 
@@ -68,7 +70,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -103,6 +107,9 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
            torch.int32, torch.uint8, torch.int8, torch.bool]
 
 _SERVERS: dict[tuple[int, ...], ShardServer] = {}  # by global ranks
+#: Seconds an exiting rank serves on with nobody reading from it before it leaves without
+#: its peers' goodbye ([Note: leaving together]).
+LEAVE_IDLE_S = 10.0
 _MADE: dict[tuple[int, ...], int] = {}  # servers made, by global ranks
 _log = logging.getLogger("zeroshard")
 
@@ -140,17 +147,10 @@ def server_for(engine: Engine) -> ShardServer | None:
 
 
 def _leave_together() -> None:
-    """At exit, wait for the peers to exit too ([Note: no waiting on askers]
-A server answers one request at a time, and a blocking send completes only once the
-receiver has posted its receive. So an asker posts the receives of a request's answer
-(its status, and the data of an item) *before* sending the request, on tags of its own
-for that request, and never waits for an END to be delivered (it is waited for at the
-next state dict): a server then never waits on an asker, and askers waiting on servers
-cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
-server sending a reply to an asker that was itself sending to another busy server. A
-stale receive (a request that failed) cannot catch a later answer: each has its tags.
-
-[Note: leaving together])."""
+    """At exit, wait for the peers to exit too ([Note: leaving together]) — not when the
+    script ends on an error (its peers are to learn of it at once, by the connection)."""
+    if getattr(sys, "last_value", None) is not None:
+        return
     for server in list(_SERVERS.values()):
         server.leave()
 
@@ -158,17 +158,7 @@ stale receive (a request that failed) cannot catch a later answer: each has its 
 class _Link:
     """Point-to-point messages over a gloo process group of the server's own, made
     outside torch.distributed's registry so that ``destroy_process_group()`` leaves it
-    ([Note: no waiting on askers]
-A server answers one request at a time, and a blocking send completes only once the
-receiver has posted its receive. So an asker posts the receives of a request's answer
-(its status, and the data of an item) *before* sending the request, on tags of its own
-for that request, and never waits for an END to be delivered (it is waited for at the
-next state dict): a server then never waits on an asker, and askers waiting on servers
-cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
-server sending a reply to an asker that was itself sending to another busy server. A
-stale receive (a request that failed) cannot catch a later answer: each has its tags.
-
-[Note: leaving together]); ranks are global in and out."""
+    ([Note: leaving together]); ranks are global in and out."""
 
     def __init__(self, peers: list[int], number: int) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -205,6 +195,7 @@ class ShardServer:
         self.link = _Link(self.peers, _MADE[key])
         self.rank = dist.get_rank()
         self._left: set[int] = set()  # peers that said they are exiting
+        self._last_ask = time.monotonic()  # when a request last arrived
         self._broken = False  # the link failed: a peer has gone
         self._engines: dict[int, weakref.ref[Engine]] = {}
         self._registered = threading.Condition()
@@ -276,6 +267,7 @@ class ShardServer:
                     self._registered.notify_all()
                 return
             ask = [int(v) for v in head.tolist()]
+            self._last_ask = time.monotonic()
             if ask[0] in (_BEGIN, _ITEM):  # reads asked for (not goodbyes), by version
                 self.served[ask[2]] = self.served.get(ask[2], 0) + 1
             try:
@@ -366,17 +358,8 @@ class ShardServer:
 
     def leave(self) -> None:
         """Say this rank is exiting, then serve on until every peer has said so (or has
-        gone, or ``CHECK_TIMEOUT`` passed): see [Note: no waiting on askers]
-A server answers one request at a time, and a blocking send completes only once the
-receiver has posted its receive. So an asker posts the receives of a request's answer
-(its status, and the data of an item) *before* sending the request, on tags of its own
-for that request, and never waits for an END to be delivered (it is waited for at the
-next state dict): a server then never waits on an asker, and askers waiting on servers
-cannot form a cycle — before, three ranks each taking a state dict stalled, each one's
-server sending a reply to an asker that was itself sending to another busy server. A
-stale receive (a request that failed) cannot catch a later answer: each has its tags.
-
-[Note: leaving together]."""
+        gone, or nobody has read from it for ``LEAVE_IDLE_S``): see [Note: leaving
+        together]."""
         others = [p for p in self.peers if p != self.rank]
         head = torch.tensor([_BYE, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
         for peer in others:
@@ -385,8 +368,11 @@ stale receive (a request that failed) cannot catch a later answer: each has its 
             except Exception:  # gone already
                 pass
         with self._registered:
-            self._registered.wait_for(lambda: self._broken or self._left >= set(others),
-                                      timeout=CHECK_TIMEOUT)
+            while not (self._broken or self._left >= set(others)):
+                idle = time.monotonic() - self._last_ask
+                if not self._held and idle > LEAVE_IDLE_S:
+                    return  # nobody reading, nobody asking: the peers train on
+                self._registered.wait(timeout=0.5)
 
     # -- asking (the main thread) -------------------------------------------------------
     @contextmanager
