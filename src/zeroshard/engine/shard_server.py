@@ -75,7 +75,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -201,7 +201,7 @@ class ShardServer:
         self._registered = threading.Condition()
         self._next = 0  # the next engine number this rank proposes
         self._pinned: dict[int, list[Any]] = {}  # held until every peer has read (pin)
-        self._optimizers: dict[tuple[int, int], Callable[[], Any]] = {}
+        self._optimizers: dict[tuple[int, int], Any] = {}  # -> inner optimizer
         self._held: dict[tuple[int, int], Any] = {}  # (asker, engine) -> its clock
         self._tag = 0  # the request being answered: its reply's tag
         self._seq = 0  # the asking side's last request: tags of its own
@@ -237,10 +237,22 @@ class ShardServer:
         return ref() if ref is not None else None
 
     def register_optimizer(self, engine_id: int, optimizer: Any) -> int:
-        """A ShardedOptimizer of engine ``engine_id``: its number within the engine."""
+        """A ShardedOptimizer of engine ``engine_id``: its number within the engine. Its
+        inner optimizer (the shards' state) is held for as long as the engine lives, not
+        the ShardedOptimizer: a script that returns from its main() drops the optimizer
+        at once (no cycle) while a peer may still read it (timm's last checkpoint on rank
+        0 alone); the engine, in a cycle, lives to the end, and its end releases it."""
         k = sum(1 for e, _ in self._optimizers if e == engine_id)
-        self._optimizers[(engine_id, k)] = weakref.ref(optimizer)
+        self._optimizers[(engine_id, k)] = optimizer.optim
+        if k == 0:
+            engine = self._engines[engine_id]()
+            if engine is not None:
+                weakref.finalize(engine, self._forget, engine_id)
         return k
+
+    def _forget(self, engine_id: int) -> None:
+        for key in [key for key in self._optimizers if key[0] == engine_id]:
+            self._optimizers.pop(key, None)
 
     def pin(self, engine: Engine) -> None:
         """After this rank's own state dict (main thread): keep the model and its
@@ -251,9 +263,7 @@ class ShardServer:
         with self._registered:
             if engine.clock.all_read():
                 return
-            self._pinned[eid] = [engine] + [
-                o for (e, _), ref in self._optimizers.items() if e == eid
-                for o in [ref()] if o is not None]
+            self._pinned[eid] = [engine]
 
     # -- serving (the server thread) ----------------------------------------------------
     def _serve(self) -> None:
@@ -274,6 +284,12 @@ class ShardServer:
                 self._answer(int(src), ask)
             except Exception as e:  # never leave the asker waiting for its timeout
                 self._failed(int(src), ask, e)
+            if self._left >= set(self.peers) - {self.rank}:
+                # Every peer is exiting: nobody will ask again. End here, not blocked in
+                # a receive that a peer's exit would wake during this interpreter's
+                # shutdown (a thread woken then aborts the process: SIGABRT, seen at
+                # stages 2-3 in timm's trial, pytorch/pytorch#38228).
+                return
 
     def _failed(self, src: int, ask: list[int], error: Exception) -> None:
         clock = self._held.pop((src, ask[1]), None)
@@ -339,11 +355,10 @@ class ShardServer:
         if kind == WEIGHTS:
             t = b.master if b.master is not None else b.shard16
         else:
-            ref = self._optimizers.get((eid, kind - 1))
-            optimizer = ref() if ref is not None else None
-            if optimizer is None:
+            inner = self._optimizers.get((eid, kind - 1))
+            if inner is None:
                 return None
-            t = next((v for k, v in bucket_state(optimizer.optim.state, b).items()
+            t = next((v for k, v in bucket_state(inner.state, b).items()
                       if key_code(k) == key and torch.is_tensor(v)), None)
         return None if t is None else t.detach().cpu().contiguous()
 
@@ -373,6 +388,7 @@ class ShardServer:
                 if not self._held and idle > LEAVE_IDLE_S:
                     return  # nobody reading, nobody asking: the peers train on
                 self._registered.wait(timeout=0.5)
+        self._thread.join(timeout=5.0)  # it ends after the last goodbye (see _serve)
 
     # -- asking (the main thread) -------------------------------------------------------
     @contextmanager
