@@ -6,6 +6,9 @@ training at any world size must reproduce the reference up to float rounding.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -152,3 +155,20 @@ def rel_diffs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dic
 
 def max_rel_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max(rel_diffs(got, ref).values())
+
+
+@contextmanager
+def zeroshard_log() -> Iterator[list[str]]:
+    """The messages zeroshard's logger emits inside (e.g. the units it chose)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("zeroshard").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("zeroshard").removeHandler(handler)

@@ -205,20 +205,10 @@ def _ae_step(model: nn.Module, optim, x: torch.Tensor) -> float:
 
 
 def _autoencoder(rank: int, world: int) -> dict:
-    import logging
+    from _training import zeroshard_log
 
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep()
-    logging.getLogger("zeroshard").addHandler(handler)
-    try:
+    with zeroshard_log() as records:
         model, optim = zeroshard.shard(_AutoEncoder(), torch.optim.AdamW, stage=3, lr=1e-2)
-    finally:
-        logging.getLogger("zeroshard").removeHandler(handler)
     engine = zeroshard.engine_of(model)
     losses = [_ae_step(model, optim, x) for x in _ae_batches(rank, world)]
     return {"units": [u.name for u in engine.units], "log": records, "losses": losses,

@@ -238,22 +238,12 @@ def _check_saves(per_rank: list, exact_across_stages: bool) -> None:
 
 # -- units inside a container of repeated blocks (item 3) ---------------------------------
 def _units(rank: int, world: int, kind: str) -> dict:
-    import logging
+    from _training import zeroshard_log
 
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep()
-    logging.getLogger("zeroshard").addHandler(handler)
-    try:
+    with zeroshard_log() as records:
         model = TinyViT(depth=12) if kind == "vit" else TinyResNet()
         ref = {k: v.clone() for k, v in model.state_dict().items()}
         model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=3, lr=1e-2)
-    finally:
-        logging.getLogger("zeroshard").removeHandler(handler)
     engine = zeroshard.engine_of(model)
     losses = [_step(model, optim, step, rank) for step in range(2)]
     return {"units": [u.name for u in engine.units],

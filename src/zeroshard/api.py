@@ -109,9 +109,10 @@ class ShardedModule:
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
-        """The unsharded model's state dict: whole weights, original dtypes. Collective
-        at stages 1-2 under mixed precision and at stage 3 (CPU tensors there); see
-        [Note: model state dicts] in engine/model_state.py."""
+        """The unsharded model's state dict: whole weights, original dtypes (CPU tensors
+        at stage 3). Read from the other ranks where they hold the shards (one rank may
+        call it alone; a collective under NCCL or TP); see [Note: model state dicts] in
+        engine/model_state.py."""
         if args:
             raise TypeError("pass state_dict's destination, prefix and keep_vars as keywords "
                             "(torch deprecated the positional form)")

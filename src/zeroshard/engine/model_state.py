@@ -11,11 +11,13 @@ values being trained, which is what a user reloads), buffers as they are.
   it on one rank is fine. Not views, as under DDP: zeroshard's weights are views of flat
   buffers, and tensors sharing one storage are refused by safetensors' ``load_model``
   (Accelerate's ``load_state``); the copy costs the weights' bytes once, transiently.
-* Otherwise (stages 1-2 under mixed precision, stage 3) it is a collective: every rank
-  must call it. Buckets are gathered one at a time (a stage-3 bucket is one unit) and
-  each parameter is copied to the CPU, so the device never holds more than its shards
-  plus one gathered bucket (in the master dtype). Calling it on one rank only ends in
-  an error on every rank (see [Note: divergence] in comm_check.py).
+* Otherwise (stages 1-2 under mixed precision, stage 3) the other ranks' shards are
+  read from them ([Note: state dicts served] in shard_server.py: one rank may call it
+  alone) or, under NCCL or tensor parallelism, gathered in a collective every rank must
+  call (one rank alone: an error on every rank, see [Note: divergence] in comm_check.py).
+  Either way buckets come one at a time (a stage-3 bucket is one unit) and each
+  parameter is copied to the CPU, so the device never holds more than its shards plus
+  one gathered bucket (in the master dtype).
 
 ``load_state_dict(full)`` copies each rank's piece of every parameter into its master
 weights and compute weights at any stage, from any full state dict (the model's, a

@@ -207,14 +207,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- state in torch's format ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What torch's optimizer over the unsharded model (same groups, same order)
-        returns; collective at stages >= 1. See [Note: torch-format optimizer state].
+        returns; read from the other ranks at stages >= 1 (a collective under NCCL, TP or
+        Muon). See [Note: torch-format optimizer state].
         To torch's DCP API, DTensor shards ([Note: sharded state dicts for torch's DCP
         API])."""
         return self.torch_format(sharded=called_by_dcp_api())
 
     def torch_format(self, sharded: bool = False) -> dict[str, Any]:
-        """Torch's format: whole values (a collective at stages >= 1), or with ``sharded``
-        (stages 1-3, no tensor parallelism or whole-parameter optimizer) DTensor views."""
+        """Torch's format: whole values (read from the other ranks at stages >= 1), or
+        with ``sharded`` (stages 1-3, no tensor parallelism or whole-parameter optimizer)
+        DTensor views."""
         sharded = sharded and sharded_answer(self.engine) and self.whole is None
         served = self.engine.server is not None and self.whole is None
         if self.engine.policy.shard_optimizer and not sharded and not served:

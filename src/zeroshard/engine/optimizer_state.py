@@ -5,9 +5,10 @@ would hold, built from (and loaded into) this rank's flat, sharded state.
 ``ShardedOptimizer.state_dict()`` returns ``{"state": {i: {key: value}}, "param_groups":
 [...]}`` exactly as torch's optimizer over the same groups would: parameters numbered in
 group order, per-element state whole and shaped like its parameter (fp32, on the CPU),
-scalar state (AdamW's ``step``) per parameter. It is a collective at stages >= 1 (each
-bucket's state is all-gathered, one bucket and one key at a time, and moved to the CPU
-parameter by parameter). ``load_state_dict`` takes the same format — from zeroshard at
+scalar state (AdamW's ``step``) per parameter. At stages >= 1 each bucket's state is read
+from the other ranks ([Note: state dicts served] in shard_server.py; a collective under
+NCCL, tensor parallelism or a whole-parameter optimizer), one bucket and one key at a
+time, and moved to the CPU parameter by parameter. ``load_state_dict`` takes the same format — from zeroshard at
 any stage and world size, or from a plain torch optimizer — and keeps only this rank's
 chunk of each parameter: no communication.
 
