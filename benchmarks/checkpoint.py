@@ -16,8 +16,8 @@ system's allocations or patches reach another's figures. Definitions (docs/check
 * peak: the RSS high-water mark during the call minus the RSS just before it (VmHWM reset
   through /proc/self/clear_refs), per rank;
 * stall: wall time of the K steps spanning a save (the call included; an asynchronous
-  save's final wait not) minus K x the median step without a save, measured on a second
-  save of the same repeat (the first one is the one timed alone, for the peak);
+  save's final wait not) minus that of the K steps just before it without a save, measured
+  on a second save of the same repeat (the first one is the one timed alone, for the peak);
 * medians of ``--repeats`` (default 3) of each.
 
 The model is GPT-2 medium's shape (24 layers, hidden 1024, vocab 50304: 355M parameters;
@@ -218,8 +218,16 @@ def worker(a: argparse.Namespace) -> None:
             peak = _per_rank(_hwm() - before)
             dist.barrier()
             written = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-            # 2. the loop around a save: K steps spanning it (the call included)
+            # 2. the loop around a save: K steps spanning it (the call included), against
+            # the K steps just before it without a save (paired: the machine's drift
+            # between repeats cancels; a median step from the start of the run did not
+            # resolve a 1 s stall in 12 s steps)
             stall_path = str(root / f"{mode}-{r}-stall")
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.k):
+                _step(model, optim, rank)
+            plain = _slowest(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
             handle = saver.save(stall_path, async_save=mode == "async")
@@ -235,7 +243,7 @@ def worker(a: argparse.Namespace) -> None:
                     shutil.rmtree(path, ignore_errors=True)
             out["save" if mode == "sync" else "async"].append({
                 "call_s": _slowest(call), "seconds": _slowest(total),
-                "stall_s": _slowest(span) - a.k * median_step, "peak_bytes": peak,
+                "stall_s": _slowest(span) - plain, "plain_s": plain, "peak_bytes": peak,
                 "bytes_written": written})
     fresh, fresh_optim = _build(a.system, a.layers, a.hidden)
     _step(fresh, fresh_optim, rank)  # its optimizer state exists, as a resumed run's would
@@ -310,7 +318,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="steps timed without a save")
-    p.add_argument("--k", type=int, default=3, help="steps spanning a save (stall)")
+    p.add_argument("--k", type=int, default=2, help="steps spanning a save (stall)")
     p.add_argument("--root", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()

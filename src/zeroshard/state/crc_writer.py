@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import os
 import threading
-import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from .checksum import crc32
 
 __all__ = ["ChecksummingWriter"]
 
@@ -41,7 +42,7 @@ class _Checksummed(io.RawIOBase):
         n = self.raw.write(b)
         view = memoryview(b).cast("B")
         n = view.nbytes if n is None else n
-        self.crc = zlib.crc32(view[:n], self.crc)
+        self.crc = crc32(view[:n], self.crc)
         self.size += n
         return n
 
