@@ -67,32 +67,52 @@ def _while_training(rank: int, world: int, root: str, stage: int, mp: str | None
     data = loader("gpt2-tiny", rank, world)
     _steps(model, optim, data, 2)
     want = _state(model, optim)
-    staged_bytes = []
+    staged_bytes, staged_at = [], []
     original = saving.stage
 
-    def counting(sd, pin_memory=None):  # what the staging copy holds, per rank
-        out = original(sd, pin_memory)
-        staged_bytes.append(sum((v.to_local() if hasattr(v, "to_local") else v).nbytes
-                                for v in out.values() if isinstance(v, torch.Tensor)))
+    def counting(engine, sd, pin_memory=None, keep=True):  # what the staging copy holds
+        out = original(engine, sd, pin_memory, keep)
+        locals_ = [v.to_local() if hasattr(v, "to_local") else v for v in out.values()
+                   if isinstance(v, torch.Tensor)]
+        staged_bytes.append(sum(t.nbytes for t in locals_))
+        staged_at.append({t.data_ptr() for t in locals_ if t.numel()})
         return out
 
     saving.stage = counting
     try:
         path = step_dir(root, stage * 10 + (mp is not None))
         handle = save_checkpoint(path, model, optim, extra={"step": 2}, async_save=True)
+        assert isinstance(handle, AsyncCheckpoint)
+        _steps(model, optim, data, 2)  # training goes on; the masters change under the write
+        assert handle.wait() == path and handle.done()
+        moved = _state(model, optim)
+        # the next save copies into the first one's host memory ([Note: the staging copy
+        # is kept]) and is the moment of its own call; keep_staging=False lets it go
+        path2 = step_dir(root, 100 + stage * 10 + (mp is not None))
+        handle = save_checkpoint(path2, model, optim, extra={"step": 4}, async_save=True,
+                                 keep_staging=False)
+        _steps(model, optim, data, 1)
+        handle.wait()
     finally:
         saving.stage = original
-    assert isinstance(handle, AsyncCheckpoint)
-    _steps(model, optim, data, 2)  # training goes on; the masters change under the write
-    assert handle.wait() == path and handle.done()
-    moved = _state(model, optim)
+    engine = zeroshard.engine_of(model)
     fresh, fresh_optim = _setup(stage, mp, seed=5)
     extra = load_checkpoint(path, fresh, fresh_optim)
-    engine = zeroshard.engine_of(model)
+    equal = _same(_state(fresh, fresh_optim), want)
+    extra2 = load_checkpoint(path2, fresh, fresh_optim)
     own = sum(b.shard_numel if engine.policy.shard_optimizer else b.padded_numel
               for b in engine.buckets) * 4  # fp32 masters, this rank's
-    return {"equal": _same(_state(fresh, fresh_optim), want), "step": extra["step"],
-            "moved": not _same(moved, want), "staged": staged_bytes[0], "own": own}
+    return {"equal": equal, "step": extra["step"], "moved": not _same(moved, want),
+            "staged": staged_bytes[0], "own": own,
+            "reused": staged_at[0] == staged_at[1] and len(staged_at[0]) > 0,
+            "second": _same(_state(fresh, fresh_optim), moved) and extra2["step"] == 4,
+            "released": engine not in saving_kept()}
+
+
+def saving_kept():
+    from zeroshard.state import async_save
+
+    return async_save._STAGING
 
 
 def _all(rank: int, world: int, root: str) -> list[dict]:
@@ -108,6 +128,7 @@ def test_training_goes_on_and_the_checkpoint_is_the_moment_of_the_call(tmp_path)
     for results in run_ranks(_all, 2, str(tmp_path), timeout=300):
         for r in results:
             assert r["equal"] and r["step"] == 2 and r["moved"], r
+            assert r["reused"] and r["second"] and r["released"], r
             # this rank's masters (fp32), its two Adam moments, a few RNG and extra bytes:
             # 3 x its 1/N at stages 1-3 (stage 0: everything, whole), nothing more
             assert 3 * r["own"] <= r["staged"] <= 3 * r["own"] + 64 * 1024, r

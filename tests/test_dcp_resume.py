@@ -187,6 +187,7 @@ def _tp_loop(rank: int, world: int, stage: int, dp_only: bool, root: str) -> dic
     path = os.path.join(root, f"tp-{stage}-{dp_only}")
     model, optim = _tp(stage, dp_only)
     train(model, optim, range(SAVE_AT))
+    sharded = _tp_sharded(model, optim)
     _save(model, optim, path)
     losses = train(model, optim, range(SAVE_AT, STEPS))
     want = _state("zeroshard", model, optim)
@@ -194,9 +195,57 @@ def _tp_loop(rank: int, world: int, stage: int, dp_only: bool, root: str) -> dic
     offered = _resume(model2, optim2, path)
     resumed = train(model2, optim2, range(SAVE_AT, STEPS))
     got = _state("zeroshard", model2, optim2)
-    return {"losses": losses, "resumed": resumed, "offered": offered,
+    return {"losses": losses, "resumed": resumed, "offered": offered, **sharded,
             "bitwise": sorted(want) == sorted(got)
             and all(torch.equal(want[k], got[k]) for k in want)}
+
+
+def _tp_sharded(model, optim) -> dict:
+    """torch's DCP API under tensor parallelism, default options: FSDP2 + TP's answer.
+    Every model and optimizer tensor is a DTensor on the whole mesh whose full_tensor()
+    is the whole value (model.state_dict() / optimizer.state_dict()), each rank holding
+    its part: summed over the job, the local sizes are the whole size times the mesh
+    dimension it is replicated over (a tp-replicated parameter's tp) — nothing gathered,
+    no collective."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    ledger = zeroshard.engine_of(model).comm.ledger
+    with ledger.window("sd") as records, CommDebugMode() as comm:
+        msd, osd = get_state_dict(model, optim)
+    moved = len(records) + comm.get_total_counts()
+    whole_m, whole_o = model.state_dict(), optim.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    values = dict(msd)
+    for i, n in enumerate(names):
+        for k, v in osd["state"][n].items():
+            if k != "step":
+                values[f"optim.{n}.{k}"] = (v, whole_o["state"][i][k])
+    equal, replication, local = True, {}, {}
+    for k, v in values.items():
+        v, whole = v if isinstance(v, tuple) else (v, whole_m.get(k))
+        if k in dict(model.named_parameters()) or k.startswith("optim."):
+            if not isinstance(v, DTensor):
+                equal = False
+                continue
+            equal &= torch.equal(v.full_tensor(), whole)
+            replication[k] = [v.device_mesh.size(d) for d, p in enumerate(v.placements)
+                              if p.is_replicate()]
+            local[k] = (v.to_local().numel(), v.numel())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    exact = all(sum(r[k][0] for r in everyone) == numel * _prod(replication[k])
+                for k, (_, numel) in local.items())
+    return {"moved": moved, "tp_equal": bool(equal), "tp_exact": exact, "tp_keys": len(local)}
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def _tp_all(rank: int, world: int, root: str, points: list[tuple[int, bool]]) -> list[dict]:
@@ -208,10 +257,12 @@ def _check_tp(tmp_path, points: list[tuple[int, bool]]) -> None:
     for rank in run_ranks(_tp_all, 4, str(tmp_path), points, timeout=300):
         for r in rank:
             assert r["offered"] > 0 and r["resumed"] == r["losses"] and r["bitwise"], r
+            assert r["moved"] == 0 and r["tp_equal"] and r["tp_exact"] and r["tp_keys"], r
 
 
 def test_dcp_state_dict_resume_under_tensor_parallelism_dp_submesh(tmp_path) -> None:
-    """dp 2 x tp 2 on 4 ranks, sharded with FSDP2's mesh["dp"], stage 3: bitwise."""
+    """dp 2 x tp 2 on 4 ranks, sharded with FSDP2's mesh["dp"], stage 3: the sharded
+    answer (each rank its dp rows of its tp piece, no collective), resumed bitwise."""
     _check_tp(tmp_path, [(3, True)])
 
 

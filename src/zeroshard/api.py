@@ -34,7 +34,7 @@ from .engine.optimizer_spec import (
     whole_plan,
 )
 from .engine.outside_unit import explain_outside_read
-from .engine.sharded_state import called_by_dcp_api, sharded_answer
+from .engine.sharded_state import called_by_dcp_api
 from .engine.units import UnitSpec
 from .engine.whole import WholeUpdates, whole_updates
 from .gather import UnshardHandle, unshard
@@ -119,7 +119,7 @@ class ShardedModule:
         engine = self._zeroshard_engine
         return model_state_dict(self, engine, destination=destination,  # type: ignore[arg-type]
                                 prefix=prefix, keep_vars=keep_vars,  # FSDP2's answer to DCP
-                                sharded=called_by_dcp_api() and sharded_answer(engine))
+                                sharded=called_by_dcp_api())
 
     def load_state_dict(self, state_dict: Any, strict: bool = True,
                         assign: bool = False) -> Any:

@@ -199,8 +199,7 @@ def _load(model: nn.Module, engine: Engine, state_dict: Any, strict: bool,
     for b, i, s in slots:
         key = next((n for n in s.names if n in state_dict), None)
         if key is not None:
-            local = (local_if_ours(state_dict[key], s.spec, s.local_shape(b.rank))
-                     if engine.tp is None else None)
+            local = local_if_ours(state_dict[key], s.spec, s.local_shape(b.rank))
             if local is not None:  # torch's DCP API, sharded: no communication
                 load_local(b, i, local)
                 if b not in rows:

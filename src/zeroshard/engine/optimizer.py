@@ -30,7 +30,7 @@ from .engine import Engine
 from .load_guard import refuse_weightless_accelerate_load
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .shard_server import WEIGHTS
-from .sharded_state import called_by_dcp_api, sharded_answer
+from .sharded_state import called_by_dcp_api
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
@@ -215,9 +215,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def torch_format(self, sharded: bool = False) -> dict[str, Any]:
         """Torch's format: whole values (read from the other ranks at stages >= 1), or
-        with ``sharded`` (stages 1-3, no tensor parallelism or whole-parameter optimizer)
-        DTensor views."""
-        sharded = sharded and sharded_answer(self.engine) and self.whole is None
+        with ``sharded`` (no whole-parameter optimizer) DTensor views."""
+        sharded = sharded and self.whole is None
         served = self.engine.server is not None and self.whole is None
         if self.engine.policy.shard_optimizer and not sharded and not served:
             self.engine.world.sync_point("optimizer.state_dict")  # a collective: gathers

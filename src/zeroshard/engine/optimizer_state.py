@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .chunks import bucket_state, set_bucket_state, slot_scalars
-from .sharded_state import local_if_ours
+from .sharded_state import dcp_spec, local_if_ours
 from .sources import full_of
 from .whole import WholeUpdates
 from .whole_state import load_whole_state, whole_state_dict
@@ -123,21 +123,12 @@ def _sharded_entries(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket
         entry: dict[str, Any] = {k: v.detach().clone() if torch.is_tensor(v) else v
                                  for k, v in scalars.items()}
         for k in keys:
-            if not engine.policy.shard_optimizer:  # stage 0: the whole state, as torch's
-                entry[k] = b.slot_view(bstate[k].detach(), i)
-                continue
-            local = b.local(bstate[k].detach(), i)
-            entry[k] = dtensor_at_zero(local, _spec_as(s.spec, local.dtype))
+            # stage 0: the whole state, as torch's
+            local = (b.local(bstate[k].detach(), i) if engine.policy.shard_optimizer
+                     else b.slot_view(bstate[k].detach(), i))
+            spec = dcp_spec(s, local.dtype)
+            entry[k] = dtensor_at_zero(local, spec) if spec is not None else local
         state[index[s.user]] = entry
-
-
-def _spec_as(spec: Any, dtype: torch.dtype) -> Any:
-    """``spec`` with the state's dtype (a state entry may differ from its weights')."""
-    if spec.tensor_meta.dtype == dtype:
-        return spec
-    from .dtensors import make_spec
-
-    return make_spec(spec.mesh, spec.placements, spec.tensor_meta.shape, dtype)
 
 
 def _check_groups(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
@@ -211,8 +202,7 @@ def _load_bucket(engine: Engine, inner: torch.optim.Optimizer, b: FlatBucket,
                                         device=b.master_device)
             lo, hi = s.piece(b.rank)
             dst = values[k][s.shard_offset : s.shard_offset + hi - lo]
-            local = (local_if_ours(v, s.spec, s.local_shape(b.rank))
-                     if engine.tp is None else None)
+            local = local_if_ours(v, s.spec, s.local_shape(b.rank))
             if local is not None:  # a shard laid out as ours (torch's DCP API, sharded)
                 dst.copy_(local.reshape(-1))
                 continue

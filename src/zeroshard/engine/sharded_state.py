@@ -29,8 +29,13 @@ in place, so the compute weights derived from them (16-bit copies, stage 1-2's w
 rows of other ranks) are stale until re-derived: the buckets handed out are watched
 (``WeightRefresh.watch``) and re-derived before the next forward if their masters
 changed — ``set_state_dict`` after ``dcp.load`` (torch's recipe) is then a copy onto
-itself. Not here yet: tensor parallelism and whole-parameter optimizers (Muon) answer
-with whole tensors, as before.
+itself.
+
+Under tensor parallelism (stages 1-3) the placements are the user parameter's on the
+whole mesh (the dp placements, then the tp one: [Note: tensor-parallel parameters]), so a
+rank's local tensor is its dp rows of its tp piece, FSDP2 + TP's layout
+(``_StridedShard`` where both split dim 0). Not here yet: whole-parameter optimizers
+(Muon) answer with whole tensors, as before.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
 
-__all__ = ["called_by_dcp_api", "sharded_answer", "master_view", "sharded_values",
-           "local_if_ours", "load_local"]
+__all__ = ["called_by_dcp_api", "master_view", "sharded_values",
+           "dcp_spec", "local_if_ours", "load_local"]
 
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
@@ -61,10 +66,15 @@ def called_by_dcp_api(depth: int = 2) -> bool:
     return frame.f_globals.get("__name__") == _DCP_STATE_DICT
 
 
-def sharded_answer(engine: Engine) -> bool:
-    """Whether this engine answers torch's DCP API with views (see the Note): DTensor
-    shards at stages 1-3, DDP's whole parameters at stage 0."""
-    return engine.tp is None
+def dcp_spec(s: Any, dtype: torch.dtype | None = None) -> Any:
+    """The DTensor spec of slot ``s``'s entries for torch's DCP API (in ``dtype`` if
+    given), or None where they are plain tensors (stage 0)."""
+    from .dtensors import make_spec
+
+    spec = s.spec
+    if spec is None or dtype is None or spec.tensor_meta.dtype == dtype:
+        return spec
+    return make_spec(spec.mesh, spec.placements, spec.tensor_meta.shape, dtype)
 
 
 def master_view(b: FlatBucket, i: int) -> torch.Tensor:
