@@ -14,11 +14,13 @@ system's allocations or patches reach another's figures. Definitions (docs/check
 * blocked: the slowest rank's wall time until the save call returns (the training
   thread's share: all of a synchronous save, the staging copy of an asynchronous one);
 * peak: the RSS high-water mark during the call minus the RSS just before it (VmHWM reset
-  through /proc/self/clear_refs), per rank;
+  through /proc/self/clear_refs), per rank; for asynchronous saves the largest repeat's
+  (zeroshard keeps its staging copy for the next save: the first one allocates it);
 * stall: wall time of the K steps spanning a save (the call included; an asynchronous
   save's final wait not) minus that of the K steps just before it without a save, measured
   on a second save of the same repeat (the first one is the one timed alone, for the peak);
-* medians of ``--repeats`` (default 3) of each.
+* medians of ``--rounds`` x ``--repeats`` (default 2 x 2) of each: each round runs every
+  system once, in turn, so the machine's drift over minutes reaches them alike.
 
 The model is GPT-2 medium's shape (24 layers, hidden 1024, vocab 50304: 355M parameters;
 ``--layers``/``--hidden`` to change), AdamW, fp32, micro-batch 1 x 16 tokens (the step's
@@ -276,10 +278,20 @@ def _med_peak(rows: list[dict]) -> float:
     return statistics.median(max(r["peak_bytes"]) for r in rows)
 
 
+def _save_peak(mode: str, saves: list[dict]) -> float:
+    """An asynchronous save's staging copy may be kept for the next one (zeroshard's
+    keep_staging, the default): only the first save allocates it, so its peak is the
+    largest of the repeats', not their median — the memory is held, not freed."""
+    if mode == "async":
+        return max(max(r["peak_bytes"]) for r in saves)
+    return _med_peak(saves)
+
+
 def table(results: list[dict]) -> str:
     mib = 2**20
-    lines = [f"AdamW fp32; medians of {len(results[0]['save'])} repeats; peak = max over "
-             "ranks of the RSS increase during the call",
+    counts = ", ".join(f"{r['system']} {len(r['save'])}" for r in results)
+    lines = [f"AdamW fp32; medians of the repeats ({counts}); peak = max over "
+             "ranks of the RSS increase during the call (async: the largest repeat's)",
              f"{'system':<22} {'params':>7} {'world':>5} {'save s':>8} {'blocked':>8} "
              f"{'stall s':>8} {'load s':>8} "
              f"{'MiB written':>12} {'save peak MiB':>14} {'load peak MiB':>14} {'step s':>7}"]
@@ -291,7 +303,7 @@ def table(results: list[dict]) -> str:
                 f"{_med(saves, 'seconds'):>8.2f} {_med(saves, 'call_s'):>8.2f} "
                 f"{_med(saves, 'stall_s'):>8.2f} "
                 f"{_med(r['load'], 'seconds') if mode == 'sync' else float('nan'):>8.2f} "
-                f"{_med(saves, 'bytes_written') / mib:>12,.0f} {_med_peak(saves) / mib:>14,.0f} "
+                f"{_med(saves, 'bytes_written') / mib:>12,.0f} {_save_peak(mode, saves) / mib:>14,.0f} "
                 f"{_med_peak(r['load']) / mib if mode == 'sync' else float('nan'):>14,.0f} "
                 f"{r['median_step_s']:>7.2f}")
         if r.get("load_unverified"):
@@ -300,6 +312,20 @@ def table(results: list[dict]) -> str:
                          f"{_med(r['load_unverified'], 'seconds'):>8.2f} {'':>12} {'':>14} "
                          f"{_med_peak(r['load_unverified']) / mib:>14,.0f}")
     return "\n".join(lines)
+
+
+def _merge(results: list[dict], kept: int, new: dict) -> None:
+    """A round's figures joined to the same system's earlier rounds (their repeats
+    together; the median step over every round's steps), or a new row."""
+    row = next((r for r in results[kept:] if r["system"] == new["system"]), None)
+    if row is None:
+        results.append({**new, "steps_s": [new["median_step_s"]]})
+        return
+    for key in ("save", "async", "load", "load_unverified"):
+        if new.get(key):
+            row.setdefault(key, []).extend(new[key])
+    row["steps_s"].append(new["median_step_s"])
+    row["median_step_s"] = statistics.median(row["steps_s"])
 
 
 def main() -> None:
@@ -316,9 +342,11 @@ def main() -> None:
                    help="systems whose figures in --json are kept (not run again)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2, help="per round")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each system, alternating between the systems")
     p.add_argument("--steps", type=int, default=3, help="steps timed without a save")
-    p.add_argument("--k", type=int, default=2, help="steps spanning a save (stall)")
+    p.add_argument("--k", type=int, default=1, help="steps spanning a save (stall)")
     p.add_argument("--root", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -326,7 +354,10 @@ def main() -> None:
         return worker(a)
     done = json.loads(Path(a.json).read_text()) if a.json and Path(a.json).exists() else []
     results = [r for r in done if a.keep and r["system"] in a.keep.split(",")]
-    for system in a.systems.split(","):
+    kept = len(results)
+    # rounds alternate the systems (zs, fsdp2, zs, fsdp2, ...): this machine drifts by
+    # tens of percent over minutes, and a system run after the other would carry it
+    for system in a.systems.split(",") * a.rounds:
         root = tempfile.mkdtemp(prefix=f"zs-ckpt-bench-{system}-")
         out = Path(root) / "result.json"
         world = a.ddp_world if system == "ddp" else a.world
@@ -338,7 +369,7 @@ def main() -> None:
                "--repeats", str(a.repeats), "--steps", str(a.steps), "--k", str(a.k)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env)
-        results.append(json.loads(out.read_text()))
+        _merge(results, kept, json.loads(out.read_text()))
         shutil.rmtree(root, ignore_errors=True)
         if a.json:  # each system's figures as soon as it is done
             Path(a.json).write_text(json.dumps(results, indent=1))

@@ -40,7 +40,8 @@ def _traffic(rank: int, world: int, stage: int, **opts) -> dict:
 
 def _save(rank: int, world: int) -> dict:
     """Replica 0 writes a checkpoint; every rank returns once it is committed, and when
-    one of replica 0's writers fails, every rank of every replica raises."""
+    one of replica 0's writers fails, every rank of every replica raises — synchronous
+    saves and asynchronous ones (at wait())."""
     import os
     import tempfile
 
@@ -69,8 +70,15 @@ def _save(rank: int, world: int) -> dict:
         out["bad"] = "returned"
     except CheckpointError as e:
         out["bad"] = str(e)
+    try:  # asynchronous: every rank's wait() learns the outcome of replica 0's write
+        save_checkpoint(os.path.join(root, "bad-async"), model, optim, async_save=True).wait()
+        out["bad_async"] = "returned"
+    except (CheckpointError, OSError) as e:
+        out["bad_async"] = str(e)
     finally:
         FileSystemWriter.write_data = original
+    handle = save_checkpoint(os.path.join(root, "good-async"), model, optim, async_save=True)
+    out["good_async"] = str(handle.wait()) == os.path.join(root, "good-async")
     return out
 
 
@@ -143,4 +151,6 @@ def test_every_replica_waits_for_replica_0s_save_and_learns_its_failure() -> Non
     for r in _results():
         assert r[2]["committed_on_return"], r[2]
         assert "nothing was committed" in r[2]["bad"], r[2]
+        assert "nothing was committed" in r[2]["bad_async"], r[2]
+        assert r[2]["good_async"], r[2]
     assert sorted(r[2]["replica"] for r in _results()) == [0, 0, 1, 1]

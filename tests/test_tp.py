@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,7 +178,9 @@ RESUME = [{"via": "state_dict", "src": ("dp2xtp2", 2), "dst": ("dp4", 3)},
           {"via": "checkpoint", "src": ("rep2xshard1xtp2", 1), "dst": ("dp2xtp2", 3)},
           # hybrid sharding without tp: replica 0 writes, and a tp layout reads it
           {"via": "checkpoint", "src": ("rep2xshard2", 3), "dst": ("dp2xtp2", 2)},
-          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)}]  # tp 2 -> 4
+          {"via": "checkpoint", "src": ("dp2xtp2", 3), "dst": ("dp1xtp4", 2)},  # tp 2 -> 4
+          # asynchronous, hybrid x tp: replica 0's (shard, tp) ranks write while all train
+          {"via": "async", "src": ("rep2xshard1xtp2", 3), "dst": ("dp2xtp2", 2)}]
 # `make slow` (README, "Tests"): the same paths between other layouts and stages; each has
 # its twin above (whole state dicts / checkpoints onto another layout, tp <-> no tp, tp
 # degree changes).
@@ -208,17 +211,20 @@ def _resume(rank: int, world: int, via: str, src: tuple, dst: tuple) -> dict:
         state = {"model": model.state_dict(), "optim": optim.state_dict()}
         out["shapes"] = {k: tuple(v.shape) for k, v in state["model"].items()}
         out["moments"] = {k: tuple(v.shape) for k, v in state["optim"]["state"][0].items()}
-    else:
-        save_checkpoint(path, model, optim, extra={"step": 2})
-        if rank == 0:
-            from safetensors.torch import load_file
-
-            consolidate(path, path + ".safetensors")
-            flat = load_file(path + ".safetensors")
-            out["consolidated_dev"] = max((flat[k].float() - full[k]).abs().max().item()
-                                          for k in full)
+    else:  # "async": written while the next steps run
+        handle = save_checkpoint(path, model, optim, extra={"step": 2},
+                                 async_save=via == "async")
     go_on = _steps(mesh, model, optim, range(2, 4))
     end = zeroshard.full_state_dict(model)
+    if via == "async":
+        assert handle.wait() == Path(path)
+    if via != "state_dict" and rank == 0:
+        from safetensors.torch import load_file
+
+        consolidate(path, path + ".safetensors")
+        flat = load_file(path + ".safetensors")
+        out["consolidated_dev"] = max((flat[k].float() - full[k]).abs().max().item()
+                                      for k in full)
     mesh2, model2, optim2 = _build(*dst)
     if via == "state_dict":
         model2.load_state_dict(state["model"])

@@ -440,28 +440,59 @@ def _dcp(rank: int, world: int, root: str) -> dict:
     """torch's DCP resume (torchtitan's): get_state_dict + dcp.save at stage 3, then
     get_state_dict -> dcp.load -> set_state_dict into a fresh model at stage 1."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
 
     first = _train(rank, world, 3, "muon", steps=3)
-    msd, osd = get_state_dict(first["model"], first["optimizer"])
+    ledger = zeroshard.engine_of(first["model"]).comm.ledger
+    with ledger.window("sd") as records:
+        msd, osd = get_state_dict(first["model"], first["optimizer"])
+    owned = _owned_entries(osd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    full = _owned_entries(get_optimizer_state_dict(
+        first["model"], first["optimizer"],
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     model = make_model(PRESET, seed=5)
     model, optim = zeroshard.shard(model, _muon(model), stage=1)
     sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
     dcp.load(sd, checkpoint_id=root)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _resume_steps(model, optim, rank, world)
-    return {"weights": zeroshard.full_state_dict(model),
-            "owned": sum(1 for st in optim.state.values() if st)}
+    return {"weights": zeroshard.full_state_dict(model), "moved": len(records),
+            "owned": sum(1 for st in optim.state.values() if st), "entries": owned,
+            "full": full}
+
+
+def _owned_entries(osd: dict) -> dict[str, list]:
+    """Each parameter's optimizer entry: its tensors' kinds and sizes ([] if empty)."""
+    return {n: sorted((k, type(v).__name__, v.numel()) for k, v in st.items()
+                      if torch.is_tensor(v)) for n, st in osd.get("state", {}).items()}
 
 
 def test_dcp_get_state_dict_resume_at_another_stage() -> None:
+    """Muon's state through torch's DCP API at stage 3 (world 2): by default each
+    parameter's entry is on its owner alone (plain tensors, nothing gathered; an empty
+    entry on the other rank), so DCP writes it once; full_state_dict=True gathers every
+    entry onto rank 0; resumed at stage 1 = DDP's run, bitwise."""
     with tempfile.TemporaryDirectory() as root:
         ranks = run_ranks(_dcp, 2, root, timeout=300)
     want = _results2("muon")[0]["ddp"]["weights"]  # the uninterrupted run (DDP's)
     for name, w in want.items():
         assert torch.equal(ranks[0]["weights"][name], w), name
     assert all(r["owned"] > 0 for r in ranks)
+    assert [r["moved"] for r in ranks] == [0, 0]
+    matrices = {n for n, p in make_model(PRESET).named_parameters() if p.dim() == 2}
+    a, b = (r["entries"] for r in ranks)
+    assert set(a) == set(b) and matrices <= set(a)
+    for n in matrices:  # on exactly one rank, whole and plain (momentum_buffer)
+        held = [e for e in (a[n], b[n]) if e]
+        assert len(held) == 1 and held[0][0][1] == "Tensor", (n, a[n], b[n])
+        assert ranks[0]["full"][n] == held[0], n  # the full form: rank 0 has them all
+    assert ranks[1]["full"] == {}
 
 
 def _joined(rank: int, world: int) -> dict:

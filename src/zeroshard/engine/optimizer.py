@@ -30,7 +30,7 @@ from .engine import Engine
 from .load_guard import refuse_weightless_accelerate_load
 from .optimizer_state import load_torch_state_dict, state_view, torch_state_dict
 from .shard_server import WEIGHTS
-from .sharded_state import called_by_dcp_api
+from .sharded_state import dcp_request
 from .whole import WholeUpdates
 from .whole_state import whole_state_view
 
@@ -211,17 +211,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Muon). See [Note: torch-format optimizer state].
         To torch's DCP API, DTensor shards ([Note: sharded state dicts for torch's DCP
         API])."""
-        return self.torch_format(sharded=called_by_dcp_api())
+        return self.torch_format(dcp_request())
 
-    def torch_format(self, sharded: bool = False) -> dict[str, Any]:
+    def torch_format(self, dcp: str | None = None) -> dict[str, Any]:
         """Torch's format: whole values (read from the other ranks at stages >= 1), or
-        with ``sharded`` (no whole-parameter optimizer) DTensor views."""
-        sharded = sharded and self.whole is None
+        for torch's DCP API (``dcp``: see ``dcp_request``) DTensor views, a whole-parameter
+        optimizer's entries on their owners (gathered for ``"full"``)."""
+        sharded = dcp is not None
+        whole_local = dcp == "sharded" or self.whole is None
         served = self.engine.server is not None and self.whole is None
-        if self.engine.policy.shard_optimizer and not sharded and not served:
+        if self.engine.policy.shard_optimizer and not (sharded and whole_local) and not served:
             self.engine.world.sync_point("optimizer.state_dict")  # a collective: gathers
         sd = torch_state_dict(self.engine, self.optim, self.param_groups, self.whole,
-                              sharded=sharded,
+                              sharded=sharded, whole_local=whole_local,
                               served=self._serve_kind if served and not sharded else None)
         if self.engine.scaler.enabled:
             sd[_SCALER_KEY] = self.engine.scaler.state_dict()
@@ -320,7 +322,7 @@ class OptimizerPart(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Torch's format for this optimizer's groups (collective, as the core's; DTensor
         shards to torch's DCP API, as the core's)."""
-        return part_state_dict(self.core.torch_format(sharded=called_by_dcp_api()),
+        return part_state_dict(self.core.torch_format(dcp_request()),
                                self._range)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

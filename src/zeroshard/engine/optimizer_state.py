@@ -29,7 +29,7 @@ from .chunks import bucket_state, set_bucket_state, slot_scalars
 from .sharded_state import dcp_spec, local_if_ours
 from .sources import full_of
 from .whole import WholeUpdates
-from .whole_state import load_whole_state, whole_state_dict
+from .whole_state import load_whole_state, whole_state_dict, whole_state_local
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -57,23 +57,26 @@ def _per_element(state: dict[str, Any], b: FlatBucket) -> list[str]:
 @torch.no_grad()
 def torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
                      groups: list[dict[str, Any]], whole: WholeUpdates | None = None,
-                     sharded: bool = False, served: int | None = None) -> dict[str, Any]:
+                     sharded: bool = False, served: int | None = None,
+                     whole_local: bool = False) -> dict[str, Any]:
     """See [Note: torch-format optimizer state]; a whole-parameter optimizer's entries
     come from their owners (whole_state.py). ``sharded``: per-element entries are DTensor
     views of this rank's state, nothing gathered ([Note: sharded state dicts for torch's
-    DCP API]). ``served``: the optimizer's kind at its server — the peers' state is read
-    from them, not gathered ([Note: state dicts served] in shard_server.py)."""
+    DCP API]); with ``whole_local`` the whole-parameter entries too are this rank's own
+    (views; empty for the parameters others own). ``served``: the optimizer's kind at its
+    server — the peers' state is read from them, not gathered ([Note: state dicts served]
+    in shard_server.py)."""
     if served is None:
-        return _torch_state_dict(engine, inner, groups, whole, sharded, None)
+        return _torch_state_dict(engine, inner, groups, whole, sharded, None, whole_local)
     with engine.server.session(engine, "optimizer.state_dict()") as fetch:
         return _torch_state_dict(
             engine, inner, groups, whole, sharded,
-            lambda b, local, key: fetch.gathered(b, local, served, key))
+            lambda b, local, key: fetch.gathered(b, local, served, key), whole_local)
 
 
 def _torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
                       groups: list[dict[str, Any]], whole: WholeUpdates | None,
-                      sharded: bool, read: Any) -> dict[str, Any]:
+                      sharded: bool, read: Any, whole_local: bool = False) -> dict[str, Any]:
     packed, index = _numbering(groups)
     state: dict[int, dict[str, Any]] = {}
     for b in engine.buckets:
@@ -103,7 +106,9 @@ def _torch_state_dict(engine: Engine, inner: torch.optim.Optimizer,
                 entry[k] = v.to("cpu", copy=True)
             state[index[s.user]] = entry
         del gathered
-    if whole is not None:  # the whole-parameter groups' entries, from their owners
+    if whole is not None and sharded and whole_local:  # this rank's own, as they are
+        state.update(whole_state_local(whole, inner, index))
+    elif whole is not None:  # the whole-parameter groups' entries, from their owners
         state.update(whole_state_dict(whole, inner, index, engine.device))
     return {"state": dict(sorted(state.items())), "param_groups": packed}
 

@@ -34,8 +34,16 @@ itself.
 Under tensor parallelism (stages 1-3) the placements are the user parameter's on the
 whole mesh (the dp placements, then the tp one: [Note: tensor-parallel parameters]), so a
 rank's local tensor is its dp rows of its tp piece, FSDP2 + TP's layout
-(``_StridedShard`` where both split dim 0). Not here yet: whole-parameter optimizers
-(Muon) answer with whole tensors, as before.
+(``_StridedShard`` where both split dim 0).
+
+A whole-parameter optimizer's state (Muon's, Adafactor's: [Note: whole-parameter
+updates] in whole.py) lives whole on each parameter's owner, which no DTensor placement
+describes. To the default options each rank answers its own parameters' entries as plain
+tensors (views: ``dcp.load`` writes them in place) and an empty entry for each parameter
+another rank owns (torch's strict ``set_optimizer_state_dict`` wants a key per
+parameter): DCP writes every entry once, by its owner, and at any world size each owner
+reads its own. To ``full_state_dict=True`` — which would take a plain tensor as whole and
+miss the entries held elsewhere — they are gathered from the owners, as before.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .flat import FlatBucket
 
-__all__ = ["called_by_dcp_api", "master_view", "sharded_values",
+__all__ = ["called_by_dcp_api", "dcp_request", "master_view", "sharded_values",
            "dcp_spec", "local_if_ours", "load_local"]
 
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
@@ -64,6 +72,21 @@ def called_by_dcp_api(depth: int = 2) -> bool:
     except ValueError:
         return False
     return frame.f_globals.get("__name__") == _DCP_STATE_DICT
+
+
+def dcp_request(depth: int = 2) -> str | None:
+    """What torch's DCP API asks of the caller ``depth`` frames up: None (it is not the
+    DCP API), ``"full"`` (``full_state_dict=True``: it gathers what it gets) or
+    ``"sharded"`` (the default options). Read from its ``info`` (``_StateDictInfo``),
+    an argument of torch's ``_get_optim_state_dict`` (torch is pinned; the tests fail if
+    that changes)."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    if frame.f_globals.get("__name__") != _DCP_STATE_DICT:
+        return None
+    return "full" if getattr(frame.f_locals.get("info"), "full_state_dict", False) else "sharded"
 
 
 def dcp_spec(s: Any, dtype: torch.dtype | None = None) -> Any:

@@ -17,7 +17,7 @@ import torch
 from ..comm import Comm
 from .whole import WholeUpdates
 
-__all__ = ["whole_state_dict", "whole_state_by_name", "load_whole_state", "whole_state_view"]
+__all__ = ["whole_state_dict", "whole_state_local", "whole_state_by_name", "load_whole_state", "whole_state_view"]
 
 
 def whole_state_dict(whole: WholeUpdates, inner: torch.optim.Optimizer,
@@ -36,6 +36,26 @@ def whole_state_dict(whole: WholeUpdates, inner: torch.optim.Optimizer,
     out: dict[int, dict[str, Any]] = {}
     for part in _all_gather_objects(whole.comm, mine, device):
         out.update(part)
+    return out
+
+
+def whole_state_local(whole: WholeUpdates, inner: torch.optim.Optimizer,
+                      index: dict[torch.Tensor, int]) -> dict[int, dict[str, Any]]:
+    """``{parameter index: state}`` as torch's DCP API gets it by default ([Note: sharded
+    state dicts for torch's DCP API]): the parameters this rank owns, their state as it
+    is (views: ``dcp.load`` writes in place); once stepped, an empty entry for each one
+    another rank owns. No communication."""
+    out: dict[int, dict[str, Any]] = {}
+    for s in whole.owner:
+        if s.user not in index:
+            continue
+        t = whole.tensors.get(s)
+        st = inner.state.get(t) if t is not None else None
+        if st:
+            out[index[s.user]] = {k: v.detach() if torch.is_tensor(v) else v
+                                  for k, v in st.items()}
+        elif whole.started and t is None:
+            out[index[s.user]] = {}
     return out
 
 

@@ -15,12 +15,29 @@ rank writes. Here the save is split where torchtitan's and DCP's ``async_save`` 
 Every collective of the writer thread runs on a process group of its own (gloo, created
 once per model with the model's ``timeout=``): DCP gathers plans and results on it, and a
 collective on a group the training loop also uses, issued from another thread, could pair
-with the wrong call on a peer — the default group is refused for that reason. A rank that
+with the wrong call on a peer — the default group is refused for that reason. With hybrid
+sharding the replicas hold the same pieces and replica 0 writes them, as a synchronous save
+does: each replica's ranks get a writer group, and every rank's thread then joins one
+all-reduce of a failure flag on a group of every rank, so the other replicas' ``wait()``
+reports how replica 0's write went. Under tensor parallelism a replica's writers are its
+(shard, tp) ranks. A rank that
 dies during the write leaves its peers waiting in DCP's last collective until that group's
 timeout; they then fail, nothing is committed, and the previous checkpoint stays the
 latest (``latest_checkpoint``). The new one is complete or absent, never half there.
 
 One save is in flight at a time: a later save (or ``wait()``) waits for the earlier one.
+
+[Note: the writer yields the cores]
+The write is CPU work too — serialising, checksumming, the kernel's page-cache copies —
+about a second per GiB per rank here. Where training keeps every core busy (CPU training,
+or dataloader workers and the accelerator's host threads), a writer at the training
+thread's priority takes those cores from it, and since every collective waits for the
+slowest rank, one rank's writer slows them all: measured on a 355M model at world 4 on 2
+cores, the steps spanning an asynchronous save lost more time than a synchronous save
+took, under FSDP2 + DCP as under zeroshard (benchmarks/checkpoint.py). So the writer
+thread runs at nice 19 (per thread on Linux): it takes the time the training threads
+leave — waits in collectives, the accelerator's kernels — and finishes later when there
+is none, instead of stalling the loop. ``wait()`` before exiting, as always.
 
 [Note: the staging copy is kept]
 The staging copy is the training thread's whole share of an asynchronous save, and most
@@ -37,6 +54,7 @@ is in flight at a time: the next save's copy starts after the previous write end
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -53,7 +71,7 @@ from .layout import checkpoint_group, global_ranks
 
 __all__ = ["AsyncCheckpoint", "stage", "writer_group", "start", "wait_pending"]
 
-# model engine -> (its checkpoint group's ranks, the writer's group); one per model
+# model engine -> (its replica's writers' group, every rank's group or None); one per model
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model engine -> the save in flight
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -88,6 +106,7 @@ class AsyncCheckpoint:
     result = wait  # concurrent.futures' name, as DCP's async_save returns a Future
 
     def _run(self, write: Any) -> None:
+        _yield_to_training()
         try:
             write()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
@@ -96,9 +115,20 @@ class AsyncCheckpoint:
             self._done.set()
 
 
-def writer_group(engine: Engine, group: Any = None) -> Any:
-    """The writer thread's process group: ``group`` if given (not the default one), else
-    one made once per model over the checkpoint group's ranks. Collective the first time
+def _yield_to_training() -> None:
+    """Give the calling (writer) thread the lowest CPU priority: see [Note: the writer
+    yields the cores]. Linux's nice is per thread; elsewhere nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # no per-thread priority here: the write still runs
+        pass
+
+
+def writer_group(engine: Engine, group: Any = None) -> tuple[Any, Any]:
+    """The writer thread's process groups: (this replica's writers' group, the group of
+    every rank of the model, or None without replicas), made once per model over the
+    checkpoint groups' ranks, or ``group`` if given (not the default one; not with hybrid
+    sharding, whose replicas each need their own). Collective the first time
     (``new_group``: every rank of the job calls it, as every rank calls save)."""
     if group is not None:
         if group is dist.group.WORLD or group == dist.distributed_c10d._get_default_group():
@@ -108,26 +138,38 @@ def writer_group(engine: Engine, group: Any = None) -> Any:
                 "that group and pair with the wrong calls. Pass a group of its own, "
                 "dist.new_group(backend='gloo'), or leave process_group=None (zeroshard "
                 "makes one)")
-        return group
-    if engine.replicate is not None or engine.tp is not None:
-        raise NotImplementedError(
-            "save_checkpoint(async_save=True) with hybrid sharding or tensor parallelism is "
-            "not supported yet (the writer's group would differ per replica); save with "
-            "async_save=False")
+        if engine.replicate is not None:
+            raise ValueError(
+                "save_checkpoint(async_save=True, process_group=...) with hybrid sharding: "
+                "each replica's writers need a group of their own, and every rank one to "
+                "agree on the outcome; leave process_group=None and zeroshard makes them")
+        return group, None
+    known = _GROUPS.get(engine)
+    if known is not None:
+        return known
     ranks = global_ranks(checkpoint_group(engine)[0])
-    if len(ranks) != dist.get_world_size():
+    every = dist.get_world_size()
+    # each replica's writers (one list without hybrid sharding), in one order everywhere
+    replicas: list[Any] = [None] * every
+    dist.all_gather_object(replicas, ranks)
+    groups = list(dict.fromkeys(tuple(r) for r in replicas))
+    model = sorted({r for g in groups for r in g})
+    if len(model) != every:
         raise ValueError(
-            f"save_checkpoint(async_save=True): the model is sharded over ranks {ranks}, not "
+            f"save_checkpoint(async_save=True): the model is sharded over ranks {model}, not "
             "the whole job, and a group of the writer's own is made by every rank of the "
             "job: pass process_group=dist.new_group(ranks, backend='gloo'), made on every "
             "rank")
-    known = _GROUPS.get(engine)
-    if known is not None and known[0] == ranks:
-        return known[1]
-    seconds = engine.config.timeout or 1800.0
-    made = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=seconds))
-    _GROUPS[engine] = (ranks, made)
-    return made
+    timeout = timedelta(seconds=engine.config.timeout or 1800.0)
+    mine = None
+    for g in groups:
+        made = dist.new_group(ranks=list(g), backend="gloo", timeout=timeout)
+        if list(g) == ranks:
+            mine = made
+    span = (dist.new_group(ranks=model, backend="gloo", timeout=timeout)
+            if len(groups) > 1 else None)
+    _GROUPS[engine] = (mine, span)
+    return mine, span
 
 
 def _pin(pin_memory: bool | None) -> bool:

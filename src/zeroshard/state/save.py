@@ -17,6 +17,7 @@ DCP tensors               ``model.<name>`` fp32 master weights, DTensors of the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -304,27 +305,48 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     t0 = time.perf_counter()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = _jsonable(dict(extra or {}), "", extra_tensors)
-    if async_save:
-        group = writer_group(engine, process_group)  # first: refusals before anything
-        _check_same_extra(engine, extra_json, extra_tensors)
-        sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
-        staged = stage(engine, sd, pin_memory, keep_staging)
-        del sd
-        return start(engine, path, lambda: _write(path, engine, staged, layout, tmp,
-                                                  extra_json, t0, group))
-    _check_same_extra(engine, extra_json, extra_tensors)
     writes = checkpoint_group(engine)[4]
-    failed: BaseException | None = None
-    if writes:  # replicas (hybrid sharding) hold the same pieces: replica 0 writes them
-        try:
+    if async_save:
+        group, span = writer_group(engine, process_group)  # first: refusals before anything
+        _check_same_extra(engine, extra_json, extra_tensors)
+        write: Any = _nothing
+        if writes:
             sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
-            sd = {k: _own_storage(v) for k, v in sd.items()}
-            _write(path, engine, sd, layout, tmp, extra_json, t0)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
-            failed = exc
-    if engine.replicate is not None:  # the other replicas learn how replica 0's save went
-        flag = torch.tensor([float(failed is not None)], device=engine.device)
-        dist.all_reduce(flag, group=_model_group(engine))
+            staged = stage(engine, sd, pin_memory, keep_staging)
+            del sd
+            write = functools.partial(_write, path, engine, staged, layout, tmp, extra_json,
+                                      t0, group)
+        return start(engine, path, functools.partial(
+            _replica_0_writes, path, write, None if span is None else (span, torch.device("cpu"))))
+    _check_same_extra(engine, extra_json, extra_tensors)
+
+    def write_now() -> None:
+        sd, layout, tmp = _prepare(path, engine, model, optimizer, extra_tensors)
+        sd = {k: _own_storage(v) for k, v in sd.items()}
+        _write(path, engine, sd, layout, tmp, extra_json, t0)
+
+    span = None if engine.replicate is None else (_model_group(engine), engine.device)
+    _replica_0_writes(path, write_now if writes else _nothing, span)
+    return path
+
+
+def _nothing() -> None:
+    """What a replica other than replica 0 writes (hybrid sharding): nothing."""
+
+
+def _replica_0_writes(path: Path, write: Any, span: tuple[Any, torch.device] | None) -> Path:
+    """Run ``write`` (nothing on the replicas that do not write); with replicas (hybrid
+    sharding: replica 0 writes the pieces all of them hold) every rank then learns how
+    replica 0's write went, by one all-reduce of a failure flag on ``span`` (group,
+    device), and raises if it failed."""
+    failed: BaseException | None = None
+    try:
+        write()
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
+        failed = exc
+    if span is not None:
+        flag = torch.tensor([float(failed is not None)], device=span[1])
+        dist.all_reduce(flag, group=span[0])
         if failed is None and flag.item() > 0:
             raise CheckpointError(f"saving {str(path)!r} failed on replica 0 (its ranks raised "
                                   "the cause); nothing was committed")
