@@ -20,24 +20,12 @@ sharding the replicas hold the same pieces and replica 0 writes them, as a synch
 does: each replica's ranks get a writer group, and every rank's thread then joins one
 all-reduce of a failure flag on a group of every rank, so the other replicas' ``wait()``
 reports how replica 0's write went. Under tensor parallelism a replica's writers are its
-(shard, tp) ranks. A rank that
-dies during the write leaves its peers waiting in DCP's last collective until that group's
-timeout; they then fail, nothing is committed, and the previous checkpoint stays the
-latest (``latest_checkpoint``). The new one is complete or absent, never half there.
+(shard, tp) ranks. A rank that dies during the write leaves its peers waiting in DCP's last
+collective until that group's timeout; they then fail, nothing is committed, and the
+previous checkpoint stays the latest (``latest_checkpoint``). The new one is complete or
+absent, never half there.
 
 One save is in flight at a time: a later save (or ``wait()``) waits for the earlier one.
-
-[Note: the writer yields the cores]
-The write is CPU work too — serialising, checksumming, the kernel's page-cache copies —
-about a second per GiB per rank here. Where training keeps every core busy (CPU training,
-or dataloader workers and the accelerator's host threads), a writer at the training
-thread's priority takes those cores from it, and since every collective waits for the
-slowest rank, one rank's writer slows them all: measured on a 355M model at world 4 on 2
-cores, the steps spanning an asynchronous save lost more time than a synchronous save
-took, under FSDP2 + DCP as under zeroshard (benchmarks/checkpoint.py). So the writer
-thread runs at nice 19 (per thread on Linux): it takes the time the training threads
-leave — waits in collectives, the accelerator's kernels — and finishes later when there
-is none, instead of stalling the loop. ``wait()`` before exiting, as always.
 
 [Note: the staging copy is kept]
 The staging copy is the training thread's whole share of an asynchronous save, and most
@@ -54,7 +42,6 @@ is in flight at a time: the next save's copy starts after the previous write end
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref
@@ -106,22 +93,12 @@ class AsyncCheckpoint:
     result = wait  # concurrent.futures' name, as DCP's async_save returns a Future
 
     def _run(self, write: Any) -> None:
-        _yield_to_training()
         try:
             write()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
         finally:
             self._done.set()
-
-
-def _yield_to_training() -> None:
-    """Give the calling (writer) thread the lowest CPU priority: see [Note: the writer
-    yields the cores]. Linux's nice is per thread; elsewhere nothing changes."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # no per-thread priority here: the write still runs
-        pass
 
 
 def writer_group(engine: Engine, group: Any = None) -> tuple[Any, Any]:
