@@ -67,11 +67,7 @@ _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 def called_by_dcp_api(depth: int = 2) -> bool:
     """Is the caller ``depth`` frames up torch's DCP state-dict module?"""
-    try:
-        frame = sys._getframe(depth)
-    except ValueError:
-        return False
-    return frame.f_globals.get("__name__") == _DCP_STATE_DICT
+    return dcp_request(depth + 1) is not None
 
 
 def dcp_request(depth: int = 2) -> str | None:

@@ -45,18 +45,8 @@ def whole_state_local(whole: WholeUpdates, inner: torch.optim.Optimizer,
     state dicts for torch's DCP API]): the parameters this rank owns, their state as it
     is (views: ``dcp.load`` writes in place); once stepped, an empty entry for each one
     another rank owns. No communication."""
-    out: dict[int, dict[str, Any]] = {}
-    for s in whole.owner:
-        if s.user not in index:
-            continue
-        t = whole.tensors.get(s)
-        st = inner.state.get(t) if t is not None else None
-        if st:
-            out[index[s.user]] = {k: v.detach() if torch.is_tensor(v) else v
-                                  for k, v in st.items()}
-        elif whole.started and t is None:
-            out[index[s.user]] = {}
-    return out
+    return {index[user]: {k: v.detach() if torch.is_tensor(v) else v for k, v in st.items()}
+            for user, st in whole_state_view(whole, inner).items() if user in index}
 
 
 def whole_state_by_name(whole: WholeUpdates, inner: torch.optim.Optimizer,
