@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, CommLedger
+from .comm_links import Nodes, resolve_node_size
 from .config import ShardConfig
 from .engine.engine import Engine, ParamInit
 from .engine.tensor_parallel import (
@@ -41,7 +42,8 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
     dev = resolve_device(device) if meta else None
     if meta and param_init is None:
         param_init = default_param_init(model)
-    ledger = CommLedger()
+    nodes = Nodes(resolve_node_size(config.node_size, dist.get_world_size()))
+    ledger = CommLedger(nodes=nodes)
     tp = None
     mesh = whole_mesh(model, mesh)
     check_dtensor_params(model, mesh)

@@ -7,10 +7,11 @@ The ledger records two byte counts per collective, both *per rank*:
   of a tensor of S bytes counts 2S, a reduce-scatter or all-gather whose *full* (unsharded)
   tensor is S bytes counts S. Plain data parallelism is therefore 2Ψ per step, stages 1-2
   are Ψ + Ψ = 2Ψ, stage 3 is 3Ψ (Ψ counted in bytes of the communicated dtype).
-* ``wire_bytes`` is what this rank actually sends with a bandwidth-optimal ring algorithm
-  for the collective that was really issued: all-reduce 2S(N-1)/N, reduce-scatter and
-  all-gather S(N-1)/N (also when issued as N reduces / broadcasts, see below). It
-  differs from the logical volume by (N-1)/N.
+* ``wire_bytes`` is what this rank actually sends for the collective as the backend runs
+  it (gloo's algorithms exactly, others as a ring; see [Note: bytes by link] in
+  comm_links.py, which also splits it into ``intra_wire_bytes`` and ``inter_wire_bytes``
+  by node): a ring all-reduce 2S(N-1)/N, a ring reduce-scatter or all-gather S(N-1)/N,
+  N broadcasts of S/N the same, N gloo reduces more.
 
 [Note: collectives per backend]
 gloo implements reduce-scatter as one all-reduce per rank, and its all-gather is slow.
@@ -22,25 +23,27 @@ Measured on our 2-core machines (25 MB fp32, bytes of the whole tensor per secon
          N async broadcasts 1.57, N async reduces 0.91
 
 So on gloo an all-gather is issued as N broadcasts (rank r broadcasts its slice) and a
-reduce-scatter as N reduces (slice r summed onto rank r), all in flight at once; each
-moves the same S(N-1)/N bytes per rank as the ring collective, and the result is
-bit-identical. On NCCL (and anything else) the native collectives are used. The choice is
-made once per group (:func:`_decompose_for`) and reported in the ledger as ``impl``.
+reduce-scatter as N reduces (slice r summed onto rank r), all in flight at once, and the
+result is bit-identical. The N broadcasts send the ring's S(N-1)/N per rank; the N reduces
+send more (gloo's reduce is a ring reduce-scatter then a gather to the root: for slices of
+2N MiB or less S(N-1)/N + S(N-1)/N^2, for large ones nearly S + S(N-1)/N^2): faster on one
+machine, where bytes cost little and latency much, and counted as sent in the ledger. On
+NCCL (and anything else) the native collectives are used. The choice is made once per
+group (:func:`_backend`) and reported in the ledger as ``impl``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .comm_check import CHECK_TIMEOUT, OPS, PHASES, Check, issue, make_check_group, unit_key
+from .comm_ledger import KEEP_STEPS, WINDOW_RECORDS, CommLedger, CommRecord
+from .comm_links import sends
 from .comm_wait import (
     CollectiveError,
     CollectiveMismatch,
@@ -52,125 +55,28 @@ from .comm_wait import (
 from .peer_watch import WATCH
 
 __all__ = ["CommRecord", "CommLedger", "Comm", "Pending", "CollectiveTimeout",
-           "CollectiveMismatch", "CollectiveError", "CHECK_TIMEOUT"]
+           "CollectiveMismatch", "CollectiveError", "CHECK_TIMEOUT", "KEEP_STEPS",
+           "WINDOW_RECORDS"]
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective as issued by one rank."""
-
-    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
-    impl: str  # what was really issued: on gloo N "broadcast"s / "reduce"s (see Note)
-    logical_bytes: int
-    wire_bytes: int
-    group: str  # a label for the process group ("world", "shard", "replicate", ...)
-    group_size: int
-    phase: str  # "forward" | "backward" | "step" | "state" | "other"
-    unit: str = ""  # the unit / bucket this collective served
-    dtype: str = ""
-
-
-#: Completed steps whose records a ledger keeps, beside the open one. A step appends a
-#: record (~300 B) per collective, ~100 on an 8-block model at stage 3: kept whole, a
-#: million-step run's ledger would hold tens of GB of host memory for Python's collector
-#: to walk. Older steps are dropped in batches of this many (``CommLedger.mark_step``).
-KEEP_STEPS = 16
-#: Records a named window keeps (see CommLedger.window): generation runs a forward per
-#: token and no optimizer step closes them.
-WINDOW_RECORDS = 4096
-
-
-@dataclass
-class CommLedger:
-    """The records of every collective of the last :data:`KEEP_STEPS` to
-    ``2 * KEEP_STEPS`` completed steps and of the open one (set-up traffic until it ages
-    out), with a few summaries.
-
-    The engine writes to it; tests, the benchmark and the planner read it. ``mark_step``
-    lets readers ask for the traffic of the most recent step only.
-    """
-
-    records: list[CommRecord] = field(default_factory=list)
-    _step_starts: list[int] = field(default_factory=lambda: [0])
-    #: Optimizer steps completed (the engine resets it to 0 once set-up traffic is done).
-    step: int = 0
-    #: Records dropped with old steps (``records`` holds the rest).
-    dropped: int = 0
-    #: Named windows (``window()``): the last WINDOW_RECORDS records issued inside each.
-    windows: dict[str, deque[CommRecord]] = field(default_factory=dict)
-    _window: str | None = None
-    #: Collectives recorded since the ledger was made (never reset): a rank that sees it
-    #: move knows its peers joined a collective since (engine/state_clock.py).
-    issued: int = 0
-
-    def add(self, record: CommRecord) -> None:
-        self.issued += 1
-        if self._window is not None:
-            self.windows[self._window].append(record)
-        else:
-            self.records.append(record)
-
-    @contextmanager
-    def window(self, name: str) -> Iterator[deque[CommRecord]]:
-        """Record the collectives issued inside in their own bounded window (``name``),
-        not in the open step: generation (a forward per token, no step to close the
-        records) neither grows the ledger without bound nor counts in a training step's
-        traffic. Yields the window; ``windows[name]`` keeps it after."""
-        prev = self._window
-        records = self.windows.setdefault(name, deque(maxlen=WINDOW_RECORDS))
-        self._window = name
-        try:
-            yield records
-        finally:
-            self._window = prev
-
-    def clear(self) -> None:
-        self.records.clear()
-        self._step_starts = [0]
-        self.step = 0
-
-    def mark_step(self) -> None:
-        """Close the current step: ``last_step()`` then returns its records. Once more than
-        ``2 * KEEP_STEPS`` steps are held, the oldest are dropped down to ``KEEP_STEPS``
-        (an index into ``records`` is good until the next ``mark_step``)."""
-        self._step_starts.append(len(self.records))
-        self.step += 1
-        held = len(self._step_starts) - 1  # completed steps (set-up traffic counts as one)
-        if held > 2 * KEEP_STEPS:
-            cut = self._step_starts[held - KEEP_STEPS]
-            del self.records[:cut]
-            self._step_starts = [s - cut for s in self._step_starts[held - KEEP_STEPS:]]
-            self.dropped += cut
-
-    def last_step(self) -> list[CommRecord]:
-        """Records of the last completed step (between the last two ``mark_step`` calls)."""
-        if len(self._step_starts) < 2:
-            return list(self.records)
-        return self.records[self._step_starts[-2] : self._step_starts[-1]]
-
-    def totals(self, records: list[CommRecord] | None = None) -> dict[str, int]:
-        recs = self.records if records is None else records
-        return {
-            "logical_bytes": sum(r.logical_bytes for r in recs),
-            "wire_bytes": sum(r.wire_bytes for r in recs),
-            "calls": len(recs),
-        }
-
-    def by(self, key: str, records: list[CommRecord] | None = None) -> dict[str, dict[str, int]]:
-        """Totals grouped by a record field, e.g. ``by("op")`` or ``by("phase")``."""
-        recs = self.records if records is None else records
-        groups: dict[str, list[CommRecord]] = defaultdict(list)
-        for r in recs:
-            groups[str(getattr(r, key))].append(r)
-        return {k: self.totals(v) for k, v in groups.items()}
-
-def _decompose_for(group: dist.ProcessGroup | None) -> bool:
-    """See [Note: collectives per backend]."""
+def _backend(group: dist.ProcessGroup | None) -> str:
+    """The group's backend ("gloo" decomposes, see [Note: collectives per backend]); ""
+    for groups that cannot say."""
     try:
-        backend = dist.get_backend(group)
+        return str(dist.get_backend(group))
     except (RuntimeError, ValueError):  # fake or custom groups
-        return False
-    return str(backend) == "gloo"
+        return ""
+
+
+#: The send model of each primitive on gloo and elsewhere ([Note: bytes by link] in
+#: comm_links.py). ProcessGroupGloo runs a reduce-scatter as an all-reduce.
+_ALGO = {
+    "all_reduce": ("gloo_all_reduce", "ring_all_reduce"),
+    "reduce_scatter": ("gloo_all_reduce", "ring"),
+    "all_gather": ("gloo_all_gather", "ring"),
+    "broadcast": ("gloo_broadcast", "chain"),
+    "reduce": ("gloo_reduce", "chain"),
+}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -210,10 +116,14 @@ class Comm:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
-        self.decompose = _decompose_for(group) if decompose is None else decompose
+        self.backend = _backend(group)
+        self.decompose = self.backend == "gloo" if decompose is None else decompose
         self.peers = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
+        here = self.ledger.nodes.node_of(self.global_rank)
+        #: Whether each group rank is on this rank's node ([Note: bytes by link]).
+        self.same_node = [self.ledger.nodes.node_of(p) == here for p in self.peers]
         self.timeout: float | None = None
         self.pack_below = PACK_BELOW  # bytes; see [Note: small pieces]
         self.check: bool | str = False
@@ -242,32 +152,43 @@ class Comm:
         WATCH.bind(CollectiveMismatch)  # see [Note: asking the peers]
 
     # -- bookkeeping ---------------------------------------------------------------------
+    def _sent(self, prim: str, parts: list[tuple[int, int]], elem: int = 1) -> dict[int, int]:
+        """Bytes this rank sends to each group peer for the primitives ``prim`` issued over
+        ``parts`` ((bytes, root) each), as the backend runs them ([Note: bytes by link] in
+        comm_links.py)."""
+        algo = _ALGO[prim][0 if self.backend == "gloo" else 1]
+        out: dict[int, int] = {}
+        for nbytes, root in parts:
+            for q, b in sends(algo, nbytes, self.size, self.rank, root, elem):
+                out[q] = out.get(q, 0) + b
+        return out
+
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
-        checked: bool = True, strict: bool = False, numel: int | None = None,
+        sent: dict[int, int], checked: bool = True, strict: bool = False,
+        numel: int | None = None,
     ) -> tuple[str, Check | None]:
-        """Record the collective and post its check (see [Note: divergence] in comm_check.py,
-        unless not ``checked``); its description and the check to verify before its result
-        is used (``strict``: verified before the collective is issued)."""
+        """Record the collective (``sent``: this rank's bytes to each group peer) and post
+        its check (see [Note: divergence] in comm_check.py, unless not ``checked``); its
+        description and the check to verify before its result is used (``strict``:
+        verified before the collective is issued)."""
         n = self.size
         logical = 2 * full_bytes if op == "all_reduce" else full_bytes
-        if impl == "all_reduce":
-            wire = 2 * full_bytes * (n - 1) // n
-        elif op in ("broadcast", "all_to_all"):  # all_to_all: what this rank sends away
-            wire = full_bytes
-        else:  # ring or N broadcasts/reduces: S(N-1)/N either way
-            wire = full_bytes * (n - 1) // n
+        intra = sum(b for q, b in sent.items() if self.same_node[q])
+        inter = sum(sent.values()) - intra
         self.ledger.add(
             CommRecord(
                 op=op,
                 impl=impl,
                 logical_bytes=logical,
-                wire_bytes=wire,
+                wire_bytes=intra + inter,
                 group=self.label,
                 group_size=n,
                 phase=phase,
                 unit=unit,
                 dtype=str(t.dtype).replace("torch.", ""),
+                intra_wire_bytes=intra,
+                inter_wire_bytes=inter,
             )
         )
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
@@ -353,8 +274,10 @@ class Comm:
         others already pin down; see TensorParallel.local_grads and [Note: one check per
         run]); ``check_numel``: the element count its descriptor states instead of its
         own."""
-        desc, check = self._begin("all_reduce", "all_reduce", tensor, _nbytes(tensor), phase,
-                                  unit, checked, numel=check_numel)
+        nbytes = _nbytes(tensor)
+        desc, check = self._begin("all_reduce", "all_reduce", tensor, nbytes, phase, unit,
+                                  self._sent("all_reduce", [(nbytes, 0)]), checked,
+                                  numel=check_numel)
         if self.size == 1:
             return Pending(None, tensor, "")
         with waiting_in(desc):
@@ -375,7 +298,10 @@ class Comm:
             raise ValueError(f"reduce_scatter needs numel divisible by {n}, got {full.numel()}")
         shard = full.numel() // n
         impl = "reduce" if (self.decompose and n > 1) else "reduce_scatter"
-        desc, check = self._begin("reduce_scatter", impl, full, _nbytes(full), phase, unit,
+        size, elem = _nbytes(full), full.element_size()
+        sent = (self._sent("reduce", [(size // n, r) for r in range(n)], elem)
+                if impl == "reduce" else self._sent("reduce_scatter", [(size, 0)]))
+        desc, check = self._begin("reduce_scatter", impl, full, size, phase, unit, sent,
                                   checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
@@ -402,7 +328,10 @@ class Comm:
         if full.numel() % n:
             raise ValueError(f"all_gather needs numel divisible by {n}, got {full.numel()}")
         impl = "broadcast" if (self.decompose and n > 1) else "all_gather"
-        desc, check = self._begin("all_gather", impl, full, _nbytes(full), phase, unit,
+        size = _nbytes(full)
+        sent = (self._sent("broadcast", [(size // n, r) for r in range(n)])
+                if impl == "broadcast" else self._sent("all_gather", [(size, 0)]))
+        desc, check = self._begin("all_gather", impl, full, size, phase, unit, sent,
                                   checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
@@ -434,8 +363,9 @@ class Comm:
         if others.numel() != (n - 1) * s:
             raise ValueError(f"all_gather_from: others has {others.numel()} elements, "
                              f"expected ({n} - 1) x {s}")
+        sent = self._sent("broadcast", [(_nbytes(own), q) for q in range(n)])
         desc, check = self._begin("all_gather", "broadcast", own, n * _nbytes(own), phase,
-                                  unit)
+                                  unit, sent)
         if n == 1:
             return Pending(None, own, "")
         with waiting_in(desc):
@@ -460,21 +390,27 @@ class Comm:
         if not self.decompose:
             raise ValueError("all_gather_pieces runs as broadcasts: only on a decomposing "
                              "(gloo) group; use all_gather with a gathered buffer")
+        # Each rank's pieces: those broadcast alone, and those packed into one broadcast.
+        plan = []
+        for q in range(n):
+            small = [t for t in pieces[q] if 0 < _nbytes(t) < self.pack_below]
+            if len(small) < 2:  # nothing to gain from a pack
+                small = []
+            packed = {id(t) for t in small}
+            plan.append(([t for t in pieces[q] if t.numel() and id(t) not in packed], small))
+        parts = [(_nbytes(t), q) for q, (alone, _) in enumerate(plan) for t in alone]
+        parts += [(sum(map(_nbytes, small)), q) for q, (_, small) in enumerate(plan) if small]
+        sent = self._sent("broadcast", parts)
         desc, check = self._begin("all_gather", "broadcast", full, _nbytes(full), phase, unit,
-                                  checked, numel=check_numel)
+                                  sent, checked, numel=check_numel)
         if n == 1:
             return Pending(None, full, "")
         work, unpack = [], []
         with waiting_in(desc):
-            for q in range(n):
-                small = [t for t in pieces[q] if 0 < _nbytes(t) < self.pack_below]
-                if len(small) < 2:  # nothing to gain from a pack
-                    small = []
-                packed = {id(t) for t in small}
-                for t in pieces[q]:
-                    if t.numel() and id(t) not in packed:
-                        work.append(dist.broadcast(t, src=self.peers[q], group=self.group,
-                                                   async_op=True))
+            for q, (alone, small) in enumerate(plan):
+                for t in alone:
+                    work.append(dist.broadcast(t, src=self.peers[q], group=self.group,
+                                               async_op=True))
                 if not small:
                     continue
                 if q == self.rank:
@@ -517,9 +453,10 @@ class Comm:
                 sum(out_splits) != out.numel()):
             raise ValueError(f"all_to_all: splits {in_splits} -> {out_splits} do not fit "
                              f"{inp.numel()} -> {out.numel()} elements over {n} ranks")
-        away = (inp.numel() - in_splits[self.rank]) * inp.element_size()
-        desc, check = self._begin("all_to_all", "all_to_all", inp, away, phase, unit,
-                                  numel=total)
+        elem = inp.element_size()
+        sent = {q: k * elem for q, k in enumerate(in_splits) if q != self.rank and k}
+        desc, check = self._begin("all_to_all", "all_to_all", inp, sum(sent.values()), phase,
+                                  unit, sent, numel=total)
         if n == 1:
             out.copy_(inp)
             return Pending(None, out, "")
@@ -538,8 +475,9 @@ class Comm:
         """``strict``: its check completes before the broadcast is issued — where one rank
         alone may be issuing it (a forward's buffers), so that a lone rank raises with
         nothing in flight and its peers' own collectives fail as soon as it ends."""
-        desc, check = self._begin("broadcast", "broadcast", tensor, _nbytes(tensor), phase,
-                                  unit, strict=strict)
+        nbytes = _nbytes(tensor)
+        desc, check = self._begin("broadcast", "broadcast", tensor, nbytes, phase, unit,
+                                  self._sent("broadcast", [(nbytes, src)]), strict=strict)
         if self.size == 1:
             return
         with waiting_in(desc):

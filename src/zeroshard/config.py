@@ -121,6 +121,12 @@ class ShardConfig:
     #: instead of hanging (see [Note: divergence] in comm_check.py). "strict": every collective
     #: waits for its check first (debug runs of models with data-dependent branches).
     check_collectives: bool | str = True
+    #: Ranks per node: nodes are groups of ``node_size`` consecutive global ranks, and the
+    #: ledger tells the bytes each rank sends inside its node from those it sends to
+    #: others ([Note: bytes by link] in comm_links.py). None: torchrun's LOCAL_WORLD_SIZE,
+    #: else the whole world (one node). Any divisor of the world may be declared (world 4
+    #: as 2 logical nodes of 2 on one machine). See docs/links.md.
+    node_size: int | None = None
     #: fp16 dynamic loss scaling: initial scale, growth factor/interval, backoff.
     init_scale: float = 2.0**16
     growth_interval: int = 2000
@@ -187,6 +193,12 @@ class ShardConfig:
                 "weights on every device, which cannot live on the host); use stage=3, or "
                 "offload='optimizer'"
             )
+        if self.node_size is not None and (
+            isinstance(self.node_size, bool) or not isinstance(self.node_size, int)
+            or self.node_size < 1
+        ):
+            raise ValueError(f"node_size={self.node_size!r} must be None or a positive int: "
+                             "the ranks per node (a divisor of the world)")
         if self.check_collectives not in (True, False, "strict"):
             raise ValueError(
                 f"check_collectives={self.check_collectives!r} must be True (the default: "
