@@ -90,6 +90,9 @@ def test_rows_measure_what_the_formulas_say(fast_run: dict[str, Any]) -> None:
     # stage 3: gather in forward and backward + reduce-scatter: 3 x 4 bytes x Psi, less one
     # gather of the root unit (embeddings, final norm), which stays gathered until backward
     assert 10 * psi < zs3["comm_bytes_per_step"] <= 12 * psi * 1.01
+    # one node (no --node-size, no torchrun): every byte on the wire stays inside it
+    assert zs3["inter_wire_bytes_per_step"] == 0 < zs3["intra_wire_bytes_per_step"]
+    assert ddp["inter_wire_bytes_per_step"] is None  # no ledger
     assert ddp["predicted_model_state_bytes"]["total"] == 16 * psi
     # Adam's moments are sharded: half of DDP's per rank (2 blocks + prefetch mean every
     # weight is gathered at some moment in this tiny model, so params are not compared)
@@ -198,6 +201,7 @@ def test_table_is_printed(fast_run: dict[str, Any]) -> None:
     (["--configs", "zs-s1-noreshard"], ["-noreshard", "stage 3"]),
     (["--configs", "zs-s3-partial"], ["'partial'", "full"]),
     (["--world-size", "0"], ["--world-size 0", ">= 1"]),
+    (["--world-size", "4", "--node-size", "3"], ["--node-size 3", "--world-size 4"]),
     (["--model", "gpt-17"], ["'gpt-17'", "gpt2-small"]),
     (["--model", "gpt2-tiny", "--seq", "500"], ["--seq 500", "64"]),
     (["--baseline", "fsdp2", "--configs", "ddp"], ["--baseline 'fsdp2'", "--configs"]),

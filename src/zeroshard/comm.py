@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .comm_check import CHECK_TIMEOUT, OPS, PHASES, Check, issue, make_check_group, unit_key
 from .comm_ledger import KEEP_STEPS, WINDOW_RECORDS, CommLedger, CommRecord
-from .comm_links import sends
+from .comm_links import sent_by
 from .comm_wait import (
     CollectiveError,
     CollectiveMismatch,
@@ -66,17 +66,6 @@ def _backend(group: dist.ProcessGroup | None) -> str:
         return str(dist.get_backend(group))
     except (RuntimeError, ValueError):  # fake or custom groups
         return ""
-
-
-#: The send model of each primitive on gloo and elsewhere ([Note: bytes by link] in
-#: comm_links.py). ProcessGroupGloo runs a reduce-scatter as an all-reduce.
-_ALGO = {
-    "all_reduce": ("gloo_all_reduce", "ring_all_reduce"),
-    "reduce_scatter": ("gloo_all_reduce", "ring"),
-    "all_gather": ("gloo_all_gather", "ring"),
-    "broadcast": ("gloo_broadcast", "chain"),
-    "reduce": ("gloo_reduce", "chain"),
-}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -153,15 +142,8 @@ class Comm:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _sent(self, prim: str, parts: list[tuple[int, int]], elem: int = 1) -> dict[int, int]:
-        """Bytes this rank sends to each group peer for the primitives ``prim`` issued over
-        ``parts`` ((bytes, root) each), as the backend runs them ([Note: bytes by link] in
-        comm_links.py)."""
-        algo = _ALGO[prim][0 if self.backend == "gloo" else 1]
-        out: dict[int, int] = {}
-        for nbytes, root in parts:
-            for q, b in sends(algo, nbytes, self.size, self.rank, root, elem):
-                out[q] = out.get(q, 0) + b
-        return out
+        """This rank's bytes to each group peer for ``prim`` issued over ``parts``."""
+        return sent_by(self.backend, prim, parts, self.size, self.rank, elem)
 
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
@@ -390,14 +372,7 @@ class Comm:
         if not self.decompose:
             raise ValueError("all_gather_pieces runs as broadcasts: only on a decomposing "
                              "(gloo) group; use all_gather with a gathered buffer")
-        # Each rank's pieces: those broadcast alone, and those packed into one broadcast.
-        plan = []
-        for q in range(n):
-            small = [t for t in pieces[q] if 0 < _nbytes(t) < self.pack_below]
-            if len(small) < 2:  # nothing to gain from a pack
-                small = []
-            packed = {id(t) for t in small}
-            plan.append(([t for t in pieces[q] if t.numel() and id(t) not in packed], small))
+        plan = [_piece_plan(mine, self.pack_below) for mine in pieces]
         parts = [(_nbytes(t), q) for q, (alone, _) in enumerate(plan) for t in alone]
         parts += [(sum(map(_nbytes, small)), q) for q, (_, small) in enumerate(plan) if small]
         sent = self._sent("broadcast", parts)
@@ -484,6 +459,17 @@ class Comm:
             work = dist.broadcast(tensor, src=self.peers[src], group=self.group,
                                   async_op=True)
         self._finish([work], tensor, desc, False, check)
+
+
+def _piece_plan(pieces: list[torch.Tensor],
+                pack_below: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One rank's pieces: those broadcast alone, and those packed into one broadcast
+    (see [Note: small pieces])."""
+    small = [t for t in pieces if 0 < _nbytes(t) < pack_below]
+    if len(small) < 2:  # nothing to gain from a pack
+        small = []
+    packed = {id(t) for t in small}
+    return [t for t in pieces if t.numel() and id(t) not in packed], small
 
 
 def _unpack(packs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:

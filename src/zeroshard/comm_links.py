@@ -41,7 +41,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-__all__ = ["Nodes", "resolve_node_size", "sends"]
+__all__ = ["Nodes", "resolve_node_size", "sends", "sent_by"]
 
 #: gloo's reduce splits its ring into segments of at most this many bytes (ReduceOptions).
 GLOO_REDUCE_SEGMENT = 2**20
@@ -79,6 +79,29 @@ def resolve_node_size(node_size: int | None, world: int) -> int:
             f"{where}={node_size} does not divide the world of {world} ranks: nodes are "
             f"groups of node_size consecutive ranks; give node_size= a divisor of {world}")
     return node_size
+
+
+#: The send model of each primitive on gloo and elsewhere. ProcessGroupGloo runs a
+#: reduce-scatter as an all-reduce.
+_ALGO = {
+    "all_reduce": ("gloo_all_reduce", "ring_all_reduce"),
+    "reduce_scatter": ("gloo_all_reduce", "ring"),
+    "all_gather": ("gloo_all_gather", "ring"),
+    "broadcast": ("gloo_broadcast", "chain"),
+    "reduce": ("gloo_reduce", "chain"),
+}
+
+
+def sent_by(backend: str, prim: str, parts: list[tuple[int, int]], n: int, me: int,
+            elem: int = 1) -> dict[int, int]:
+    """Bytes group rank ``me`` sends to each peer for the primitives ``prim`` (a
+    torch.distributed call) issued over ``parts`` ((bytes, root) each) on ``backend``."""
+    algo = _ALGO[prim][0 if backend == "gloo" else 1]
+    out: dict[int, int] = {}
+    for nbytes, root in parts:
+        for q, b in sends(algo, nbytes, n, me, root, elem):
+            out[q] = out.get(q, 0) + b
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="memory per rank with a unit, e.g. 1.5GiB: pick the fastest configuration that fits")
     a("--mixed-precision", choices=["bf16", "fp16"], default=None,
       help="16-bit compute (default fp32)")
+    a("--node-size", type=int, default=None, metavar="N",
+      help="ranks per node (default torchrun's LOCAL_WORLD_SIZE, else one node): zeroshard's "
+           "rows split their bytes on the wire into inside a node and between nodes; any "
+           "divisor of the world declares logical nodes (docs/links.md)")
     a("--compile", choices=["block", "whole"], default=None,
       help="torch.compile every configuration: each block in place, or the whole model")
     a("--compile-backend", default="inductor",
@@ -118,7 +122,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         baseline=args.baseline, mixed_precision=args.mixed_precision,
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
         lr=args.lr, seed=args.seed, timeout_s=args.timeout, compile=args.compile,
-        compile_backend=args.compile_backend, optimizer=optimizer)
+        compile_backend=args.compile_backend, optimizer=optimizer,
+        node_size=getattr(args, "node_size", None))
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings

@@ -191,6 +191,9 @@ class BenchSettings:
     compile: str | None = None
     """torch.compile every configuration: "block" (each block in place) or "whole"."""
     compile_backend: str = "inductor"
+    node_size: int | None = None
+    """Ranks per (logical) node for zeroshard's rows: the ledger splits their wire bytes
+    into intra- and inter-node (None: torchrun's LOCAL_WORLD_SIZE, else one node)."""
     optimizer: str = "adamw"
     """"adamw" (every parameter), or "muon": torch's Muon for the hidden matrices and
     AdamW for the rest (embeddings, head, norms, biases), as two optimizers."""
@@ -217,6 +220,10 @@ class BenchSettings:
                 r"[\w.]+:[\w.]+", self.model_factory):
             raise ValueError(f"--model-factory {self.model_factory!r} is not module:function; "
                              "e.g. --model-factory mypkg.models:build")
+        if self.node_size is not None and (isinstance(self.node_size, bool) or not isinstance(
+                self.node_size, int) or self.node_size < 1 or self.world_size % self.node_size):
+            raise ValueError(f"--node-size {self.node_size!r} must divide --world-size "
+                             f"{self.world_size} (ranks per node), e.g. --node-size 2")
         names = [c.name for c in self.configs]
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or muon")

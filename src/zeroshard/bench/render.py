@@ -37,7 +37,7 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"{'config':<18} {'st':>2} {'ckpt':<12} {'tokens/s':>8} {'[min-max]':>13} "
             f"{'x' + base:>6} {'step s':>6} {'params':>6} {'grads':>6} {'optim':>6} "
             f"{'act':>5} {'other':>5} {'peak':>6} {'x' + base:>6} {'state':>6} {'plan':>6} "
-            f"{'rss':>6} {'comm/st':>7} {'loss':>7} {'dloss':>6}")
+            f"{'rss':>6} {'comm/st':>7} {'inter':>6} {'loss':>7} {'dloss':>6}")
     lines = [
         f"model {s['model']} ({s['params'] / 1e6:.1f}M params), world {s['world_size']} x "
         f"micro-batch {s['micro_batch']} x seq {s['seq']} = {s['tokens_per_step']:,} tokens/step, "
@@ -64,7 +64,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_mib(pk['activations']):>5} {_mib(pk['comm'] + pk['other']):>5} "
             f"{_mib(pk['total']):>6} {pratio:>6} {_mib(r['measured_model_state_bytes']):>6} "
             f"{_plan(r):>6} {_mib(r['rss_bytes']):>6} "
-            f"{_mib(r['comm_bytes_per_step']):>7} {r['loss']:>7.4f} {dloss:>6}{flag}")
+            f"{_mib(r['comm_bytes_per_step']):>7} {_mib(r['inter_wire_bytes_per_step']):>6} "
+            f"{r['loss']:>7.4f} {dloss:>6}{flag}")
     lines += [
         "",
         f"tokens/s: whole job, median over timed steps [slowest-fastest]; x{base}: ratio to the "
@@ -75,7 +76,9 @@ def format_table(result: dict[str, Any]) -> str:
         "configuration (the rank's RSS before any configuration + the step's peak RSS - the "
         "RSS once the configuration is dropped). "
         "comm/st = logical collective MiB per step "
-        f"(2 Psi all-reduce, 3 Psi stage 3). dloss: relative deviation of the final loss "
+        "(2 Psi all-reduce, 3 Psi stage 3); inter = MiB a rank sends to other nodes per "
+        "step (zeroshard's ledger, --node-size; the mean over ranks). "
+        f"dloss: relative deviation of the final loss "
         f"from {base}'s; '!' marks more than {100 * s['loss_tolerance']:g}%."
         + (" --optimizer muon: torch's Muon over the hidden matrices and AdamW over the "
            "rest on every row; naive-muon is sharded Muon as Megatron and Moonlight run it "

@@ -22,7 +22,7 @@ ROW_KEYS = (
     "tokens_per_s_max", "step_s_median", "step_s_min", "step_s_max", "step_s_all",
     "steps_measured",
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
-    "comm_source", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
+    "comm_source", "intra_wire_bytes_per_step", "inter_wire_bytes_per_step", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
     "memory_timeline", "time_s", "tp", "optimizer_step_s_median", "newton_schulz_s",
 )
@@ -111,6 +111,9 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
     if raw["comm"]:
         row["comm_bytes_per_step"] = int(statistics.median(raw["comm"]))
         row["comm_source"] = "zeroshard ledger (median over timed steps)"
+        links = raw.get("comm_links") or []
+        row["intra_wire_bytes_per_step"] = int(statistics.median(i for i, _ in links))
+        row["inter_wire_bytes_per_step"] = int(statistics.median(x for _, x in links))
     elif mem.get("comm_bytes") is not None and (mem["comm_bytes"] or world == 1):
         row["comm_bytes_per_step"] = int(mem["comm_bytes"])
         row["comm_source"] = "c10d dispatch counter (measured step)"

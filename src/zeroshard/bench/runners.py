@@ -194,6 +194,7 @@ def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Ru
     import zeroshard
 
     extra = {} if spec.stage != 3 else {"reshard_after_forward": bool(spec.reshard_after_forward)}
+    extra["node_size"] = s.node_size
     where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
     if s.optimizer == "adamw":
         model, opt = zeroshard.shard(model, torch.optim.AdamW, stage=spec.stage,

@@ -105,6 +105,8 @@ class _Config:
     optimizer_s: list[float] = field(default_factory=list)
     newton_schulz_s: float | None = None  # --optimizer muon: one profiled step's
     comm: list[int] = field(default_factory=list)
+    #: (intra, inter) wire bytes per timed step ([Note: bytes by link] in comm_links.py)
+    comm_links: list[tuple[int, int]] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, Any] = field(default_factory=dict)
     time_s: dict[str, float] = field(default_factory=dict)
@@ -238,7 +240,13 @@ def _step(c: _Config, kind: str, k: int, batches: list, device: torch.device,
         if c.time_optimizer:  # this rank's (rank 0's reaches the report)
             c.optimizer_s.append(opt_secs)
         if ledger is not None:
-            c.comm.append(ledger.totals(ledger.last_step())["logical_bytes"])
+            totals = ledger.totals(ledger.last_step())
+            c.comm.append(totals["logical_bytes"])
+            # each rank sends different amounts to each link: the mean over ranks
+            links = torch.tensor([totals["intra_wire_bytes"], totals["inter_wire_bytes"]])
+            dist.all_reduce(links, group=ctrl)
+            n = dist.get_world_size(ctrl)
+            c.comm_links.append((int(links[0]) // n, int(links[1]) // n))
     elif kind == "measured":
         assert mem is not None
         c.runner = None
@@ -352,7 +360,8 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         "entered": entered, "setup_s": setup_s, "ranks_s": time.time() - entered,
         "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
                   "step_s": c.step_s, "optimizer_s": c.optimizer_s,
-                  "newton_schulz_s": c.newton_schulz_s, "comm": c.comm, "loss": c.loss,
+                  "newton_schulz_s": c.newton_schulz_s, "comm": c.comm,
+                  "comm_links": c.comm_links, "loss": c.loss,
                   "memory": c.memory,
                   "time_s": c.time_s}
                  for c in configs],

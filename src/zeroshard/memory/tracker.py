@@ -449,22 +449,9 @@ class MemoryTracker(TorchDispatchMode):
         """Re-scan sources and re-file every live storage: O(live + source tensors)."""
         if self._busy:
             return
-        ids: dict[int, Category] = {}
         self._busy = True
         try:
-            for fn in self._sources:
-                for cat, tensors in fn().items():
-                    cat = _as_category(cat)
-                    for t in tensors:
-                        # _track also registers storages created outside dispatch.
-                        if (rec := self._track(t)) is None:
-                            continue
-                        key = rec.key
-                        if key not in ids or _RANK[cat] < _RANK[ids[key]]:
-                            ids[key] = cat
-            host: set[int] = set()
-            for fn in self._host_sources:
-                host.update(rec.key for t in fn() if (rec := self._track(t)) is not None)
+            ids, host = _scan(self._sources, self._host_sources, self._track)
         finally:
             self._busy = False
         self._source_ids, self._host_ids = ids, host
@@ -542,6 +529,25 @@ class MemoryTracker(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
+def _scan(sources: list[Source], host_sources: list[Callable[[], Iterable[torch.Tensor]]],
+          track: Callable[[torch.Tensor], _Record | None]) -> tuple[dict[int, Category],
+                                                                     set[int]]:
+    """Each source tensor's storage key with its category (the highest-ranked where
+    sources disagree), and the keys host sources name. ``track`` also registers storages
+    created outside dispatch."""
+    ids: dict[int, Category] = {}
+    for fn in sources:
+        for cat, tensors in fn().items():
+            cat = _as_category(cat)
+            for t in tensors:
+                if (rec := track(t)) is None:
+                    continue
+                if rec.key not in ids or _RANK[cat] < _RANK[ids[rec.key]]:
+                    ids[rec.key] = cat
+    host = {rec.key for fn in host_sources for t in fn() if (rec := track(t)) is not None}
+    return ids, host
 
 
 def _same_device(a: torch.device, want: torch.device) -> bool:
