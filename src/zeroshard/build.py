@@ -5,6 +5,7 @@ tensor-parallel), the device a meta model materialises on, and the finishing tou
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from .comm import Comm, CommLedger
 from .comm_links import Nodes, resolve_node_size
 from .config import ShardConfig
 from .engine.engine import Engine, ParamInit
+from .engine.secondary import resolve_reshard, secondary_comm
 from .engine.tensor_parallel import (
     TensorParallel,
     is_tp_mesh,
@@ -77,10 +79,24 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
     else:
         label = "world" if process_group is None else "dp"
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
+    config, secondary = _secondary(config, comm, nodes)
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
                     replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
-                    tp=tp)
+                    tp=tp, secondary=secondary)
     return engine
+
+
+def _secondary(config: ShardConfig, comm: Comm, nodes: Nodes) -> tuple[ShardConfig, Comm | None]:
+    """``reshard_after_forward=k`` resolved against the shard group and the nodes, and the
+    k ranks' group backward gathers over ([Note: the secondary shard] in secondary.py)."""
+    value = config.reshard_after_forward
+    if config.stage != 3 or isinstance(value, bool):
+        return config, None
+    k = resolve_reshard(value, comm.size, nodes, dist.get_world_size())
+    config = dataclasses.replace(config, reshard_after_forward=k)
+    if isinstance(k, bool):
+        return config, None
+    return config, secondary_comm(comm, k)
 
 
 def finish(model: nn.Module, engine: Engine) -> None:

@@ -83,8 +83,12 @@ class ShardConfig:
     bucket_bytes: int | None = None
     #: Reduce gradients asynchronously while backward continues (stages 0-3).
     overlap: bool = True
-    #: Stage 3: free gathered weights after forward (3 Psi traffic) or keep them (2 Psi).
-    reshard_after_forward: bool = True
+    #: Stage 3: free gathered weights after forward (3 Psi traffic) or keep them (2 Psi);
+    #: an int k (FSDP2's meaning, ZeRO++'s hpZ): keep a secondary shard over groups of k
+    #: consecutive ranks, so backward's all-gather stays inside them (k divides the shard
+    #: group and node_size; 1 means False, the shard group's size True). See
+    #: docs/links.md and [Note: the secondary shard] in engine/secondary.py.
+    reshard_after_forward: bool | int = True
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
     #: Stage 3: bytes of gathered weights ``model.generate()`` keeps resident for the
@@ -173,6 +177,11 @@ class ShardConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
+            raise ValueError(f"reshard_after_forward={raf!r} must be True, False or a "
+                             "positive int k (a secondary shard over k ranks: a divisor of "
+                             "the ranks per node)")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or (
             self.prefetch < 0
         ):

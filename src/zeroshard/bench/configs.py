@@ -79,8 +79,9 @@ class ConfigSpec:
     """JSON ``system``: zeroshard, ddp, ddp_zero_redundancy, fsdp2 or deepspeed."""
     stage: int
     """ZeRO-equivalent stage; FSDP2 without resharding counts as 2 ("2-like")."""
-    reshard_after_forward: bool | None
-    """Stage 3 only: free gathered weights after forward (None where not applicable)."""
+    reshard_after_forward: bool | int | None
+    """Stage 3 only: free gathered weights after forward, or keep a secondary shard over
+    k ranks (an int, ``-hpz<k>``); None where not applicable."""
     activation_checkpointing: str
     tp: int = 1
     """Tensor-parallel degree (``-tp<k>``): the model is parallelised with torchtitan's
@@ -107,6 +108,12 @@ def parse_config(name: str) -> ConfigSpec:
                              "only (stage 3); drop it")
         reshard, rest = False, rest[len("noreshard") + 1:]
         stage = 2 if prefix == "fsdp2" else stage
+    if m := re.match(r"hpz(\d+)(?:-|$)", rest):
+        if prefix not in _RESHARDABLE or reshard is False or int(m.group(1)) < 2:
+            raise ValueError(f"{name!r}: -hpz<k> (k >= 2) applies to "
+                             f"{' and '.join(_RESHARDABLE)} (stage 3, resharding); e.g. "
+                             "zs-s3-hpz2")
+        reshard, rest = int(m.group(1)), rest[m.end():]
     tp = 1
     if m := re.match(r"tp(\d+)(?:-|$)", rest):
         tp, rest = int(m.group(1)), rest[m.end():]
@@ -134,13 +141,17 @@ def parse_configs(text: str) -> list[ConfigSpec]:
 
 def describe_configs() -> str:
     """The text of ``--list-configs``."""
-    lines = ["Configuration names: <system>[-noreshard][-tp<k>][-<policy>]", "", "systems:"]
+    lines = ["Configuration names: <system>[-noreshard|-hpz<k>][-tp<k>][-<policy>]", "",
+             "systems:"]
     lines += [f"  {p:<16} stage {s}  {what}" for p, (_, s, what) in SYSTEMS.items()]
     lines += [
         "", "suffixes:",
         "  -noreshard       fsdp2 / zs-s3: keep gathered weights from forward to backward",
         "                   (2 Psi traffic instead of 3 Psi; fsdp2-noreshard is reported as",
         "                   stage 2, '2-like')",
+        "  -hpz<k>          fsdp2 / zs-s3: after forward keep a secondary shard over k",
+        "                   consecutive ranks (reshard_after_forward=k, ZeRO++'s hpZ), so",
+        "                   backward's all-gather stays inside them (docs/links.md)",
         "  -tp<k>           fsdp2 / zs-s1..3: tensor parallelism of degree k first",
         "                   (torchtitan's plan on a (world/k, k) mesh; Llama presets only;",
         "                   the same sequences per step: each tp group trains its ranks'",

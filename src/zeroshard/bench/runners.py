@@ -193,7 +193,7 @@ def _optimizers(model: nn.Module, s: BenchSettings) -> tuple[torch.optim.Optimiz
 def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner:
     import zeroshard
 
-    extra = {} if spec.stage != 3 else {"reshard_after_forward": bool(spec.reshard_after_forward)}
+    extra = {} if spec.stage != 3 else {"reshard_after_forward": spec.reshard_after_forward}
     extra["node_size"] = s.node_size
     where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
     if s.optimizer == "adamw":
@@ -280,7 +280,9 @@ def _fsdp2(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner
     mesh = DeviceMesh.from_group(group, device.type) if tp_mesh is None else tp_mesh["dp"]
     dt = _DTYPES.get(s.mixed_precision or "")
     mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)
-    kw = {"mesh": mesh, "reshard_after_forward": bool(spec.reshard_after_forward), "mp_policy": mp}
+    raf = spec.reshard_after_forward
+    kw = {"mesh": mesh, "reshard_after_forward": raf if isinstance(raf, int) else bool(raf),
+          "mp_policy": mp}
     for block in find_blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)

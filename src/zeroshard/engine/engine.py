@@ -136,7 +136,7 @@ class Engine:
         units: UnitSpec = None, param_init: ParamInit | None = None,
         device: torch.device | None = None, replicate: Comm | None = None,
         world: Comm | None = None, param_groups: dict[str, int] | None = None,
-        mesh: Any = None, tp: TensorParallel | None = None,
+        mesh: Any = None, tp: TensorParallel | None = None, secondary: Comm | None = None,
     ) -> None:
         self.model = model
         # Optimizer parameter groups by parameter name (0: the default group); the
@@ -153,6 +153,9 @@ class Engine:
         # tp coordinate; what every rank must agree on (an fp16 overflow, the gradient
         # norm) spans ``tp.comm`` too.
         self.tp = tp
+        # Stage 3 with reshard_after_forward=k: the k ranks of this rank's block, where
+        # backward gathers from the secondary shards ([Note: the secondary shard]).
+        self.secondary = secondary
         self.dp_size = comm.size * (replicate.size if replicate else 1)
         for c in self.comms():
             c.timeout = config.timeout
@@ -233,7 +236,8 @@ class Engine:
 
     def _wire(self) -> None:
         """The phase objects, each given what it calls, and their hooks."""
-        self.schedule = UnitSchedule(self.units, self.comm, self.config, self.faces)
+        self.schedule = UnitSchedule(self.units, self.comm, self.config, self.faces,
+                                     secondary=self.secondary)
         self.backward = BackwardPass(
             policy=self.policy, config=self.config, faces=self.faces, buckets=self.buckets,
             reducer=self.reducer, tied=self.tied, grads=self.grads, scaler=self.scaler,
@@ -273,7 +277,7 @@ class Engine:
         """The engine's distinct communicators (sharding, replicate, world)."""
         tp = self.tp.comm if self.tp is not None else None
         unique: list[Comm] = []
-        for c in (self.comm, self.replicate, self.world, tp):
+        for c in (self.comm, self.replicate, self.world, tp, self.secondary):
             if c is not None and not any(c is u for u in unique):
                 unique.append(c)
         return unique

@@ -211,7 +211,8 @@ class FlatBucket:
         self.padded_numel = world * shard_offset
         # The storage, each tensor assigned by the file that makes it: materialize.py
         # (``full``, ``master``, ``master_in_full``, ``shard16``), reduction.py (``grad``),
-        # chunks.py (``chunks``, ``master_grad``), units.py (``gathering``), refresh.py
+        # chunks.py (``chunks``, ``master_grad``), units.py (``gathering``), secondary.py
+        # (``secondary``), refresh.py
         # (``edits_seen``).
         self.full: torch.Tensor | None = None  # compute-dtype weights, parameter-major
         self.grad: torch.Tensor | None = None  # compute-dtype gradients, gathered layout
@@ -224,6 +225,7 @@ class FlatBucket:
         self.edits_seen = -1  # Faces.edits when the compute weights were derived
         self.shard16: torch.Tensor | None = None  # stage 3: compute-dtype slice kept
         self.gathering: torch.Tensor | None = None  # stage 3: all-gather in flight
+        self.secondary: torch.Tensor | None = None  # stage 3: secondary.py (hpZ)
         # What one mechanism keeps per bucket, written by that mechanism's file alone.
         self.chunking = ChunkLayout()  # chunks.py
         self.reduction = BucketReduction()  # reduction.py

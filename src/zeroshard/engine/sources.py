@@ -29,7 +29,8 @@ def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
     def sources() -> dict[str, list[torch.Tensor]]:
         params, grad, optim = [], [], []
         for b in all_buckets:
-            params += [t for t in (b.full, b.shard16, b.host.weights) if t is not None]
+            params += [t for t in (b.full, b.shard16, b.host.weights, b.secondary)
+                       if t is not None]
             grad += [t for t in (b.grad, b.reduction.shard, b.host.grad) if t is not None]
             if b.master_grad is not None:
                 grad.append(b.master_grad)

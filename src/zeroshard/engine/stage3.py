@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..comm import Comm
 from ..config import ShardConfig
 from .params import Faces
+from .secondary import keep_secondary
 from .units import Unit, UnitState
 
 __all__ = ["UnitSchedule", "in_backward"]
@@ -88,9 +89,10 @@ class UnitSchedule:
     """
 
     def __init__(self, units: list[Unit], comm: Comm, config: ShardConfig,
-                 faces: Faces) -> None:
+                 faces: Faces, secondary: Comm | None = None) -> None:
         self.units = units
         self.comm = comm
+        self.secondary = secondary  # [Note: the secondary shard] in secondary.py
         self.config = config
         self.faces = faces
         self.order: list[Unit] = []  # the units in the order the first forward ran them
@@ -128,8 +130,11 @@ class UnitSchedule:
             # with the gathered ones again.
             self.faces.show(u.buckets, compute=True)
             return
-        u.unshard(self.comm, phase,
-                  async_op=self.config.overlap if async_op is None else async_op)
+        async_op = self.config.overlap if async_op is None else async_op
+        if phase == "backward" and self.secondary is not None and u.has_secondary:
+            u.unshard_secondary(self.secondary, phase, async_op)
+        else:
+            u.unshard(self.comm, phase, async_op=async_op)
         self.faces.show(u.buckets, compute=True)
         self.unsharded_bytes += u.unsharded_bytes
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
@@ -166,6 +171,13 @@ class UnitSchedule:
         for u in self.units:
             u.wait()
             self.reshard(u, force=force)
+            if force:
+                u.drop_secondary()
+
+    def _secondary_k(self) -> int | None:
+        """k while forwards keep secondary shards (an int reshard_after_forward)."""
+        k = self.reshard_after_forward
+        return k if self.secondary is not None and not isinstance(k, bool) else None
 
     # -- resident units ---------------------------------------------------------------------
     def hold(self, units: list[Unit], async_op: bool = False) -> list[Unit]:
@@ -213,6 +225,8 @@ class UnitSchedule:
         its graph saved."""
         stale = set(buckets)
         for u in self.units:
+            if any(b in stale for b in u.buckets):
+                u.drop_secondary()  # never stale: built again by the next forward
             if u.state is not UnitState.SHARDED and u not in self.awaiting and (
                     u in self.held or u in self.idle) and any(b in stale for b in u.buckets):
                 u.wait()
@@ -314,6 +328,9 @@ class UnitSchedule:
         if not grad:
             self._after_forward_without_grad(u)
         elif self.reshard_after_forward:
+            if self._secondary_k() and u not in self.held:
+                for b in u.buckets:
+                    keep_secondary(b, self._secondary_k())
             self.reshard(u)
         if grad:
             self.awaiting.add(u)
@@ -345,6 +362,7 @@ class UnitSchedule:
         u.backward_done = True
         self.awaiting.discard(u)
         self.reshard(u)
+        u.drop_secondary()
         self._unit_done(u)
 
     def prefetch_backward(self) -> None:
@@ -366,3 +384,4 @@ class UnitSchedule:
         for u in self.units:
             u.in_backward = False
             self.reshard(u)
+            u.drop_secondary()

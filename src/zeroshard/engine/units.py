@@ -67,6 +67,7 @@ from torch import nn
 from ..comm import Comm, Pending
 from .auto_units import units_by_size, units_hint
 from .flat import FlatBucket, cut_buckets
+from .secondary import secondary_to_full
 
 __all__ = ["Unit", "UnitState", "build_units", "UnitSpec"]
 
@@ -93,6 +94,17 @@ class Unit:
         self.in_backward = False  # prefetched for, or running, its backward
         self.inputs_hooked = False  # post-backward is signalled by its input gradients
         self.backward_done = False  # that signal came, in the current backward
+        # (k, position in the block) while gathering from the secondary shards
+        self.from_secondary: tuple[int, int] | None = None
+
+    @property
+    def has_secondary(self) -> bool:
+        """Its forward left a secondary shard ([Note: the secondary shard] in secondary.py)."""
+        return bool(self.buckets) and all(b.secondary is not None for b in self.buckets)
+
+    def drop_secondary(self) -> None:
+        for b in self.buckets:
+            b.secondary = None
 
     @property
     def trainable(self) -> list[FlatBucket]:
@@ -124,6 +136,27 @@ class Unit:
                                                 async_op=async_op))
         self.state = UnitState.GATHERING
 
+    def unshard_secondary(self, block: Comm, phase: str, async_op: bool) -> None:
+        """Start gathering the whole weights from the secondary shards of this rank's
+        ``block`` (k ranks; see [Note: the secondary shard] in secondary.py)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        k, j = block.size, block.rank
+        for b in self.buckets:
+            own = b.secondary
+            if block.decompose:  # gloo: own broadcast from where it lives, as unshard()
+                b.gathering = torch.empty((k - 1) * own.numel(), dtype=own.dtype,
+                                          device=own.device)
+                self.pending.append(block.all_gather_from(
+                    own, b.gathering, phase=phase, unit=self.name, async_op=async_op))
+                continue
+            b.gathering = torch.empty(k * own.numel(), dtype=own.dtype, device=own.device)
+            b.gathering[j * own.numel():][:own.numel()].copy_(own)
+            self.pending.append(block.all_gather(b.gathering, phase=phase, unit=self.name,
+                                                 async_op=async_op))
+        self.from_secondary = (k, j)
+        self.state = UnitState.GATHERING
+
     def wait(self) -> None:
         """Finish the gathers and copy the weights out into ``full`` (the compute
         parameters' storage, refilled here: see [Note: flat buckets])."""
@@ -135,11 +168,18 @@ class Unit:
         for b in self.buckets:
             full = b.full
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            if b.gathering.numel() == b.padded_numel:
+            if self.from_secondary is not None:
+                k, j = self.from_secondary
+                members = list(b.gathering.view(-1, b.secondary.numel()).unbind(0))
+                if len(members) < k:  # all_gather_from: this rank's is its secondary
+                    members.insert(j, b.secondary)
+                secondary_to_full(b, members, full)
+            elif b.gathering.numel() == b.padded_numel:
                 b.gathered_to_full(b.gathering, full)
             else:  # all_gather_from: this rank's slice is shard16
                 b.slices_to_full(b.shard16, b.gathering, full)
             b.gathering = None
+        self.from_secondary = None
         self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
