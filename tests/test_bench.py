@@ -248,6 +248,15 @@ def test_config_names_and_sizes() -> None:
     for bad in ("ddp-tp2", "zs-s0-tp2", "zs-s3-tp1"):
         with pytest.raises(ValueError, match="-tp<k>"):
             parse_config(bad)
+    hpz = parse_config("zs-s3-hpz2-w8-full")  # ZeRO++'s hpZ and qwZ (docs/links.md)
+    assert (hpz.reshard_after_forward, hpz.quantize_weights,
+            hpz.activation_checkpointing) == (2, "int8", "full")
+    assert parse_config("fsdp2-hpz4").reshard_after_forward == 4
+    assert parse_config("zs-s3-wf8").quantize_weights == "fp8"
+    for bad, why in (("zs-s2-hpz2", "-hpz<k>"), ("zs-s3-noreshard-hpz2", "-hpz<k>"),
+                     ("zs-s3-hpz1", "-hpz<k>"), ("fsdp2-w8", "zs-s3 only")):
+        with pytest.raises(ValueError, match=why):
+            parse_config(bad)
 
 
 def _check_tp_rows(tmp_path, configs: list[str]) -> None:  # noqa: ANN001

@@ -89,6 +89,10 @@ class ShardConfig:
     #: group and node_size; 1 means False, the shard group's size True). See
     #: docs/links.md and [Note: the secondary shard] in engine/secondary.py.
     reshard_after_forward: bool | int = True
+    #: Stage 3: "int8" or "fp8" quantise each rank's weight slice blockwise before the
+    #: training all-gathers (ZeRO++'s qwZ; [Note: quantised weights] in
+    #: engine/quantize.py): ~half of bf16's bytes on the wire; masters untouched.
+    quantize_weights: str | None = None
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
     #: Stage 3: bytes of gathered weights ``model.generate()`` keeps resident for the
@@ -177,6 +181,12 @@ class ShardConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.quantize_weights not in (None, "int8", "fp8"):
+            raise ValueError(f"quantize_weights={self.quantize_weights!r} is not a "
+                             "quantisation; use 'int8', 'fp8' or None")
+        if self.quantize_weights == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError("quantize_weights='fp8' needs torch.float8_e4m3fn, which this "
+                             "torch lacks; use 'int8'")
         raf = self.reshard_after_forward
         if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
             raise ValueError(f"reshard_after_forward={raf!r} must be True, False or a "
@@ -251,6 +261,9 @@ _EFFECTIVE = (
      "sizes", "drop it, or choose units= to size stage 3's collectives"),
     ("reshard_after_forward", lambda c: c.stage == 3,
      "stages 0-2 keep the whole weights on every rank: nothing is gathered or freed",
+     "drop it, or use stage=3"),
+    ("quantize_weights", lambda c: c.stage == 3,
+     "stages 0-2 keep the whole weights on every rank: no weight is gathered",
      "drop it, or use stage=3"),
     ("prefetch", lambda c: c.stage == 3,
      "stages 0-2 gather no weights, so there is nothing to prefetch",

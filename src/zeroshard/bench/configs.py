@@ -83,6 +83,8 @@ class ConfigSpec:
     """Stage 3 only: free gathered weights after forward, or keep a secondary shard over
     k ranks (an int, ``-hpz<k>``); None where not applicable."""
     activation_checkpointing: str
+    quantize_weights: str | None = None
+    """zs-s3 only: ``-w8`` int8, ``-wf8`` fp8 weight all-gathers (ZeRO++'s qwZ)."""
     tp: int = 1
     """Tensor-parallel degree (``-tp<k>``): the model is parallelised with torchtitan's
     plan on a (dp, tp) mesh first (Llama presets only); see docs/tensor-parallel.md."""
@@ -114,6 +116,12 @@ def parse_config(name: str) -> ConfigSpec:
                              f"{' and '.join(_RESHARDABLE)} (stage 3, resharding); e.g. "
                              "zs-s3-hpz2")
         reshard, rest = int(m.group(1)), rest[m.end():]
+    quant = None
+    if m := re.match(r"(w8|wf8)(?:-|$)", rest):
+        if prefix != "zs-s3":
+            raise ValueError(f"{name!r}: -w8 / -wf8 (quantised weight gathers) apply to "
+                             "zs-s3 only; e.g. zs-s3-w8")
+        quant, rest = {"w8": "int8", "wf8": "fp8"}[m.group(1)], rest[m.end():]
     tp = 1
     if m := re.match(r"tp(\d+)(?:-|$)", rest):
         tp, rest = int(m.group(1)), rest[m.end():]
@@ -126,7 +134,8 @@ def parse_config(name: str) -> ConfigSpec:
             f"{name!r}: unknown activation checkpointing {policy!r}; append one of "
             f"{', '.join(POLICIES)} or every-<k>, e.g. {prefix}-full")
     return ConfigSpec(name=name, prefix=prefix, system=system, stage=stage,
-                      reshard_after_forward=reshard, activation_checkpointing=policy, tp=tp)
+                      reshard_after_forward=reshard, activation_checkpointing=policy, tp=tp,
+                      quantize_weights=quant)
 
 
 def parse_configs(text: str) -> list[ConfigSpec]:
@@ -141,7 +150,8 @@ def parse_configs(text: str) -> list[ConfigSpec]:
 
 def describe_configs() -> str:
     """The text of ``--list-configs``."""
-    lines = ["Configuration names: <system>[-noreshard|-hpz<k>][-tp<k>][-<policy>]", "",
+    lines = ["Configuration names: <system>[-noreshard|-hpz<k>][-w8|-wf8][-tp<k>][-<policy>]",
+             "",
              "systems:"]
     lines += [f"  {p:<16} stage {s}  {what}" for p, (_, s, what) in SYSTEMS.items()]
     lines += [
@@ -152,6 +162,8 @@ def describe_configs() -> str:
         "  -hpz<k>          fsdp2 / zs-s3: after forward keep a secondary shard over k",
         "                   consecutive ranks (reshard_after_forward=k, ZeRO++'s hpZ), so",
         "                   backward's all-gather stays inside them (docs/links.md)",
+        "  -w8, -wf8        zs-s3: int8 / fp8 blockwise weight all-gathers (ZeRO++'s",
+        "                   qwZ, quantize_weights=; docs/links.md)",
         "  -tp<k>           fsdp2 / zs-s1..3: tensor parallelism of degree k first",
         "                   (torchtitan's plan on a (world/k, k) mesh; Llama presets only;",
         "                   the same sequences per step: each tp group trains its ranks'",

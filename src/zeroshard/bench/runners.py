@@ -193,7 +193,8 @@ def _optimizers(model: nn.Module, s: BenchSettings) -> tuple[torch.optim.Optimiz
 def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Runner:
     import zeroshard
 
-    extra = {} if spec.stage != 3 else {"reshard_after_forward": spec.reshard_after_forward}
+    extra = {} if spec.stage != 3 else {"reshard_after_forward": spec.reshard_after_forward,
+                                        "quantize_weights": spec.quantize_weights}
     extra["node_size"] = s.node_size
     where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
     if s.optimizer == "adamw":

@@ -340,11 +340,13 @@ class FlatBucket:
             out[s.shard_offset : s.shard_offset + s.chunk].copy_(full[lo : lo + s.chunk])
         return out
 
-    def shard_to_full(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """This rank's shard into its chunks of a full-layout tensor (casting if the
-        dtypes differ); inverse of :meth:`shard_from_full`."""
+    def shard_to_full(self, shard: torch.Tensor, full: torch.Tensor,
+                      rank: int | None = None) -> None:
+        """Rank ``rank``'s (default this rank's) shard into its chunks of a full-layout
+        tensor (casting if the dtypes differ); inverse of :meth:`shard_from_full`."""
+        q = self.rank if rank is None else rank
         for s in self.slots:
-            lo = s.offset + self.rank * s.chunk
+            lo = s.offset + q * s.chunk
             full[lo : lo + s.chunk].copy_(shard[s.shard_offset : s.shard_offset + s.chunk])
 
     def rank_pieces(self, full: torch.Tensor) -> list[list[torch.Tensor]]:

@@ -134,7 +134,10 @@ class UnitSchedule:
         if phase == "backward" and self.secondary is not None and u.has_secondary:
             u.unshard_secondary(self.secondary, phase, async_op)
         else:
-            u.unshard(self.comm, phase, async_op=async_op)
+            # [Note: quantised weights]: training gathers only, never a held unit's
+            training = phase == "backward" or torch.is_grad_enabled() or in_backward()
+            kind = self.config.quantize_weights if training and u not in self.held else None
+            u.unshard(self.comm, phase, async_op=async_op, quantized=kind)
         self.faces.show(u.buckets, compute=True)
         self.unsharded_bytes += u.unsharded_bytes
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)

@@ -67,6 +67,7 @@ from torch import nn
 from ..comm import Comm, Pending
 from .auto_units import units_by_size, units_hint
 from .flat import FlatBucket, cut_buckets
+from .quantize import dequantize, quantize
 from .secondary import secondary_to_full
 
 __all__ = ["Unit", "UnitState", "build_units", "UnitSpec"]
@@ -96,6 +97,9 @@ class Unit:
         self.backward_done = False  # that signal came, in the current backward
         # (k, position in the block) while gathering from the secondary shards
         self.from_secondary: tuple[int, int] | None = None
+        # the quantisation of the gather in flight and each bucket's own packed slice
+        self.quantized: str | None = None
+        self._own: list[torch.Tensor] = []
 
     @property
     def has_secondary(self) -> bool:
@@ -114,9 +118,14 @@ class Unit:
     def unsharded_bytes(self) -> int:
         return sum(b.padded_numel * b.full.element_size() for b in self.buckets)
 
-    def unshard(self, comm: Comm, phase: str, async_op: bool) -> None:
-        """Start gathering the whole weights (no-op unless sharded)."""
+    def unshard(self, comm: Comm, phase: str, async_op: bool,
+                quantized: str | None = None) -> None:
+        """Start gathering the whole weights (no-op unless sharded); ``quantized``: as
+        int8 or fp8 blocks ([Note: quantised weights] in quantize.py)."""
         if self.state is not UnitState.SHARDED:
+            return
+        if quantized is not None and comm.size > 1:
+            self._unshard_quantized(comm, phase, async_op, quantized)
             return
         for b in self.buckets:
             if comm.decompose and b.shard16.device == b.device and b.world > 1:
@@ -134,6 +143,24 @@ class Unit:
             b.gathering = gathered
             self.pending.append(comm.all_gather(gathered, phase=phase, unit=self.name,
                                                 async_op=async_op))
+        self.state = UnitState.GATHERING
+
+    def _unshard_quantized(self, comm: Comm, phase: str, async_op: bool, kind: str) -> None:
+        for b in self.buckets:
+            own = quantize(b.shard16.to(b.device, non_blocking=True), kind)
+            p = own.numel()
+            self._own.append(own)
+            if comm.decompose:  # gloo: own broadcast from where it lives
+                b.gathering = torch.empty((b.world - 1) * p, dtype=torch.uint8,
+                                          device=b.device)
+                self.pending.append(comm.all_gather_from(
+                    own, b.gathering, phase=phase, unit=self.name, async_op=async_op))
+                continue
+            b.gathering = torch.empty(b.world * p, dtype=torch.uint8, device=b.device)
+            b.gathering[b.rank * p:][:p].copy_(own)
+            self.pending.append(comm.all_gather(b.gathering, phase=phase, unit=self.name,
+                                                async_op=async_op))
+        self.quantized = kind
         self.state = UnitState.GATHERING
 
     def unshard_secondary(self, block: Comm, phase: str, async_op: bool) -> None:
@@ -165,10 +192,18 @@ class Unit:
         self.pending.clear()
         if self.state is not UnitState.GATHERING:
             return
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             full = b.full
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            if self.from_secondary is not None:
+            if self.quantized is not None:  # every rank's slice, this rank's too
+                own = self._own[i]
+                rows = list(b.gathering.view(-1, own.numel()).unbind(0))
+                if len(rows) < b.world:
+                    rows.insert(b.rank, own)
+                for q, row in enumerate(rows):
+                    b.shard_to_full(dequantize(row, self.quantized, b.shard_numel,
+                                               full.dtype), full, rank=q)
+            elif self.from_secondary is not None:
                 k, j = self.from_secondary
                 members = list(b.gathering.view(-1, b.secondary.numel()).unbind(0))
                 if len(members) < k:  # all_gather_from: this rank's is its secondary
@@ -179,7 +214,8 @@ class Unit:
             else:  # all_gather_from: this rank's slice is shard16
                 b.slices_to_full(b.shard16, b.gathering, full)
             b.gathering = None
-        self.from_secondary = None
+        self.from_secondary = self.quantized = None
+        self._own = []
         self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
