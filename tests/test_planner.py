@@ -468,8 +468,8 @@ def test_hybrid_sharding_on_4_nodes_of_8() -> None:
     """
     p = _plan("llama-7b", gpus=32, gpus_per_node=8, inter_GBps=50.0)
     psi = p.params
-    row = {(r.stage, r.activation_checkpointing, r.hybrid): r for r in p.rows}
-    full, hyb = row[3, "none", None], row[3, "none", "4 x 8"]
+    row = {(r.stage, r.activation_checkpointing, r.hybrid, r.secondary): r for r in p.rows}
+    full, hyb = row[3, "none", None, None], row[3, "none", "4 x 8", None]
     assert {r.hybrid for r in p.rows} == {None, "4 x 8"}
     assert not any(r.hybrid for r in p.rows if r.stage == 0)
     # Full sharding: every collective crosses nodes, at the slower link.
@@ -487,7 +487,8 @@ def test_hybrid_sharding_on_4_nodes_of_8() -> None:
     assert hyb.tokens_per_s == pytest.approx(32 * 4096 / hyb.step_time_s)
     # The pick: hybrid, because its step time is better than any fitting full-sharding row.
     rec = p.recommendation
-    best_full = min(r.step_time_s for r in p.rows if r.fits and r.hybrid is None)
+    best_full = min(r.step_time_s for r in p.rows if r.fits and r.hybrid is None
+                    and r.secondary is None)
     best_hyb = min(r.step_time_s for r in p.rows if r.fits and r.hybrid)
     assert best_hyb < best_full
     assert (rec.hybrid, rec.stage, rec.activation_checkpointing, rec.action) == (
@@ -496,6 +497,21 @@ def test_hybrid_sharding_on_4_nodes_of_8() -> None:
     assert "0.109 s vs 0.522 s of communication" in rec.reason
     assert any("stage 3 on 32 devices" in n and "0.783 s" in n and "0.139 s" in n
                for n in p.notes)
+    # Stage 3 with a secondary shard per node (hpZ, k = 8): backward's all-gather over the
+    # 8 devices of a node at 400 GB/s; the forward all-gather and the reduce-scatter still
+    # cross nodes; each block keeps 1/8 of its bf16 weights from forward to its backward.
+    hpz = row[3, "none", None, 8]
+    assert hpz.cross_node_bytes_per_step == 2 * psi * 2
+    assert hpz.comm_bytes_per_step == full.comm_bytes_per_step
+    assert hpz.comm_time_s == pytest.approx(2 * psi * 2 * 31 / 32 / 50e9
+                                            + psi * 2 * 7 / 8 / 400e9)
+    from zeroshard.memory.analytic import block_params
+    from zeroshard.models import get_preset
+
+    cfg = get_preset("llama-7b")
+    kept = cfg.n_layers * 2 * -(-block_params(cfg) // 8)
+    assert hpz.peak_moment == full.peak_moment
+    assert hpz.total_bytes - full.total_bytes == kept
 
 
 def test_single_node_rows_have_no_cross_node_traffic() -> None:

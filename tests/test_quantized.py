@@ -22,8 +22,8 @@ def test_round_trip_bounds_sizes_and_dtypes(kind: str, n: int) -> None:
     x = torch.randn(n) * torch.logspace(-3, 2, n)  # blocks of very different magnitudes
     x[: min(n, 3)] = 0
     packed = quantize(x, kind)
-    assert packed.dtype == torch.uint8 and packed.numel() == packed_numel(n)
-    assert packed.numel() == -(-n // BLOCK) * (BLOCK + 4)  # a byte per element + scales
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_numel(n, kind)
+    assert packed.numel() == n + 4 * -(-n // BLOCK)  # a byte per element + scales, no padding
     back = dequantize(packed, kind, n, torch.float32)
     pad = torch.zeros(-(-n // BLOCK) * BLOCK)
     pad[:n] = x
@@ -36,6 +36,11 @@ def test_round_trip_bounds_sizes_and_dtypes(kind: str, n: int) -> None:
     assert (back[x == 0] == 0).all()
     for dt in (torch.bfloat16, torch.float16):  # the compute dtype stays what it is
         assert dequantize(quantize(x.to(dt), kind), kind, n, dt).dtype == dt
+    # int4 (gradients): two values a byte, at most ceil(n/2) + the scales on the wire
+    four = quantize(x, "int4")
+    assert four.numel() == -(-n // 2) + 4 * -(-n // BLOCK) == packed_numel(n, "int4")
+    err4 = (dequantize(four, "int4", n, torch.float32) - x).abs()
+    assert (err4 <= amax / 7 / 2 * (1 + 1e-5) + 1e-30).all()
 
 
 def _train(rank: int, world: int, kind: str | None, raf, steps: int = 4) -> dict:

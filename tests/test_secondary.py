@@ -102,6 +102,19 @@ def test_secondary_memory_is_one_kth_of_the_units_until_their_backward() -> None
     for b, h in zip(base, hpz):
         assert h["forward"] - b["forward"] == h["units"] // 2
         assert h["backward"] == b["backward"]
+    # the planner's price of it (stage3_moments' secondary term: L blocks x P x ceil(B/k),
+    # fp32 here) within 2% of the tracker's
+    from zeroshard.memory.analytic import block_params, stage3_moments
+    from zeroshard.models import get_preset
+
+    cfg = get_preset("gpt2-tiny")
+    block = block_params(cfg)
+    kw = dict(block=block, blocks=cfg.n_layers, root=cfg.param_count() - 2 * block, head=0,
+              n=4, activations=0, late_activations=0, recipe="fp32-adamw")
+    plain, with_k = stage3_moments(**kw), stage3_moments(**kw, secondary=2)
+    predicted = with_k[1].buffers - plain[1].buffers  # when backward begins
+    measured = hpz[0]["forward"] - base[0]["forward"]
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
 def _resume(rank: int, world: int, raf, root: str, writer) -> list:

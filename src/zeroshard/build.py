@@ -16,6 +16,7 @@ from .comm import Comm, CommLedger
 from .comm_links import Nodes, resolve_node_size
 from .config import ShardConfig
 from .engine.engine import Engine, ParamInit
+from .engine.quantized_grads import two_hop_for
 from .engine.secondary import resolve_reshard, secondary_comm
 from .engine.tensor_parallel import (
     TensorParallel,
@@ -80,9 +81,10 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
         label = "world" if process_group is None else "dp"
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
     config, secondary = _secondary(config, comm, nodes)
+    two_hop = two_hop_for(comm, config.quantize_grads, config.grad_error_feedback)
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
                     replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
-                    tp=tp, secondary=secondary)
+                    tp=tp, secondary=secondary, two_hop=two_hop)
     return engine
 
 

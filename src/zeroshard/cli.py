@@ -23,6 +23,7 @@ from zeroshard._version import __version__
 from zeroshard.errors import UsageError
 
 if TYPE_CHECKING:
+    from zeroshard.memory.plan_rows import PlanRow
     from zeroshard.memory.planner import Plan
 
 __all__ = ["UsageError", "main", "parse_bytes", "parse_gpus", "parse_params"]
@@ -387,6 +388,13 @@ def _trace(p: Plan) -> Plan:
     return replace(p, rows=tuple(rows), notes=tuple(list(p.notes) + list(traced.notes)))
 
 
+def _layout(x: PlanRow) -> str:
+    """The table's layout column: "2x8" (hybrid), "hpz8" (a secondary shard), "-"."""
+    if x.hybrid:
+        return x.hybrid.replace(" ", "")
+    return f"hpz{x.secondary}" if x.secondary else "-"
+
+
 def format_plan(p: Plan, name: str) -> str:
     """The human-readable plan: assumptions, the 16Ψ breakdown, tables, recommendation."""
     from zeroshard.memory.planner import reserve_bytes
@@ -438,6 +446,8 @@ def format_plan(p: Plan, name: str) -> str:
     multi = p.gpus_per_node is not None
     if multi:
         lines += ["hybrid R x G = shard over the G devices of a node, replicate over R nodes;",
+                  "  hpzG = stage 3 with a secondary shard over each node's G devices "
+                  "(reshard_after_forward=G: backward's all-gather stays in the node);",
                   "xnode = traffic crossing nodes: all of it without hybrid sharding, the "
                   "2Ψ/G slice all-reduce with it."]
     if p.offload:
@@ -466,7 +476,7 @@ def format_plan(p: Plan, name: str) -> str:
             fits = "yes" if x.fits else "host" if x.total_bytes <= x.usable_bytes else "no"
             lines.append(
                 f"{x.gpus:>4} {x.stage:>5} {x.activation_checkpointing:<9} "
-                + (f"{(x.hybrid or '-').replace(' ', ''):<6} " if multi else "")
+                + (f"{_layout(x):<6} " if multi else "")
                 + f"{x.model_state_bytes / 1e9:>8.1f} {x.activation_bytes / 1e9:>7.1f} "
                 f"{x.buffer_bytes / 1e9:>6.1f} {x.total_bytes / 1e9:>8.1f} "
                 f"{x.total_bytes / 2**30:>9.1f} "

@@ -93,6 +93,13 @@ class ShardConfig:
     #: training all-gathers (ZeRO++'s qwZ; [Note: quantised weights] in
     #: engine/quantize.py): ~half of bf16's bytes on the wire; masters untouched.
     quantize_weights: str | None = None
+    #: Stages 2-3: "int8" or "int4" reduce-scatter the gradients as two quantised hops,
+    #: inside the node then across nodes (ZeRO++'s qgZ; [Note: quantised gradients] in
+    #: engine/quantized_grads.py); the plain reduce-scatter on one node.
+    quantize_grads: str | None = None
+    #: With quantize_grads: add what quantising lost back into the next step's gradient
+    #: (float32 residuals of each bucket, 4 bytes per parameter per rank and 1/g more).
+    grad_error_feedback: bool = True
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
     #: Stage 3: bytes of gathered weights ``model.generate()`` keeps resident for the
@@ -187,6 +194,14 @@ class ShardConfig:
         if self.quantize_weights == "fp8" and not hasattr(torch, "float8_e4m3fn"):
             raise ValueError("quantize_weights='fp8' needs torch.float8_e4m3fn, which this "
                              "torch lacks; use 'int8'")
+        if self.quantize_grads not in (None, "int8", "int4"):
+            raise ValueError(f"quantize_grads={self.quantize_grads!r} is not a gradient "
+                             "quantisation; use 'int8', 'int4' or None")
+        if self.quantize_grads is not None and self.stage < 2:
+            raise ValueError(
+                f"quantize_grads={self.quantize_grads!r} needs stage 2 or 3, whose "
+                "gradients are reduce-scattered (stage 0 all-reduces, stage 1 keeps whole "
+                f"gradients); stage={self.stage}: use stage=2 or 3, or drop it")
         raf = self.reshard_after_forward
         if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
             raise ValueError(f"reshard_after_forward={raf!r} must be True, False or a "
@@ -265,6 +280,9 @@ _EFFECTIVE = (
     ("quantize_weights", lambda c: c.stage == 3,
      "stages 0-2 keep the whole weights on every rank: no weight is gathered",
      "drop it, or use stage=3"),
+    ("grad_error_feedback", lambda c: c.quantize_grads is not None,
+     "error feedback corrects quantised gradients, and quantize_grads is None",
+     "drop it, or set quantize_grads='int8' or 'int4'"),
     ("prefetch", lambda c: c.stage == 3,
      "stages 0-2 gather no weights, so there is nothing to prefetch",
      "drop it, or use stage=3"),

@@ -99,6 +99,7 @@ from .offload import Offload
 from .params import Faces
 from .policy import StagePolicy
 from .precision import LossScaler
+from .quantized_grads import TwoHop
 from .reduction import Reducer
 from .refresh import WeightRefresh
 from .replay import JoinReplay
@@ -137,6 +138,7 @@ class Engine:
         device: torch.device | None = None, replicate: Comm | None = None,
         world: Comm | None = None, param_groups: dict[str, int] | None = None,
         mesh: Any = None, tp: TensorParallel | None = None, secondary: Comm | None = None,
+        two_hop: TwoHop | None = None,
     ) -> None:
         self.model = model
         # Optimizer parameter groups by parameter name (0: the default group); the
@@ -156,6 +158,9 @@ class Engine:
         # Stage 3 with reshard_after_forward=k: the k ranks of this rank's block, where
         # backward gathers from the secondary shards ([Note: the secondary shard]).
         self.secondary = secondary
+        # quantize_grads over several nodes: the reduce-scatter's two quantised hops
+        # ([Note: quantised gradients] in quantized_grads.py).
+        self.two_hop = two_hop
         self.dp_size = comm.size * (replicate.size if replicate else 1)
         for c in self.comms():
             c.timeout = config.timeout
@@ -182,7 +187,7 @@ class Engine:
         self.reducer = Reducer(
             policy=self.policy, config=config, comm=comm, replicate=replicate,
             offloader=self.offloader, dp_size=self.dp_size, buckets=self.buckets,
-            by_unit=bool(self.units))
+            by_unit=bool(self.units), two_hop=two_hop)
         self._materialize(param_init, mesh)
         self.weights = WeightRefresh(policy=self.policy, comm=comm, offloader=self.offloader,
                                      faces=self.faces, buckets=self.buckets)
@@ -277,7 +282,8 @@ class Engine:
         """The engine's distinct communicators (sharding, replicate, world)."""
         tp = self.tp.comm if self.tp is not None else None
         unique: list[Comm] = []
-        for c in (self.comm, self.replicate, self.world, tp, self.secondary):
+        hops = (self.two_hop.node, self.two_hop.across) if self.two_hop else ()
+        for c in (self.comm, self.replicate, self.world, tp, self.secondary, *hops):
             if c is not None and not any(c is u for u in unique):
                 unique.append(c)
         return unique
@@ -451,6 +457,8 @@ class Engine:
         then — and the load ticks the clock ([Note: the state clock])."""
         if self.server is not None:
             self.comm.all_reduce(torch.zeros(1, device=self.device), phase="state", unit=what)
+        if self.two_hop is not None:
+            self.two_hop.forget()  # not checkpointed: [Note: quantised gradients]
         with self.clock.change():
             yield
 
@@ -459,6 +467,8 @@ class Engine:
         units holding them (frozen ones included: a load writes those too) are stale."""
         self.weights.refresh(phase=phase, buckets=buckets)
         self.schedule.drop_stale(self.all_buckets if buckets is None else buckets)
+        if phase == "state" and self.two_hop is not None:
+            self.two_hop.forget()  # a load: [Note: quantised gradients]
 
     def refresh_handed_out(self, what: str) -> None:
         """Before reading the whole weights (``what``: a state dict): re-derive buckets
@@ -483,9 +493,11 @@ class Engine:
     def memory_sources(self) -> Callable[[], dict[str, list[torch.Tensor]]]:
         """Tensors by category, for the memory tracker (sources.py)."""
         root = self.root
+        hop = self.two_hop
         return memory_sources(self.all_buckets, self.frozen, self.tied, self.grads,
                               by_unit=bool(self.units),
-                              kv_cache=lambda: root.kv_cache() if root.kv_cache else None)
+                              kv_cache=lambda: root.kv_cache() if root.kv_cache else None,
+                              residuals=hop.tensors if hop is not None else list)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Engine tensors in host memory by design (offload); see [Note: device and host]."""

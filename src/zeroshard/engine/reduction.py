@@ -20,6 +20,7 @@ from ..config import ShardConfig
 from .flat import FlatBucket
 from .offload import Offload
 from .policy import StagePolicy
+from .quantized_grads import TwoHop
 from .storage import same_memory, shares
 
 __all__ = ["Reducer"]
@@ -37,11 +38,13 @@ class Reducer:
 
     def __init__(self, *, policy: StagePolicy, config: ShardConfig, comm: Comm,
                  replicate: Comm | None, offloader: Offload, dp_size: int,
-                 buckets: list[FlatBucket], by_unit: bool) -> None:
+                 buckets: list[FlatBucket], by_unit: bool, two_hop: TwoHop | None = None,
+                 ) -> None:
         self.policy = policy
         self.config = config
         self.comm = comm
         self.replicate = replicate  # hybrid sharding: reduced slices are summed over it
+        self.two_hop = two_hop  # quantize_grads: [Note: quantised gradients]
         self.offloader = offloader
         self.dp_size = dp_size
         self.buckets = buckets  # the launch order (stages 0-2)
@@ -144,6 +147,8 @@ class Reducer:
         if self.policy.reduce_op == "all_reduce":
             pending = self.comm.all_reduce(buf, phase=phase, unit=b.name,
                                            async_op=self.config.overlap, **checks)
+        elif self.two_hop is not None and self.two_hop.applies(buf):
+            pending = self.two_hop.launch(buf, b.index, phase=phase, unit=b.name)
         else:
             pending = self.comm.reduce_scatter(buf, phase=phase, unit=b.name,
                                                async_op=self.config.overlap, **checks)

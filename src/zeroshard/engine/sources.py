@@ -22,9 +22,11 @@ __all__ = ["memory_sources", "full_master", "gather_shard", "full_of"]
 def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
                    tied: TiedGrads, grads: StepGrads, by_unit: bool,
                    kv_cache: Callable[[], Any] = lambda: None,
+                   residuals: Callable[[], list[torch.Tensor]] = list,
                    ) -> Callable[[], dict[str, list[torch.Tensor]]]:
     """Tensors by category, for the memory tracker (names match memory.Category);
-    ``kv_cache()``: the key/value cache of the model's last forward, or None."""
+    ``kv_cache()``: the key/value cache of the model's last forward, or None;
+    ``residuals()``: quantised gradients' error feedback (quantized_grads.py)."""
 
     def sources() -> dict[str, list[torch.Tensor]]:
         params, grad, optim = [], [], []
@@ -46,6 +48,7 @@ def memory_sources(all_buckets: list[FlatBucket], frozen: list[nn.Parameter],
                      if s.param.grad is not None]
         # A tied parameter's parts held until its other uses deliver (tied.py).
         grad += tied.held_grads()
+        grad += residuals()
         # Stage 3's all-gathers in flight (gathered layout, before the copy-out; on gloo
         # the other ranks' slices only, see Comm.all_gather_from).
         comm = [b.gathering for b in all_buckets if b.gathering is not None]

@@ -188,9 +188,11 @@ class Collective:
 
 def collectives_per_step(
     psi: int, *, stage: int, n: int, recipe: str | Recipe = "bf16-adamw",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
 ) -> list[Collective]:
-    """The per-step collectives of each stage; see [Note: communication volume]."""
+    """The per-step collectives of each stage; see [Note: communication volume]. An int
+    ``reshard_after_forward`` k (the secondary shard, engine/secondary.py): backward's
+    all-gather runs over k ranks of a node (group "secondary")."""
     _check(stage, n)
     r = get_recipe(recipe)
     if n == 1:
@@ -205,8 +207,12 @@ def collectives_per_step(
         # next forward, so this half cannot overlap with compute.
         return [reduce, Collective(op="all_gather", phase="step", logical_bytes=params)]
     out = [Collective(op="all_gather", phase="forward", logical_bytes=params)]
-    if reshard_after_forward:
-        out.append(Collective(op="all_gather", phase="backward", logical_bytes=params))
+    if reshard_after_forward is True or reshard_after_forward is False:
+        if reshard_after_forward:
+            out.append(Collective(op="all_gather", phase="backward", logical_bytes=params))
+    else:
+        out.append(Collective(op="all_gather", phase="backward", logical_bytes=params,
+                              group="secondary", ranks=reshard_after_forward))
     return [*out, reduce]
 
 

@@ -44,6 +44,9 @@ class PlanRow:
     """Logical bytes per device crossing nodes: all of them on several nodes without
     hybrid sharding, the replicate all-reduce (2Ψ·grad_bytes/G) with it, 0 on one node."""
     cross_node_time_s: float = 0.0
+    secondary: int | None = None
+    """Stage 3 with ``reshard_after_forward=k`` (ZeRO++'s hpZ, k = the devices per node):
+    backward's all-gather stays inside the node; None: plain."""
     offload: bool = False
     """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
     offload_params: bool = False
@@ -183,9 +186,11 @@ class Setup:
         return state
 
     def stage3_moments(self, *, n: int, policy: str, offload: bool = False,
-                       prefetch: int | None = None) -> tuple[analytic.Stage3Moment, ...]:
+                       prefetch: int | None = None,
+                       secondary: int = 0) -> tuple[analytic.Stage3Moment, ...]:
         """Stage 3's moments of a step sharded over ``n`` devices (see [Note: stage-3
-        peak] in stage3_buffers.py); ``prefetch``: another than the plan's."""
+        peak] in stage3_buffers.py); ``prefetch``: another than the plan's; ``secondary``:
+        k of a secondary shard (0: none)."""
         cfg = self.cfg
         block, root, head = self._parts()
         return analytic.stage3_moments(
@@ -194,17 +199,18 @@ class Setup:
             head_activations=self.act_head[policy], saved_activations=self.act_saved[policy],
             loss_gradients=self.loss_grads[policy],
             prefetch=self.prefetch if prefetch is None else prefetch, recipe=self.recipe,
-            offload=offload)
+            offload=offload, secondary=secondary)
 
     def stage3_peak(self, *, n: int, policy: str, offload: bool = False,
-                    offload_params: bool = False) -> tuple[int, analytic.Stage3Moment]:
+                    offload_params: bool = False,
+                    secondary: int = 0) -> tuple[int, analytic.Stage3Moment]:
         """A stage-3 step's peak on the device, sharded over ``n``, and the moment that
         sets it (see [Note: stage-3 peak] in stage3_buffers.py): the weight and optimizer-state
         shards (those not offloaded) beside that moment's gradient slices, activations and
         buffers."""
         state = self.device_state(n=n, stage=3, offload=offload, offload_params=offload_params)
-        peak = max(self.stage3_moments(n=n, policy=policy, offload=offload),
-                   key=lambda m: m.total)
+        peak = max(self.stage3_moments(n=n, policy=policy, offload=offload,
+                                       secondary=secondary), key=lambda m: m.total)
         return state.params + state.optim + peak.total, peak
 
     def stage3_floor(self, *, policy: str, prefetch: int | None = None,

@@ -180,7 +180,8 @@ class Plan:
         return {"rows": [asdict(r) for r in self.rows], "recommendation": rec}
 
 
-def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) -> PlanRow:
+def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
+         secondary: int = 0) -> PlanRow:
     r, psi, nodes = su.recipe, su.psi, su.nodes(n)
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
     stage_policy = StagePolicy(stage)  # the engine's answers to what each stage keeps
@@ -200,7 +201,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         buffers = min(analytic.grad_bucket_bytes(su.bucket_bytes), psi * r.grad_bytes)
     total = state.total + su.act[policy] + buffers
     if stage_policy.shard_params:  # units are gathered into whole buffers even at N=1
-        total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp)
+        total, peak = su.stage3_peak(n=shard, policy=policy, offload=off, offload_params=offp,
+                                     secondary=secondary)
         buffers, moment = peak.buffers, peak.name  # [Note: stage-3 peak] in stage3_buffers.py
     else:  # [Note: the step's moments, stages 0-2]
         moment, total, buffers = max(
@@ -210,11 +212,13 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
     else:
-        colls = analytic.collectives_per_step(psi, stage=stage, n=su.dp(n), recipe=r)
+        colls = analytic.collectives_per_step(psi, stage=stage, n=su.dp(n), recipe=r,
+                                              reshard_after_forward=secondary or True)
     bus = su.intra_GBps if hybrid or nodes == 1 else min(su.intra_GBps, su.inter_GBps)
     tokens = su.micro_batch * su.seq_len
     t = analytic.step_time(  # a tp rank computes 1/tp of every matmul
-        colls, n=dp, bus_GBps=bus, bus_by_group={"replicate": su.inter_GBps}, tokens=tokens,
+        colls, n=dp, bus_GBps=bus, tokens=tokens,
+        bus_by_group={"replicate": su.inter_GBps, "secondary": su.intra_GBps},
         mfu=su.mfu, peak_flops=su.peak_flops,
         flops_per_token=su.cfg.flops_per_token(su.seq_len) / su.tp,
         recompute_flops_per_token=analytic.recompute_flops_per_token(
@@ -226,7 +230,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
                                        norm_grad_bytes=r.grad_bytes)
     tp_s = sum(analytic.collective_time_s(c.logical_bytes, n=su.tp, bus_GBps=su.intra_GBps)
                for c in tp_colls)
-    cross = [c for c in colls if nodes > 1 and (not hybrid or c.group == "replicate")]
+    cross = [c for c in colls if nodes > 1 and c.group != "secondary"
+             and (not hybrid or c.group == "replicate")]
     cross_bytes = sum(c.logical_bytes for c in cross)
     cross_s = sum(analytic.collective_time_s(c.logical_bytes, n=c.ranks or n,
                                              bus_GBps=su.inter_GBps if hybrid else bus)
@@ -246,6 +251,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False) ->
         step_time_s=step, tokens_per_s=su.dp(n) * tokens / step,
         break_even_tokens=t.break_even_tokens,
         hybrid=f"{nodes} x {shard}" if hybrid else None, cross_node_bytes_per_step=cross_bytes,
+        secondary=secondary or None,
         cross_node_time_s=cross_s, offload=off, offload_params=offp, host_bytes=host,
         offload_time_s=off_s, tp=su.tp,
         tp_comm_bytes_per_step=sum(c.logical_bytes for c in tp_colls), tp_comm_time_s=tp_s,
@@ -260,6 +266,9 @@ def _rows(su: Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
     if su.nodes(n) > 1 and (su.gpus_per_node or 0) > 1 and su.tp == 1:
         out += [_row(su, n=n, stage=s, policy=p, hybrid=True)
                 for s in analytic.STAGES[1:] for p in policies]
+        # ZeRO++'s hpZ: stage 3 with a secondary shard over each node's devices
+        out += [_row(su, n=n, stage=3, policy=p, secondary=su.gpus_per_node)
+                for p in policies]
     return out
 
 
@@ -492,8 +501,10 @@ def _host_notes(su: Setup, rows: list[PlanRow], recs: list[Recommendation]) -> l
     out = []
     for rec in recs:
         mine = [x for x in rows if x.gpus == rec.gpus and x.offload]
-        pick = next((x for x in mine if (x.stage, x.activation_checkpointing, x.hybrid) ==
-                     (rec.stage, rec.activation_checkpointing, rec.hybrid)), None)
+        pick = next((x for x in mine if (x.stage, x.activation_checkpointing, x.hybrid,
+                                         x.secondary) ==
+                     (rec.stage, rec.activation_checkpointing, rec.hybrid, rec.secondary)),
+                    None)
         x = pick or min(mine, key=lambda x: x.host_bytes, default=None)
         if x is None:
             continue

@@ -47,6 +47,8 @@ class Recommendation:
     tokens_per_s: float | None = None
     hybrid: str | None = None
     """"R x G" when the pick is hybrid sharding (shard over G, replicate over R); else None."""
+    secondary: int | None = None
+    """k when the pick is stage 3 with a secondary shard (hpZ); else None."""
     offload: bool = False
     """Whether the pick keeps the optimizer state and step on the host."""
     offload_params: bool = False
@@ -60,7 +62,9 @@ def gb(n: float) -> str:
 def describe(x: PlanRow) -> str:
     """"stage 2 with no activation checkpointing", "hybrid stage 3 (4 x 8) with full ..."."""
     p = x.activation_checkpointing
-    where = f"hybrid stage {x.stage} ({x.hybrid})" if x.hybrid else f"stage {x.stage}"
+    where = (f"hybrid stage {x.stage} ({x.hybrid})" if x.hybrid else
+             f"stage 3 with a secondary shard per node (reshard_after_forward={x.secondary}, "
+             "ZeRO++'s hpZ)" if x.secondary else f"stage {x.stage}")
     off = (", optimizer and weights offloaded," if x.offload_params
            else ", optimizer offloaded," if x.offload else "")
     return f"{where}{off} with {'no' if p == 'none' else p} activation checkpointing"
@@ -96,7 +100,7 @@ def _nothing_fits(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
         return Recommendation(gpus=n, stage=None, activation_checkpointing=None,
                               action="more-devices", reason=why)
 
-    plain = [x for x in rows if x.stage == 3 and x.hybrid is None]
+    plain = [x for x in rows if x.stage == 3 and x.hybrid is None and x.secondary is None]
     helps = [x for x in plain if _floor(su, x) < su.usable]
     if helps:  # the fewest devices on which some policy fits; on a tie, the leanest
         x, need = min(((x, _stage3_devices(su, x, n)) for x in helps),
@@ -289,7 +293,7 @@ def _hybrid_note(su: Setup, rows: list[PlanRow], best: PlanRow) -> str:
     """Hybrid vs full sharding of the picked configuration, on several nodes."""
     same = [x for x in rows if (x.stage, x.activation_checkpointing) ==
             (best.stage, best.activation_checkpointing)]
-    full = next((x for x in same if x.hybrid is None), None)
+    full = next((x for x in same if x.hybrid is None and x.secondary is None), None)
     hyb = next((x for x in same if x.hybrid is not None), None)
     if full is None or hyb is None:
         return ""
@@ -389,4 +393,5 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
                           activation_checkpointing=best.activation_checkpointing,
                           tokens_per_s=best.tokens_per_s, hybrid=best.hybrid,
+                          secondary=best.secondary,
                           offload=best.offload, offload_params=best.offload_params)

@@ -154,6 +154,7 @@ def stage3_moments(
     prefetch: int = 1,
     recipe: str | Recipe = "bf16-adamw",
     offload: bool = False,
+    secondary: int = 0,
 ) -> tuple[Stage3Moment, ...]:
     """[Note: stage-3 peak]
     ZeRO's model state counts every gradient slice (G·Ψ/N), as a rank holds them between
@@ -206,6 +207,11 @@ def stage3_moments(
     shape peaks at the loss's backward: 23.71 GB traced, 23.75 GB priced (+0.2%).
     Stages 0-2 do not count the step's fp32 copies (docs/planning.md, "Traced
     estimates").
+
+    ``secondary`` = k (``reshard_after_forward=k``, engine/secondary.py): each block keeps
+    P·⌈B/k⌉ from its forward until its backward is done — all L blocks' at the loss's
+    backward and when backward begins, the L - done still to run at the end of the
+    blocks' backward, none at the root's reduction.
     """
     b = stage3_buffer_bytes(block=block, root=root, head=head, prefetch=prefetch,
                             recipe=recipe)
@@ -219,13 +225,16 @@ def stage3_moments(
     def slices(elems: int) -> int:
         return g * math.ceil(elems / n)
 
+    kept = r.param_bytes * math.ceil(block / secondary) if secondary else 0  # per block
     return (
         Stage3Moment(name="loss's backward", grad_slices=0, activations=saved_activations,
-                     buffers=r.param_bytes * root + loss_gradients),
+                     buffers=r.param_bytes * root + loss_gradients + blocks * kept),
         Stage3Moment(name="backward begins", grad_slices=0,
-                     activations=activations - head_activations, buffers=b.backward),
+                     activations=activations - head_activations,
+                     buffers=b.backward + blocks * kept),
         Stage3Moment(name="end of the blocks' backward", grad_slices=slices(done * block),
-                     activations=late_activations, buffers=b.backward),
+                     activations=late_activations,
+                     buffers=b.backward + (blocks - done) * kept),
         Stage3Moment(name="root's reduction", grad_slices=slices(blocks * block),
                      activations=0, buffers=b.root_reduce),
         Stage3Moment(name="optimizer step", grad_slices=slices(psi), activations=0,

@@ -514,7 +514,14 @@ def trace_plan(p: Plan, *, steps: int = 2,
     if p.recipe.name not in _PRECISION:
         raise ValueError(f"recipe {p.recipe.name!r} cannot be traced; use {', '.join(_PRECISION)}")
     rows, notes = [], list(p.notes)
+    if any(row.secondary for row in p.rows):
+        notes.append("stage 3 hpz rows: not traced (a trace runs in one process on a fake "
+                     "group, without the secondary shard's groups); their peak is priced: "
+                     "the blocks' 1/k beside stage 3's")
     for row in p.rows:
+        if row.secondary:
+            rows.append(row)
+            continue
         offload = ("optimizer+params" if row.offload_params else "optimizer" if row.offload
                    else None)
         try:
