@@ -1,9 +1,10 @@
-"""Loss over a long run with quantised weight all-gathers (issue #61's loss goal, qwZ part).
+"""Loss over a long run with quantised communication (issue #61's loss goal).
 
 Trains one GPT at world 4 (2 logical nodes x 2, gloo) in bf16 with AdamW for ``--steps``
 steps on the same global batches: DDP (torch's, under bf16 autocast) with two seeds for
 the run-to-run gap, zeroshard stage 3, and stage 3 with int8 / fp8 weight all-gathers
-(alone and with the secondary shard). Prints each final loss (mean of the last 20 steps)
+(qwZ), int8 / int4 two-hop gradient reduce-scatters (qgZ, with and without error
+feedback) and all three of ZeRO++'s with the secondary shard (hpZ). Prints each final loss (mean of the last 20 steps)
 and its gap to DDP's, beside DDP-vs-DDP; writes the table and a JSON.
 
     OMP_NUM_THREADS=1 python benchmarks/quantized_loss.py --steps 300 \\
@@ -32,6 +33,12 @@ SYSTEMS = {
     "zs-s3-w8": {"stage": 3, "quantize_weights": "int8"},
     "zs-s3-wf8": {"stage": 3, "quantize_weights": "fp8"},
     "zs-s3-hpz2-w8": {"stage": 3, "quantize_weights": "int8", "reshard_after_forward": 2},
+    "zs-s3-w8-g8": {"stage": 3, "quantize_weights": "int8", "quantize_grads": "int8",
+                    "grad_error_feedback": True},
+    "zs-s3-g4": {"stage": 3, "quantize_grads": "int4", "grad_error_feedback": True},
+    "zs-s3-g4-no-feedback": {"stage": 3, "quantize_grads": "int4", "grad_error_feedback": False},
+    "zs-s3-hpz2-w8-g4": {"stage": 3, "quantize_weights": "int8", "quantize_grads": "int4",
+                         "reshard_after_forward": 2, "grad_error_feedback": True},
 }
 
 

@@ -253,8 +253,13 @@ def test_config_names_and_sizes() -> None:
             hpz.activation_checkpointing) == (2, "int8", "full")
     assert parse_config("fsdp2-hpz4").reshard_after_forward == 4
     assert parse_config("zs-s3-wf8").quantize_weights == "fp8"
+    all3 = parse_config("zs-s3-hpz2-w8-g4")
+    assert (all3.reshard_after_forward, all3.quantize_weights, all3.quantize_grads) == (
+        2, "int8", "int4")
+    assert parse_config("zs-s2-g8").quantize_grads == "int8"
     for bad, why in (("zs-s2-hpz2", "-hpz<k>"), ("zs-s3-noreshard-hpz2", "-hpz<k>"),
-                     ("zs-s3-hpz1", "-hpz<k>"), ("fsdp2-w8", "zs-s3 only")):
+                     ("zs-s3-hpz1", "-hpz<k>"), ("fsdp2-w8", "zs-s3 only"),
+                     ("zs-s1-g8", "zs-s2 and zs-s3")):
         with pytest.raises(ValueError, match=why):
             parse_config(bad)
 

@@ -468,8 +468,9 @@ def test_hybrid_sharding_on_4_nodes_of_8() -> None:
     """
     p = _plan("llama-7b", gpus=32, gpus_per_node=8, inter_GBps=50.0)
     psi = p.params
-    row = {(r.stage, r.activation_checkpointing, r.hybrid, r.secondary): r for r in p.rows}
-    full, hyb = row[3, "none", None, None], row[3, "none", "4 x 8", None]
+    row = {(r.stage, r.activation_checkpointing, r.hybrid, r.secondary, r.zeropp): r
+           for r in p.rows}
+    full, hyb = row[3, "none", None, None, False], row[3, "none", "4 x 8", None, False]
     assert {r.hybrid for r in p.rows} == {None, "4 x 8"}
     assert not any(r.hybrid for r in p.rows if r.stage == 0)
     # Full sharding: every collective crosses nodes, at the slower link.
@@ -500,7 +501,7 @@ def test_hybrid_sharding_on_4_nodes_of_8() -> None:
     # Stage 3 with a secondary shard per node (hpZ, k = 8): backward's all-gather over the
     # 8 devices of a node at 400 GB/s; the forward all-gather and the reduce-scatter still
     # cross nodes; each block keeps 1/8 of its bf16 weights from forward to its backward.
-    hpz = row[3, "none", None, 8]
+    hpz = row[3, "none", None, 8, False]
     assert hpz.cross_node_bytes_per_step == 2 * psi * 2
     assert hpz.comm_bytes_per_step == full.comm_bytes_per_step
     assert hpz.comm_time_s == pytest.approx(2 * psi * 2 * 31 / 32 / 50e9
@@ -664,3 +665,27 @@ def test_plan_tp_refusals(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         plan(LLAMA3_8B, gpu_mem_bytes=80 * GB, seq_len=4096, micro_batch=1,
              interconnect_GBps=400, **kw)
+
+
+def test_zeropp_rows_price_each_collective_on_its_link() -> None:
+    """Stage 3 with ZeRO++'s three on 4 nodes of 8 at 12.5 GB/s between nodes (100 Gbps):
+    the forward all-gather in int8 across all 32 devices, backward's from the secondary
+    shard over a node at 400 GB/s, the gradients' int4 hops inside the node and across
+    it; the plan says so where the inter-node link dominates stage 3's step."""
+    p = _plan("llama-7b", gpus=32, gpus_per_node=8, inter_GBps=12.5)
+    psi = p.params
+    row = {(r.stage, r.activation_checkpointing, r.hybrid, r.secondary, r.zeropp): r
+           for r in p.rows}
+    plain, hpz, zpp = (row[3, "none", None, s, z] for s, z in
+                       ((None, False), (8, False), (8, True)))
+    w8, g4 = psi * (1 + 4 / 256), psi * (0.5 + 4 / 256)
+    assert zpp.cross_node_bytes_per_step == pytest.approx(w8 + g4 / 8, abs=2)
+    assert zpp.comm_time_s == pytest.approx(
+        w8 * 31 / 32 / 12.5e9 + psi * 2 * 7 / 8 / 400e9 + g4 * 7 / 8 / 400e9
+        + g4 / 8 * 3 / 4 / 12.5e9, rel=1e-6)
+    assert zpp.total_bytes == hpz.total_bytes  # error feedback off: no residuals
+    assert plain.tokens_per_s < hpz.tokens_per_s < zpp.tokens_per_s
+    assert any("inter-node link dominates" in n and "reshard_after_forward=8" in n
+               and "quantize_grads='int4'" in n for n in p.notes)
+    one_node = _plan("llama-7b", gpus=8, gpus_per_node=8)
+    assert not any(r.secondary for r in one_node.rows)  # one node: nothing to keep inside

@@ -110,15 +110,16 @@ def test_training_with_quantised_gradients_stays_close_and_crosses_nodes_less(
     groups, the gradients' reduction sending under half the plain one's bytes across
     nodes (summed over ranks); the residuals are counted as gradients."""
     base = run_ranks(_train, 4, {"stage": stage})
-    for opts in ({"quantize_grads": "int8"}, {"quantize_grads": "int4"},
-                 {"quantize_grads": "int4", "grad_error_feedback": False}):
+    for opts in ({"quantize_grads": "int8", "grad_error_feedback": True},
+                 {"quantize_grads": "int4", "grad_error_feedback": True},
+                 {"quantize_grads": "int4"}):  # error feedback off by default
         got = run_ranks(_train, 4, {"stage": stage, **opts})
         # summed over ranks: each rank's share of a ring crosses nodes or not by its place
         assert sum(g["inter"] for g in got) < 0.5 * sum(b["inter"] for b in base)
         for b, g in zip(base, got):
             assert abs(g["losses"][-1] - b["losses"][-1]) < 0.05 * b["losses"][-1]
             assert {"grad-node", "grad-across"} <= g["groups"]
-            if opts.get("grad_error_feedback", True):
+            if opts.get("grad_error_feedback", False):
                 assert g["kept"] > 0 and g["grads"] > b["grads"]
             else:
                 assert g["kept"] == 0
@@ -127,7 +128,8 @@ def test_training_with_quantised_gradients_stays_close_and_crosses_nodes_less(
 def test_a_load_drops_the_residuals() -> None:
     """Residuals are not checkpointed: a load restarts them at zero."""
     with tempfile.TemporaryDirectory() as root:
-        got = run_ranks(_train, 4, {"stage": 3, "quantize_grads": "int8"}, 3, root)
+        got = run_ranks(_train, 4, {"stage": 3, "quantize_grads": "int8",
+                                    "grad_error_feedback": True}, 3, root)
     assert all(r["kept"] == 0 for r in got)  # not checkpointed: restarted at zero
 
 
@@ -155,6 +157,6 @@ def test_bad_input() -> None:
         zeroshard.ShardConfig(stage=1, quantize_grads="int8")
     from zeroshard.config import ignored_options
 
-    config = zeroshard.ShardConfig(stage=3, grad_error_feedback=False)
+    config = zeroshard.ShardConfig(stage=3, grad_error_feedback=True)
     (message,) = ignored_options(config, {"grad_error_feedback"})
-    assert "grad_error_feedback=False has no effect" in message
+    assert "grad_error_feedback=True has no effect" in message

@@ -392,7 +392,8 @@ def _layout(x: PlanRow) -> str:
     """The table's layout column: "2x8" (hybrid), "hpz8" (a secondary shard), "-"."""
     if x.hybrid:
         return x.hybrid.replace(" ", "")
-    return f"hpz{x.secondary}" if x.secondary else "-"
+    return (f"z++{x.secondary}" if x.zeropp else f"hpz{x.secondary}" if x.secondary
+            else "-")
 
 
 def format_plan(p: Plan, name: str) -> str:
@@ -448,6 +449,8 @@ def format_plan(p: Plan, name: str) -> str:
         lines += ["hybrid R x G = shard over the G devices of a node, replicate over R nodes;",
                   "  hpzG = stage 3 with a secondary shard over each node's G devices "
                   "(reshard_after_forward=G: backward's all-gather stays in the node);",
+                  "  z++G = hpzG with int8 weight all-gathers and int4 two-hop gradients "
+                  "(ZeRO++'s three; docs/links.md);",
                   "xnode = traffic crossing nodes: all of it without hybrid sharding, the "
                   "2Ψ/G slice all-reduce with it."]
     if p.offload:

@@ -97,9 +97,10 @@ class ShardConfig:
     #: inside the node then across nodes (ZeRO++'s qgZ; [Note: quantised gradients] in
     #: engine/quantized_grads.py); the plain reduce-scatter on one node.
     quantize_grads: str | None = None
-    #: With quantize_grads: add what quantising lost back into the next step's gradient
-    #: (float32 residuals of each bucket, 4 bytes per parameter per rank and 1/g more).
-    grad_error_feedback: bool = True
+    #: With quantize_grads: add what quantising lost back into the next step's gradient.
+    #: Off by default: its float32 residuals hold 4 bytes per parameter per rank (and
+    #: 1/g more), a whole fp32 gradient beside stage 3's 1/N state.
+    grad_error_feedback: bool = False
     #: Stage 3: how many units ahead to gather (0 disables prefetch).
     prefetch: int = 1
     #: Stage 3: bytes of gathered weights ``model.generate()`` keeps resident for the

@@ -85,6 +85,8 @@ class ConfigSpec:
     activation_checkpointing: str
     quantize_weights: str | None = None
     """zs-s3 only: ``-w8`` int8, ``-wf8`` fp8 weight all-gathers (ZeRO++'s qwZ)."""
+    quantize_grads: str | None = None
+    """zs-s2 / zs-s3: ``-g8`` int8, ``-g4`` int4 two-hop gradient reduce-scatter (qgZ)."""
     tp: int = 1
     """Tensor-parallel degree (``-tp<k>``): the model is parallelised with torchtitan's
     plan on a (dp, tp) mesh first (Llama presets only); see docs/tensor-parallel.md."""
@@ -122,6 +124,12 @@ def parse_config(name: str) -> ConfigSpec:
             raise ValueError(f"{name!r}: -w8 / -wf8 (quantised weight gathers) apply to "
                              "zs-s3 only; e.g. zs-s3-w8")
         quant, rest = {"w8": "int8", "wf8": "fp8"}[m.group(1)], rest[m.end():]
+    grads = None
+    if m := re.match(r"(g8|g4)(?:-|$)", rest):
+        if prefix not in ("zs-s2", "zs-s3"):
+            raise ValueError(f"{name!r}: -g8 / -g4 (quantised gradient reduce-scatter) apply "
+                             "to zs-s2 and zs-s3; e.g. zs-s3-g4")
+        grads, rest = {"g8": "int8", "g4": "int4"}[m.group(1)], rest[m.end():]
     tp = 1
     if m := re.match(r"tp(\d+)(?:-|$)", rest):
         tp, rest = int(m.group(1)), rest[m.end():]
@@ -135,7 +143,7 @@ def parse_config(name: str) -> ConfigSpec:
             f"{', '.join(POLICIES)} or every-<k>, e.g. {prefix}-full")
     return ConfigSpec(name=name, prefix=prefix, system=system, stage=stage,
                       reshard_after_forward=reshard, activation_checkpointing=policy, tp=tp,
-                      quantize_weights=quant)
+                      quantize_weights=quant, quantize_grads=grads)
 
 
 def parse_configs(text: str) -> list[ConfigSpec]:
@@ -150,7 +158,8 @@ def parse_configs(text: str) -> list[ConfigSpec]:
 
 def describe_configs() -> str:
     """The text of ``--list-configs``."""
-    lines = ["Configuration names: <system>[-noreshard|-hpz<k>][-w8|-wf8][-tp<k>][-<policy>]",
+    lines = ["Configuration names: "
+             "<system>[-noreshard|-hpz<k>][-w8|-wf8][-g8|-g4][-tp<k>][-<policy>]",
              "",
              "systems:"]
     lines += [f"  {p:<16} stage {s}  {what}" for p, (_, s, what) in SYSTEMS.items()]
@@ -164,6 +173,8 @@ def describe_configs() -> str:
         "                   backward's all-gather stays inside them (docs/links.md)",
         "  -w8, -wf8        zs-s3: int8 / fp8 blockwise weight all-gathers (ZeRO++'s",
         "                   qwZ, quantize_weights=; docs/links.md)",
+        "  -g8, -g4         zs-s2 / zs-s3: int8 / int4 two-hop gradient reduce-scatter,",
+        "                   inside the node then across (ZeRO++'s qgZ, quantize_grads=)",
         "  -tp<k>           fsdp2 / zs-s1..3: tensor parallelism of degree k first",
         "                   (torchtitan's plan on a (world/k, k) mesh; Llama presets only;",
         "                   the same sequences per step: each tp group trains its ranks'",

@@ -22,7 +22,8 @@ ROW_KEYS = (
     "tokens_per_s_max", "step_s_median", "step_s_min", "step_s_max", "step_s_all",
     "steps_measured",
     "peak_bytes", "peak_rank", "rss_bytes", "cuda_peak_bytes", "comm_bytes_per_step",
-    "comm_source", "intra_wire_bytes_per_step", "inter_wire_bytes_per_step", "quantize_weights", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
+    "comm_source", "intra_wire_bytes_per_step", "inter_wire_bytes_per_step", "quantize_weights",
+    "quantize_grads", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
     "memory_timeline", "time_s", "tp", "optimizer_step_s_median", "newton_schulz_s",
 )
@@ -81,7 +82,7 @@ def _row(raw: dict[str, Any], s: BenchSettings, meta: dict[str, Any]) -> dict[st
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     row.update(name=spec.name, system=spec.system, stage=spec.stage,
                reshard_after_forward=spec.reshard_after_forward,
-               quantize_weights=spec.quantize_weights,
+               quantize_weights=spec.quantize_weights, quantize_grads=spec.quantize_grads,
                activation_checkpointing=spec.activation_checkpointing, world_size=world,
                status=raw["status"], error=raw["error"] or None, note=raw["note"] or None,
                time_s={k: round(raw.get("time_s", {}).get(k, 0.0), 3) for k in PHASES},

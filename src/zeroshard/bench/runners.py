@@ -195,6 +195,8 @@ def _zeroshard(spec, model, group, s: BenchSettings, device, tp_mesh=None) -> Ru
 
     extra = {} if spec.stage != 3 else {"reshard_after_forward": spec.reshard_after_forward,
                                         "quantize_weights": spec.quantize_weights}
+    if spec.quantize_grads is not None:
+        extra["quantize_grads"] = spec.quantize_grads
     extra["node_size"] = s.node_size
     where = {"process_group": group} if tp_mesh is None else {"mesh": tp_mesh}
     if s.optimizer == "adamw":

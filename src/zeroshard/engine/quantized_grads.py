@@ -19,10 +19,12 @@ Each rank sends (g-1)/g of the bucket inside its node and (M-1)/(M·g) of it acr
 nodes, at 1 (int8) or 1/2 (int4) byte per element plus the scales, where a ring
 reduce-scatter of bf16 sends (N-1)/N at 2 bytes, most of it across nodes.
 
-**Error feedback** (``grad_error_feedback=True``, the default): what quantising lost is
-added back into the next step's gradient — hop 1's loss at the sender, per bucket and
+**Error feedback** (``grad_error_feedback=True``; off by default): what quantising lost
+is added back into the next step's gradient — hop 1's loss at the sender, per bucket and
 rank, a float32 buffer of the whole bucket, and hop 2's, 1/g of it: 4Ψ(1 + 1/g) bytes
-per rank beside the model, which the memory tracker counts under "grads". Their sum is
+per rank beside the model (a whole fp32 gradient: at stage 3 over 64 ranks, 16 times
+the rank's share of the model state — hence off unless asked), which the memory tracker
+counts under "grads". Their sum is
 what the reduced gradient misses; it is not in checkpoints yet, so a resume starts it at
 zero (the loaded state is exact; only the next steps' correction restarts).
 

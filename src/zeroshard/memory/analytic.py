@@ -216,6 +216,34 @@ def collectives_per_step(
     return [*out, reduce]
 
 
+#: Bytes per element of a quantised collective: the payload and a 4-byte scale per 256
+#: (engine/quantize.py).
+QUANTISED_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}
+
+
+def zeropp_collectives_per_step(psi: int, *, n: int, g: int,
+                                recipe: str | Recipe = "bf16-adamw") -> list[Collective]:
+    """Stage 3 over N = M·g ranks with ZeRO++'s three (docs/links.md): the forward
+    all-gather in int8 over all N, backward's from the secondary shard over the g ranks of
+    a node (compute dtype), and the gradients' two int4 hops — inside the node ((g-1)/g of
+    them per rank) and across nodes (1/g of them over the M nodes)."""
+    _check(3, n)
+    if n % g or n // g < 2:
+        raise ValueError(f"ZeRO++'s rows need several nodes of g={g} in N={n}")
+    r = get_recipe(recipe)
+    grads = psi * QUANTISED_BYTES["int4"]
+    return [
+        Collective(op="all_gather", phase="forward",
+                   logical_bytes=math.ceil(psi * QUANTISED_BYTES["int8"])),
+        Collective(op="all_gather", phase="backward", logical_bytes=psi * r.param_bytes,
+                   group="secondary", ranks=g),
+        Collective(op="all_to_all", phase="backward", logical_bytes=math.ceil(grads),
+                   group="grad-node", ranks=g),
+        Collective(op="all_to_all", phase="backward", logical_bytes=math.ceil(grads / g),
+                   group="grad-across", ranks=n // g),
+    ]
+
+
 def hybrid_collectives_per_step(
     psi: int, *, stage: int, shard: int, replicate: int, recipe: str | Recipe = "bf16-adamw",
     reshard_after_forward: bool = True,

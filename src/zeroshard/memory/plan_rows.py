@@ -47,6 +47,9 @@ class PlanRow:
     secondary: int | None = None
     """Stage 3 with ``reshard_after_forward=k`` (ZeRO++'s hpZ, k = the devices per node):
     backward's all-gather stays inside the node; None: plain."""
+    zeropp: bool = False
+    """With ``secondary``: also int8 weight all-gathers and int4 two-hop gradients
+    (``quantize_weights="int8", quantize_grads="int4"``, error feedback off)."""
     offload: bool = False
     """Optimizer state and step on the host (stages 1-3 with ``offload=True``)."""
     offload_params: bool = False

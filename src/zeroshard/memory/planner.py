@@ -181,7 +181,7 @@ class Plan:
 
 
 def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
-         secondary: int = 0) -> PlanRow:
+         secondary: int = 0, zeropp: bool = False) -> PlanRow:
     r, psi, nodes = su.recipe, su.psi, su.nodes(n)
     shard = (su.gpus_per_node or n) if hybrid else n  # ranks one copy of the state spans
     stage_policy = StagePolicy(stage)  # the engine's answers to what each stage keeps
@@ -211,6 +211,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
+    elif zeropp:
+        colls = analytic.zeropp_collectives_per_step(psi, n=n, g=secondary, recipe=r)
     else:
         colls = analytic.collectives_per_step(psi, stage=stage, n=su.dp(n), recipe=r,
                                               reshard_after_forward=secondary or True)
@@ -218,7 +220,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
     tokens = su.micro_batch * su.seq_len
     t = analytic.step_time(  # a tp rank computes 1/tp of every matmul
         colls, n=dp, bus_GBps=bus, tokens=tokens,
-        bus_by_group={"replicate": su.inter_GBps, "secondary": su.intra_GBps},
+        bus_by_group={"replicate": su.inter_GBps, "secondary": su.intra_GBps,
+                      "grad-node": su.intra_GBps, "grad-across": su.inter_GBps},
         mfu=su.mfu, peak_flops=su.peak_flops,
         flops_per_token=su.cfg.flops_per_token(su.seq_len) / su.tp,
         recompute_flops_per_token=analytic.recompute_flops_per_token(
@@ -230,11 +233,12 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
                                        norm_grad_bytes=r.grad_bytes)
     tp_s = sum(analytic.collective_time_s(c.logical_bytes, n=su.tp, bus_GBps=su.intra_GBps)
                for c in tp_colls)
-    cross = [c for c in colls if nodes > 1 and c.group != "secondary"
+    cross = [c for c in colls if nodes > 1 and c.group not in ("secondary", "grad-node")
              and (not hybrid or c.group == "replicate")]
     cross_bytes = sum(c.logical_bytes for c in cross)
     cross_s = sum(analytic.collective_time_s(c.logical_bytes, n=c.ranks or n,
-                                             bus_GBps=su.inter_GBps if hybrid else bus)
+                                             bus_GBps=su.inter_GBps if hybrid
+                                             or c.group == "grad-across" else bus)
                   for c in cross)
     off_s = analytic.offload_time_s(psi, n=shard, recipe=r, pcie_GBps=su.pcie_GBps,
                                     host_GBps=su.host_GBps, params=offp).total_s if off else 0.0
@@ -251,7 +255,7 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
         step_time_s=step, tokens_per_s=su.dp(n) * tokens / step,
         break_even_tokens=t.break_even_tokens,
         hybrid=f"{nodes} x {shard}" if hybrid else None, cross_node_bytes_per_step=cross_bytes,
-        secondary=secondary or None,
+        secondary=secondary or None, zeropp=zeropp,
         cross_node_time_s=cross_s, offload=off, offload_params=offp, host_bytes=host,
         offload_time_s=off_s, tp=su.tp,
         tp_comm_bytes_per_step=sum(c.logical_bytes for c in tp_colls), tp_comm_time_s=tp_s,
@@ -267,8 +271,8 @@ def _rows(su: Setup, n: int, policies: Sequence[str]) -> list[PlanRow]:
         out += [_row(su, n=n, stage=s, policy=p, hybrid=True)
                 for s in analytic.STAGES[1:] for p in policies]
         # ZeRO++'s hpZ: stage 3 with a secondary shard over each node's devices
-        out += [_row(su, n=n, stage=3, policy=p, secondary=su.gpus_per_node)
-                for p in policies]
+        out += [_row(su, n=n, stage=3, policy=p, secondary=su.gpus_per_node, zeropp=z)
+                for z in (False, True) for p in policies]
     return out
 
 
@@ -422,6 +426,7 @@ def plan(
     ok = [x for x in recs if x.tokens_per_s] or recs[-1:]
     best = max(ok, key=lambda x: ((x.tokens_per_s or 0) / x.gpus, -x.gpus))
     notes += _hybrid_notes(su, rows, counts)
+    notes += _zeropp_notes(rows, counts)
     if offload:
         notes += _host_notes(su, rows, recs)
     return Plan(model=name, params=cfg.param_count(), config=cfg, tp=tp, tp_params=su.psi, recipe=r, seq_len=seq_len,
@@ -496,15 +501,43 @@ def _hybrid_notes(su: Setup, rows: list[PlanRow], counts: list[int]) -> list[str
     return out
 
 
+def _zeropp_notes(rows: list[PlanRow], counts: list[int]) -> list[str]:
+    """Where stage 3's inter-node link dominates its step (its cross-node time above its
+    compute), what the secondary shard and ZeRO++'s quantised collectives would save."""
+    out = []
+    for n in counts:
+        for p in dict.fromkeys(x.activation_checkpointing for x in rows if x.gpus == n):
+            mine = [x for x in rows if (x.gpus, x.stage, x.activation_checkpointing,
+                                        x.hybrid) == (n, 3, p, None)]
+            plain = next((x for x in mine if x.secondary is None), None)
+            hpz = next((x for x in mine if x.secondary and not x.zeropp), None)
+            zpp = next((x for x in mine if x.zeropp), None)
+            if None in (plain, hpz, zpp) or plain.cross_node_time_s <= plain.compute_time_s:
+                continue
+            out.append(
+                f"stage 3 on {n} devices ({'no' if p == 'none' else p} checkpointing): the "
+                f"inter-node link dominates "
+                f"({plain.cross_node_time_s:.3f} s across nodes against {plain.compute_time_s:.3f}"
+                f" s of compute); reshard_after_forward={hpz.secondary} (hpZ) crosses "
+                f"{gb(hpz.cross_node_bytes_per_step)} instead of "
+                f"{gb(plain.cross_node_bytes_per_step)} (~{hpz.tokens_per_s:,.0f} tokens/s "
+                f"against ~{plain.tokens_per_s:,.0f}, +{gb(hpz.total_bytes - plain.total_bytes)}"
+                f" per device); with quantize_weights='int8', quantize_grads='int4' (lossy, "
+                f"docs/links.md) {gb(zpp.cross_node_bytes_per_step)}, "
+                f"~{zpp.tokens_per_s:,.0f} tokens/s")
+            break  # one policy per N is enough to say it
+    return out
+
+
 def _host_notes(su: Setup, rows: list[PlanRow], recs: list[Recommendation]) -> list[str]:
     """Host memory per node for each N's pick (or its leanest offloaded row)."""
     out = []
     for rec in recs:
         mine = [x for x in rows if x.gpus == rec.gpus and x.offload]
         pick = next((x for x in mine if (x.stage, x.activation_checkpointing, x.hybrid,
-                                         x.secondary) ==
-                     (rec.stage, rec.activation_checkpointing, rec.hybrid, rec.secondary)),
-                    None)
+                                         x.secondary, x.zeropp) ==
+                     (rec.stage, rec.activation_checkpointing, rec.hybrid, rec.secondary,
+                      rec.zeropp)), None)
         x = pick or min(mine, key=lambda x: x.host_bytes, default=None)
         if x is None:
             continue

@@ -49,6 +49,8 @@ class Recommendation:
     """"R x G" when the pick is hybrid sharding (shard over G, replicate over R); else None."""
     secondary: int | None = None
     """k when the pick is stage 3 with a secondary shard (hpZ); else None."""
+    zeropp: bool = False
+    """The pick also quantises its collectives (int8 weights, int4 gradients)."""
     offload: bool = False
     """Whether the pick keeps the optimizer state and step on the host."""
     offload_params: bool = False
@@ -63,6 +65,8 @@ def describe(x: PlanRow) -> str:
     """"stage 2 with no activation checkpointing", "hybrid stage 3 (4 x 8) with full ..."."""
     p = x.activation_checkpointing
     where = (f"hybrid stage {x.stage} ({x.hybrid})" if x.hybrid else
+             f"stage 3 with ZeRO++'s three (reshard_after_forward={x.secondary}, "
+             "quantize_weights='int8', quantize_grads='int4')" if x.zeropp else
              f"stage 3 with a secondary shard per node (reshard_after_forward={x.secondary}, "
              "ZeRO++'s hpZ)" if x.secondary else f"stage {x.stage}")
     off = (", optimizer and weights offloaded," if x.offload_params
@@ -393,5 +397,5 @@ def recommend(su: Setup, rows: list[PlanRow], n: int) -> Recommendation:
     return Recommendation(gpus=n, stage=best.stage, action=action, reason=why,
                           activation_checkpointing=best.activation_checkpointing,
                           tokens_per_s=best.tokens_per_s, hybrid=best.hybrid,
-                          secondary=best.secondary,
+                          secondary=best.secondary, zeropp=best.zeropp,
                           offload=best.offload, offload_params=best.offload_params)
