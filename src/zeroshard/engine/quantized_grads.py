@@ -35,6 +35,7 @@ reduce-scatter, unquantised, as the ledger records it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,14 @@ class TwoHop:
         return buf.numel() // self.world >= BLOCK
 
     def forget(self) -> None:
-        """Drop every residual (a load: the next steps start from the loaded state)."""
+        """Drop every residual (a load: the next steps start from the loaded state),
+        saying so where there were some: they are not in checkpoints."""
+        if self.residuals:
+            warnings.warn(
+                "quantize_grads' error-feedback residuals are not saved in checkpoints: a "
+                "load restarts them at zero (the loaded weights and optimizer state are "
+                "exact; only the correction of the next steps' quantisation restarts)",
+                UserWarning, stacklevel=3)
         self.residuals.clear()
 
     def tensors(self) -> list[torch.Tensor]:
