@@ -202,6 +202,7 @@ def test_table_is_printed(fast_run: dict[str, Any]) -> None:
     (["--configs", "zs-s3-partial"], ["'partial'", "full"]),
     (["--world-size", "0"], ["--world-size 0", ">= 1"]),
     (["--world-size", "4", "--node-size", "3"], ["--node-size 3", "--world-size 4"]),
+    (["--world-size", "4", "--configs", "ddp,zs-s3-hpz3"], ["-hpz3 needs k dividing"]),
     (["--model", "gpt-17"], ["'gpt-17'", "gpt2-small"]),
     (["--model", "gpt2-tiny", "--seq", "500"], ["--seq 500", "64"]),
     (["--baseline", "fsdp2", "--configs", "ddp"], ["--baseline 'fsdp2'", "--configs"]),
@@ -259,7 +260,8 @@ def test_config_names_and_sizes() -> None:
     assert parse_config("zs-s2-g8").quantize_grads == "int8"
     for bad, why in (("zs-s2-hpz2", "-hpz<k>"), ("zs-s3-noreshard-hpz2", "-hpz<k>"),
                      ("zs-s3-hpz1", "-hpz<k>"), ("fsdp2-w8", "zs-s3 only"),
-                     ("zs-s1-g8", "zs-s2 and zs-s3")):
+                     ("zs-s1-g8", "zs-s2 and zs-s3"), ("zs-s3-w8-hpz2", "suffixes come in"),
+                     ("zs-s3-w4", "'w4' is not a suffix here")):
         with pytest.raises(ValueError, match=why):
             parse_config(bad)
 

@@ -140,3 +140,26 @@ def test_node_size_must_divide_the_world(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_node_size(None, 4) == 4
     with pytest.raises(ValueError, match="node_size=0 must be None or a positive int"):
         zeroshard.ShardConfig(node_size=0)
+
+
+def _uneven(rank: int, world: int) -> str:
+    """torchrun on a node of 3 ranks and a node of 1: LOCAL_WORLD_SIZE 3 on ranks 0-2, 1 on
+    rank 3 (which alone divides the world)."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "3" if rank < 3 else "1"
+    try:
+        zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3, lr=1e-3)
+    except ValueError as e:
+        return str(e)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    return "sharded"
+
+
+def test_unequal_nodes_are_refused_on_every_rank() -> None:
+    """Every rank raises, naming both sizes, instead of one rank going on alone into
+    collectives its peers never join."""
+    for said in run_ranks(_uneven, 4):
+        assert "the ranks disagree on the ranks per node (1 to 3" in said
+        assert "LOCAL_WORLD_SIZE differs between nodes" in said

@@ -58,6 +58,9 @@ def _train(rank: int, world: int, kind: str | None, raf, steps: int = 4) -> dict
     x0, y0 = next(data)
     with torch.no_grad():
         exact = loss_of(model, x0, y0).item()
+    model.eval()  # a validation loss with gradients on: eval mode gathers exact weights
+    evaluated = loss_of(model, x0, y0).item()
+    model.train()
     seen.clear()
     losses = []
     for _ in range(steps):
@@ -70,7 +73,7 @@ def _train(rank: int, world: int, kind: str | None, raf, steps: int = 4) -> dict
     gathers = [(r.phase, r.group, r.dtype, r.logical_bytes) for r in ledger.last_step()
                if r.op == "all_gather"]
     sizes = [(u.name, [b.shard_numel for b in u.buckets]) for u in engine.units]
-    return {"exact": exact, "losses": losses, "seen": seen, "gathers": gathers,
+    return {"exact": exact, "evaluated": evaluated, "losses": losses, "seen": seen, "gathers": gathers,
             "sizes": sizes}
 
 
@@ -86,6 +89,7 @@ def test_quantised_gathers_move_a_byte_per_element_and_every_rank_computes_alike
     got = run_ranks(_train, 4, kind, raf)
     for r in range(4):
         assert got[r]["exact"] == base[r]["exact"]  # no_grad: exact weights
+        assert got[r]["evaluated"] == base[r]["exact"]  # eval mode too
         assert got[r]["seen"] == got[0]["seen"]  # the same weights on every rank
         assert {d for d, _ in got[r]["seen"]} == {"torch.bfloat16"}
         assert got[r]["seen"] != base[r]["seen"]  # ... which are quantised ones
@@ -138,3 +142,32 @@ def test_bad_names_and_stages() -> None:
         config = zeroshard.ShardConfig(stage=1, quantize_weights="int8")
     (message,) = ignored_options(config, {"quantize_weights"})
     assert "quantize_weights='int8' has no effect with stage=1" in message
+
+
+def _grads(rank: int, world: int, disturb: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model, _ = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
+                               node_size=2, reshard_after_forward=2, quantize_weights="int8",
+                               lr=1e-2, mixed_precision="bf16")
+    x, y = next(loader("gpt2-tiny", rank, world))
+    loss = loss_of(model, x, y)
+    if disturb == "gathered":
+        with zeroshard.gathered(model):
+            pass
+    elif disturb == "unshard":
+        model.unshard()
+        model.reshard()
+    loss.backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("disturb", ["gathered", "unshard"])
+def test_exact_gathers_between_forward_and_backward_leave_the_gradients_alone(
+        disturb: str) -> None:
+    """gathered() / unshard() between a quantised forward and its backward gather the
+    exact weights; the backward then gathers again what its forward computed with, so the
+    gradients are those of an undisturbed step, bit for bit."""
+    base = run_ranks(_grads, 4, None)
+    got = run_ranks(_grads, 4, disturb)
+    for b, g in zip(base, got):
+        assert all(torch.equal(x, y) for x, y in zip(b, g))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -153,21 +154,30 @@ def test_resume_from_a_checkpoint_either_way_is_stage3s() -> None:
 
 def _resolved(rank: int, world: int, raf, node_size: int) -> object:
     torch.manual_seed(0)
-    model, _ = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
-                               node_size=node_size, reshard_after_forward=raf, lr=1e-2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, _ = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, stage=3,
+                                   node_size=node_size, reshard_after_forward=raf, lr=1e-2)
     engine = zeroshard.engine_of(model)
-    return engine.config.reshard_after_forward, engine.secondary is not None
+    return (engine.config.reshard_after_forward, engine.secondary is not None,
+            [str(w.message) for w in said if "reshard_after_forward" in str(w.message)])
 
 
-def test_k_is_checked_and_the_trivial_ones_mapped() -> None:
-    assert run_ranks(_resolved, 4, 1, 2)[0] == (False, False)  # whole weights kept
-    assert run_ranks(_resolved, 4, 4, 4)[0] == (True, False)  # the primary shard
-    assert run_ranks(_resolved, 4, 2, 2)[0] == (2, True)
+def test_k_is_checked_and_the_trivial_ones_mapped_with_a_word() -> None:
+    """k = 1 and k = N run as False / True, saying so and naming the k that would keep a
+    secondary shard; a k dividing one of the shard group and node_size but not the other
+    is an error listing the choices."""
+    k1 = run_ranks(_resolved, 4, 1, 2)[0]
+    assert k1[:2] == (False, False) and "runs as reshard_after_forward=False" in k1[2][0]
+    k4 = run_ranks(_resolved, 4, 4, 4)[0]
+    assert k4[:2] == (True, False) and "runs as reshard_after_forward=True" in k4[2][0]
+    assert "secondary shard needs k dividing both 4 and node_size=4, 1 < k < 4: 2" in k4[2][0]
+    assert run_ranks(_resolved, 4, 2, 2)[0] == (2, True, [])
     with pytest.raises(Exception, match=r"reshard_after_forward=3 does not divide the shard "
-                                        r"group of 4"):
+                                        r"group of 4.*choose k among 2"):
         run_ranks(_resolved, 4, 3, 4)
     with pytest.raises(Exception, match=r"reshard_after_forward=2 does not divide "
-                                        r"node_size=1"):
+                                        r"node_size=1.*choose k among none"):
         run_ranks(_resolved, 4, 2, 1)
     with pytest.raises(ValueError, match="reshard_after_forward=0 must be True, False"):
         zeroshard.ShardConfig(stage=3, reshard_after_forward=0)

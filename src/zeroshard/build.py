@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -45,7 +47,7 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
     dev = resolve_device(device) if meta else None
     if meta and param_init is None:
         param_init = default_param_init(model)
-    nodes = Nodes(resolve_node_size(config.node_size, dist.get_world_size()))
+    nodes = Nodes(_node_size(config.node_size, process_group))
     ledger = CommLedger(nodes=nodes)
     tp = None
     mesh = whole_mesh(model, mesh)
@@ -86,6 +88,36 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
                     replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
                     tp=tp, secondary=secondary, two_hop=two_hop)
     return engine
+
+
+def _node_size(given: int | None, group: dist.ProcessGroup | None) -> int:
+    """:func:`resolve_node_size`, once every rank agrees on it: torchrun's
+    LOCAL_WORLD_SIZE differs between nodes of unequal size, and a rank that alone found its
+    value acceptable would go on into collectives its peers never join ([Note: bytes by
+    link] in comm_links.py)."""
+    world = dist.get_world_size()
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(env) if env.isdigit() and int(env) > 0 else None
+    mine = given if given is not None else (local or world)
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if str(dist.get_backend(group)) == "nccl" else torch.device("cpu"))
+    bounds = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = int(bounds[0]), -int(bounds[1])
+    if hi != lo:
+        why = ("node_size= differs between ranks" if given is not None else
+               "torchrun's LOCAL_WORLD_SIZE differs between nodes: nodes of unequal size")
+        raise ValueError(
+            f"the ranks disagree on the ranks per node ({lo} to {hi}; {why}): nodes are "
+            "groups of node_size consecutive ranks, the same number on every node; give "
+            "every rank the same node_size= (the ledger's split by node cannot describe "
+            "unequal nodes)")
+    if given is not None and local is not None and given != local:
+        warnings.warn(
+            f"node_size={given} differs from torchrun's LOCAL_WORLD_SIZE={local}: the "
+            f"ledger counts nodes of {given} ranks, not the machines torchrun started",
+            UserWarning, stacklevel=4)
+    return resolve_node_size(given, world)
 
 
 def _secondary(config: ShardConfig, comm: Comm, nodes: Nodes) -> tuple[ShardConfig, Comm | None]:

@@ -138,6 +138,12 @@ def parse_config(name: str) -> ConfigSpec:
                              "e.g. zs-s3-tp2 or fsdp2-tp2")
     policy = rest or "none"
     if policy not in POLICIES and not re.fullmatch(r"every-[1-9]\d*", policy):
+        if re.match(r"(noreshard|hpz\d*|w\d+|wf\d+|g\d+|tp\d*)(?:-|$)", policy):
+            raise ValueError(
+                f"{name!r}: {policy.split('-')[0]!r} is not a suffix here; suffixes come in "
+                "the order <system>[-noreshard|-hpz<k>][-w8|-wf8][-g8|-g4][-tp<k>]"
+                "[-<policy>] (w8/wf8: int8/fp8 weights, g8/g4: int8/int4 gradients), e.g. "
+                "zs-s3-hpz2-w8-g4-full; see --list-configs")
         raise ValueError(
             f"{name!r}: unknown activation checkpointing {policy!r}; append one of "
             f"{', '.join(POLICIES)} or every-<k>, e.g. {prefix}-full")
@@ -258,6 +264,14 @@ class BenchSettings:
                 self.node_size, int) or self.node_size < 1 or self.world_size % self.node_size):
             raise ValueError(f"--node-size {self.node_size!r} must divide --world-size "
                              f"{self.world_size} (ranks per node), e.g. --node-size 2")
+        for c in self.configs:
+            k = c.reshard_after_forward
+            if isinstance(k, int) and not isinstance(k, bool) and (
+                    self.world_size % k or (self.node_size or self.world_size) % k):
+                raise ValueError(
+                    f"{c.name}: -hpz{k} needs k dividing --world-size {self.world_size} and "
+                    f"--node-size {self.node_size or self.world_size} (a secondary shard "
+                    "over k ranks of a node); e.g. --node-size 2 with -hpz2")
         names = [c.name for c in self.configs]
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or muon")

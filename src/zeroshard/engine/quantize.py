@@ -14,7 +14,8 @@ its scale, and only the payload is sent: any size works, and a slice of n elemen
 n + 4·⌈n/256⌉ bytes (int4, for gradients: ⌈n/2⌉ + 4·⌈n/256⌉, two values a byte). Master weights, gradients and the optimizer are untouched: only what the
 forward and backward read is quantised, as in ZeRO++.
 
-A gather outside training (a forward under ``torch.no_grad()``, ``generate()``,
+A gather outside training (a forward under ``torch.no_grad()`` or of a module in eval
+mode, ``generate()``,
 ``gathered()``, ``model.unshard()``) gathers the exact weights: evaluation and generation
 see the model as it is. With the secondary shard (hpZ), backward reads the forward's
 dequantised weights from it, so forward and backward compute with the same values.

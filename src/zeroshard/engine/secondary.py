@@ -24,6 +24,8 @@ k = 1 keeps whole weights (``reshard_after_forward=False``) and k = N is the pri
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -40,22 +42,32 @@ def resolve_reshard(value: bool | int, shard_size: int, nodes: Nodes, world: int
     if isinstance(value, bool):
         return value
     k = value
-    if k == 1:
-        return False
-    if k == shard_size:
-        return True
-    if shard_size % k:
-        raise ValueError(
-            f"reshard_after_forward={k} does not divide the shard group of {shard_size} "
-            "ranks: the secondary shard lives on groups of k consecutive ranks; give a "
-            f"divisor of {shard_size} (the ranks per node, typically), True or False")
     size = nodes.size or world
-    if size % k:
+    if k in (1, shard_size):
+        mapped = k != 1
+        keeps = "whole weights" if k == 1 else "the primary shard"
+        warnings.warn(
+            f"reshard_after_forward={k} keeps {keeps} (the shard group has {shard_size} "
+            f"ranks): it runs as reshard_after_forward={mapped}, with no secondary shard"
+            + (f"; a secondary shard needs k dividing both {shard_size} and "
+               f"node_size={size}, 1 < k < {shard_size}: {_choices(shard_size, size)}"
+               if _choices(shard_size, size) != "none" else ""),
+            UserWarning, stacklevel=4)
+        return mapped
+    if shard_size % k or size % k:
+        what = (f"does not divide the shard group of {shard_size} ranks" if shard_size % k
+                else f"does not divide node_size={size} (a group of k consecutive ranks "
+                "would span two nodes, and backward's all-gather would cross them)")
         raise ValueError(
-            f"reshard_after_forward={k} does not divide node_size={size}: a group of k "
-            "consecutive ranks would span two nodes and backward's all-gather would cross "
-            f"them; give a divisor of {size}, or declare the nodes with node_size=")
+            f"reshard_after_forward={k} {what}: the secondary shard lives on groups of k "
+            f"consecutive ranks inside a node; choose k among {_choices(shard_size, size)} "
+            "(dividing both the shard group and node_size), or True / False")
     return k
+
+
+def _choices(shard_size: int, node_size: int) -> str:
+    ks = [k for k in range(2, shard_size) if shard_size % k == 0 and node_size % k == 0]
+    return ", ".join(map(str, ks)) or "none"
 
 
 def secondary_comm(comm: Comm, k: int) -> Comm:

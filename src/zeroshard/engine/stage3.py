@@ -123,6 +123,15 @@ class UnitSchedule:
 
     # -- gather and free --------------------------------------------------------------------
     def unshard(self, u: Unit, phase: str, async_op: bool | None = None) -> None:
+        kind = self._quantised(u, phase)
+        if (u.state is UnitState.UNSHARDED and u.holds != kind and u not in self.held
+                and u is not self.root and self.config.quantize_weights is not None):
+            # Gathered with other values than this pass computes with (exact weights a
+            # gathered() or unshard() left between a quantised forward and its
+            # backward): gathered again, so backward reads what forward read. Not the
+            # root: a backward reads its weights before any hook could gather them
+            # ([Note: resident units]); it keeps what its forward gathered.
+            self.reshard(u, force=True)
         if u.state is not UnitState.SHARDED:
             # Gathered already (the root from forward to backward), but after a forward
             # with gradients its modules hold the user parameters ([Note: between forward
@@ -134,9 +143,6 @@ class UnitSchedule:
         if phase == "backward" and self.secondary is not None and u.has_secondary:
             u.unshard_secondary(self.secondary, phase, async_op)
         else:
-            # [Note: quantised weights]: training gathers only, never a held unit's
-            training = phase == "backward" or torch.is_grad_enabled() or in_backward()
-            kind = self.config.quantize_weights if training and u not in self.held else None
             u.unshard(self.comm, phase, async_op=async_op, quantized=kind)
         self.faces.show(u.buckets, compute=True)
         self.unsharded_bytes += u.unsharded_bytes
@@ -176,6 +182,17 @@ class UnitSchedule:
             self.reshard(u, force=force)
             if force:
                 u.drop_secondary()
+
+    def _quantised(self, u: Unit, phase: str) -> str | None:
+        """[Note: quantised weights]: the quantisation a gather of ``u`` for ``phase``
+        uses — training passes only (gradients on, the module in training mode, or a
+        backward), never a held unit's."""
+        kind = self.config.quantize_weights
+        if kind is None or u in self.held:
+            return None
+        training = phase == "backward" or in_backward() or (
+            torch.is_grad_enabled() and u.module.training)
+        return kind if training else None
 
     def _secondary_k(self) -> int | None:
         """k while forwards keep secondary shards (an int reshard_after_forward)."""
@@ -334,6 +351,7 @@ class UnitSchedule:
             if self._secondary_k() and u not in self.held:
                 for b in u.buckets:
                     keep_secondary(b, self._secondary_k())
+                u.secondary_holds = u.holds
             self.reshard(u)
         if grad:
             self.awaiting.add(u)

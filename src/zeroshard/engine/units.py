@@ -100,6 +100,10 @@ class Unit:
         # the quantisation of the gather in flight and each bucket's own packed slice
         self.quantized: str | None = None
         self._own: list[torch.Tensor] = []
+        # the quantisation of the weights ``full`` holds (None: exact), and of those the
+        # secondary shard keeps ([Note: quantised weights] in quantize.py)
+        self.holds: str | None = None
+        self.secondary_holds: str | None = None
 
     @property
     def has_secondary(self) -> bool:
@@ -182,6 +186,7 @@ class Unit:
             self.pending.append(block.all_gather(b.gathering, phase=phase, unit=self.name,
                                                  async_op=async_op))
         self.from_secondary = (k, j)
+        self.quantized = self.secondary_holds  # the values the forward computed with
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -195,7 +200,7 @@ class Unit:
         for i, b in enumerate(self.buckets):
             full = b.full
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            if self.quantized is not None:  # every rank's slice, this rank's too
+            if self.quantized is not None and self.from_secondary is None:  # every slice
                 own = self._own[i]
                 rows = list(b.gathering.view(-1, own.numel()).unbind(0))
                 if len(rows) < b.world:
@@ -214,6 +219,7 @@ class Unit:
             else:  # all_gather_from: this rank's slice is shard16
                 b.slices_to_full(b.shard16, b.gathering, full)
             b.gathering = None
+        self.holds = self.quantized
         self.from_secondary = self.quantized = None
         self._own = []
         self.state = UnitState.UNSHARDED
