@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -72,29 +73,23 @@ def test_two_hops_sum_like_a_reduce_scatter_and_error_feedback_cancels_the_loss(
             assert packed_numel(s, kind) == -(-s // 2) + 4 * -(-s // BLOCK)
 
 
-def _train(rank: int, world: int, opts: dict, steps: int = 6, root: str | None = None) -> dict:
+def _train(rank: int, world: int, opts: dict, steps: int = 6) -> dict:
     torch.manual_seed(0)
     model, opt = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-2,
                                  node_size=2, mixed_precision="bf16", **opts)
     engine = zeroshard.engine_of(model)
     data = loader("gpt2-tiny", rank, world)
     losses = []
-    for i in range(steps):
+    for _ in range(steps):
         x, y = next(data)
         loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        if root is not None and i == 1:
-            save_checkpoint(os.path.join(root, "ck"), model, opt)
     ledger = engine.comm.ledger
     groups = {r.group for r in ledger.last_step() if r.phase == "backward"}
     kept = len(engine.two_hop.residuals) if engine.two_hop else 0
-    if root is not None:
-        with pytest.warns(UserWarning, match="residuals are not saved in checkpoints"):
-            load_checkpoint(os.path.join(root, "ck"), model, opt)
-        kept = len(engine.two_hop.residuals)
     tracker = zeroshard.memory_tracker(model, opt)
     with tracker:
         grads = tracker.current()["grads"]
@@ -126,12 +121,67 @@ def test_training_with_quantised_gradients_stays_close_and_crosses_nodes_less(
                 assert g["kept"] == 0
 
 
-def test_a_load_drops_the_residuals() -> None:
-    """Residuals are not checkpointed: a load restarts them at zero."""
+def _summed(engine) -> dict[str, torch.Tensor]:
+    """Each parameter's residual summed over the ranks (what the next reductions add)."""
+    hop, out = engine.two_hop, {}
+    for b in engine.buckets:
+        res = hop.residuals.get(b.index) if hop is not None else None
+        mine = torch.zeros(b.padded_numel)
+        if res is not None and res.node is not None:
+            mine += res.node
+        if res is not None and res.across is not None:
+            mine.view(hop.across.size, hop.node.size, -1)[:, hop.node.rank] += \
+                res.across.view(hop.across.size, -1)
+        dist.all_reduce(mine)
+        full = torch.empty_like(mine)
+        b.gathered_to_full(mine, full)
+        for s in b.slots:
+            out[s.names[0]] = b.slot_view(full, s.index).clone()
+    return out
+
+
+def _save_residuals(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(0)
+    model, opt = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-2,
+                                 stage=3, node_size=2, quantize_grads="int4",
+                                 grad_error_feedback=True)
+    data = loader("gpt2-tiny", rank, world)
+    for _ in range(2):
+        loss_of(model, *next(data)).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(os.path.join(root, "ck"), model, opt)
+    return _summed(zeroshard.engine_of(model))
+
+
+def _load_residuals(rank: int, world: int, root: str, opts: dict) -> tuple:
+    torch.manual_seed(0)
+    model, opt = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-2,
+                                 stage=3, **opts)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        load_checkpoint(os.path.join(root, "ck"), model, opt)
+    engine = zeroshard.engine_of(model)
+    said = [str(w.message) for w in said if "residual" in str(w.message)]
+    return (_summed(engine) if engine.two_hop is not None else None), said
+
+
+def test_residuals_are_checkpointed_as_their_sum_and_reshard_n_to_m() -> None:
+    """The residuals' sum over ranks (what the reductions after the load add back) is
+    what it was at the save: at world 4 as 2 x 2, at world 2 as 2 nodes of 1 (N -> M),
+    and at world 4 as 4 nodes of 1; a model without error feedback drops them, saying so."""
     with tempfile.TemporaryDirectory() as root:
-        got = run_ranks(_train, 4, {"stage": 3, "quantize_grads": "int8",
-                                    "grad_error_feedback": True}, 3, root)
-    assert all(r["kept"] == 0 for r in got)  # not checkpointed: restarted at zero
+        saved = run_ranks(_save_residuals, 4, root)[0]
+        assert any(t.abs().sum() > 0 for t in saved.values())
+        ef = {"quantize_grads": "int4", "grad_error_feedback": True}
+        for world, node_size in ((4, 2), (2, 1), (4, 1)):
+            got, said = run_ranks(_load_residuals, world, root,
+                                  {**ef, "node_size": node_size})[0]
+            assert said == []
+            for name, t in saved.items():
+                torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7)
+        none, said = run_ranks(_load_residuals, 4, root, {"node_size": 2})[0]
+        assert none is None and any("they are dropped" in m for m in said)
 
 
 def _one_node(rank: int, world: int) -> set:

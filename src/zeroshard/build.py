@@ -99,8 +99,11 @@ def _node_size(given: int | None, group: dist.ProcessGroup | None) -> int:
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     local = int(env) if env.isdigit() and int(env) > 0 else None
     mine = given if given is not None else (local or world)
+    backend = str(dist.get_backend(group))
+    if backend == "fake":  # a trace (memory/traced.py): one process, nothing to agree on
+        return resolve_node_size(given, world)
     device = (torch.device("cuda", torch.cuda.current_device())
-              if str(dist.get_backend(group)) == "nccl" else torch.device("cpu"))
+              if backend == "nccl" else torch.device("cpu"))
     bounds = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     hi, lo = int(bounds[0]), -int(bounds[1])

@@ -458,7 +458,7 @@ class Engine:
         if self.server is not None:
             self.comm.all_reduce(torch.zeros(1, device=self.device), phase="state", unit=what)
         if self.two_hop is not None:
-            self.two_hop.forget()  # not checkpointed: [Note: quantised gradients]
+            self.two_hop.forget()  # torch's state dicts carry no residuals
         with self.clock.change():
             yield
 
@@ -467,8 +467,6 @@ class Engine:
         units holding them (frozen ones included: a load writes those too) are stale."""
         self.weights.refresh(phase=phase, buckets=buckets)
         self.schedule.drop_stale(self.all_buckets if buckets is None else buckets)
-        if phase == "state" and self.two_hop is not None:
-            self.two_hop.forget()  # a load: [Note: quantised gradients]
 
     def refresh_handed_out(self, what: str) -> None:
         """Before reading the whole weights (``what``: a state dict): re-derive buckets

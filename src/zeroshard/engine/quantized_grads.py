@@ -25,8 +25,8 @@ rank, a float32 buffer of the whole bucket, and hop 2's, 1/g of it: 4Ψ(1 + 1/g)
 per rank beside the model (a whole fp32 gradient: at stage 3 over 64 ranks, 16 times
 the rank's share of the model state — hence off unless asked), which the memory tracker
 counts under "grads". Their sum is
-what the reduced gradient misses; it is not in checkpoints yet, so a resume starts it at
-zero (the loaded state is exact; only the next steps' correction restarts).
+what the reduced gradient misses, and checkpoints keep that sum ([Note: residuals in
+checkpoints] in state/residuals.py).
 
 One node in the shard group (``node_size`` ≥ the group, hybrid shard groups within a
 node), or a bucket whose slices are under one block (256 elements): the plain
@@ -75,15 +75,17 @@ class TwoHop:
         return buf.numel() // self.world >= BLOCK
 
     def forget(self) -> None:
-        """Drop every residual (a load: the next steps start from the loaded state),
-        saying so where there were some: they are not in checkpoints."""
+        """Drop every residual (a load through torch's state-dict APIs, which carry none:
+        the next steps start from the loaded state), saying so where there were some."""
         if self.residuals:
             warnings.warn(
-                "quantize_grads' error-feedback residuals are not saved in checkpoints: a "
-                "load restarts them at zero (the loaded weights and optimizer state are "
-                "exact; only the correction of the next steps' quantisation restarts)",
-                UserWarning, stacklevel=3)
+                "torch's state dicts carry no error-feedback residuals of quantize_grads: "
+                "this load restarts them at zero (zeroshard.save_checkpoint / "
+                "load_checkpoint keep them)", UserWarning, stacklevel=4)
         self.residuals.clear()
+
+    def residual_of(self, key: int) -> _Residuals:
+        return self.residuals.setdefault(key, _Residuals())
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for r in self.residuals.values() for t in (r.node, r.across)

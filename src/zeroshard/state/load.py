@@ -40,6 +40,7 @@ from .layout import (
 )
 from .manifest import CheckpointError, read_manifest
 from .reader import SafeReader, dcp_errors
+from .residuals import install_residuals, residual_targets
 
 __all__ = ["load_checkpoint"]
 
@@ -211,6 +212,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         md = metadata.state_dict_metadata[k]
         loose[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     sd.update(loose)
+    residuals, res_slices = residual_targets(engine, manifest.get("qg_residuals") or [],
+                                             str(path))
+    sd.update(residuals)
     missing = sorted(k for k in sd if k not in metadata.state_dict_metadata)
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata lacks {missing[:8]} "
@@ -226,6 +230,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     with dcp_errors(what):
         dcp.load(sd, storage_reader=reader, process_group=group)
     engine.refresh_weights(phase="state")
+    install_residuals(engine, res_slices, str(path))
     if info is not None:
         _set_scalars(inner, fixups)
         if whole is not None:

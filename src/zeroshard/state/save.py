@@ -60,6 +60,7 @@ from .manifest import (
     write_manifest,
 )
 from .reader import dcp_errors
+from .residuals import collect_residuals
 
 __all__ = ["save_checkpoint"]
 
@@ -400,6 +401,8 @@ def _prepare(path: Path, engine: Engine, model: nn.Module,
     """The collective part of a save, on the training thread: what this rank writes (views
     of its buffers), the manifest's layout, and the temporary directory."""
     sd, layout = _collect(engine, model, optimizer)
+    residuals, layout["qg_residuals"] = collect_residuals(engine)  # collective
+    sd.update(residuals)
     rng_sd, rng_rows = _rng_tables(engine)
     sd.update(rng_sd)
     sd.update(extra_tensors)
