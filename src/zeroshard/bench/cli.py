@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--configs", default=",".join(DEFAULT_CONFIGS),
       help="comma-separated configuration names (see --list-configs)")
     a("--list-configs", action="store_true", help="list configuration names and exit")
+    a("--compress", action="store_true",
+      help="ZeRO++'s rows on logical nodes (needs --node-size G, at least 2 nodes): ddp, "
+           "zs-s3, zs-s3-hpzG, zs-s3-w8, zs-s3-g4 and all three, zs-s3-hpzG-w8-g4, with "
+           "the bytes each sends across nodes (docs/links.md)")
     a("--baseline", default="ddp", help="configuration the ratios refer to (default ddp)")
     a("--budget", default=None, metavar="SIZE",
       help="memory per rank with a unit, e.g. 1.5GiB: pick the fastest configuration that fits")
@@ -73,6 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", default=None, metavar="PATH", help="write the results as JSON")
     a("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress bar")
+
+
+def _compress_configs(args: argparse.Namespace, configs: str, world: int) -> str:
+    """--compress: stage 3 beside ZeRO++'s options one by one and together."""
+    g = getattr(args, "node_size", None)
+    if g is None or g < 2 or world % g or world // g < 2:
+        raise ValueError(f"--compress needs --node-size G with at least two nodes of 2 or "
+                         f"more ranks in --world-size {world} (e.g. --world-size 4 "
+                         "--node-size 2): the secondary shard lives inside a node")
+    if configs != ",".join(DEFAULT_CONFIGS):
+        raise ValueError("--compress picks its own configurations; drop --configs")
+    return f"ddp,zs-s3,zs-s3-hpz{g},zs-s3-w8,zs-s3-g4,zs-s3-hpz{g}-w8-g4"
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -115,6 +131,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError(f"--world-size {world} exceeds the {_cuda_devices()} visible GPU(s); "
                          "NCCL needs one GPU per rank: use --world-size "
                          f"{_cuda_devices()} or less")
+    if getattr(args, "compress", False):
+        configs = _compress_configs(args, configs, world)
     settings = BenchSettings(
         model=model, model_factory=factory, model_label=label, vocab=vocab,
         world_size=world, micro_batch=args.micro_batch, seq=args.seq,
