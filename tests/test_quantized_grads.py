@@ -184,21 +184,29 @@ def test_residuals_are_checkpointed_as_their_sum_and_reshard_n_to_m() -> None:
         assert none is None and any("they are dropped" in m for m in said)
 
 
-def _one_node(rank: int, world: int) -> set:
+def _one_node(rank: int, world: int) -> tuple:
     torch.manual_seed(0)
-    model, opt = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-2,
-                                 stage=3, node_size=4, quantize_grads="int8")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, opt = zeroshard.shard(make_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-2,
+                                     stage=3, node_size=4, quantize_grads="int8")
     x, y = next(loader("gpt2-tiny", rank, world))
     loss_of(model, x, y).backward()
     opt.step()
     ledger = zeroshard.engine_of(model).comm.ledger
-    return {(r.group, r.op) for r in ledger.last_step() if r.phase == "backward"}
+    return ({(r.group, r.op) for r in ledger.last_step() if r.phase == "backward"},
+            [str(w.message) for w in said if "quantize_grads" in str(w.message)])
 
 
-def test_a_single_node_reduces_plainly() -> None:
-    for ops in run_ranks(_one_node, 4):
+def test_a_single_node_reduces_plainly_and_rank_0_says_so() -> None:
+    for rank, (ops, said) in enumerate(run_ranks(_one_node, 4)):
         assert ("world", "reduce_scatter") in ops and not any(g.startswith("grad-")
                                                               for g, _ in ops)
+        if rank == 0:
+            assert len(said) == 1 and "quantize_grads='int8' has no effect here" in said[0]
+            assert "node_size=" in said[0]
+        else:
+            assert said == []
 
 
 def test_bad_input() -> None:

@@ -84,6 +84,14 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
         comm, replicate, world = Comm(process_group, ledger, label=label), None, None
     config, secondary = _secondary(config, comm, nodes)
     two_hop = two_hop_for(comm, config.quantize_grads, config.grad_error_feedback)
+    if config.quantize_grads is not None and two_hop is None and dist.get_rank() == 0:
+        warnings.warn(
+            f"quantize_grads={config.quantize_grads!r} has no effect here: the shard group's "
+            f"{comm.size} ranks lie on one node (node_size={nodes.size}"
+            + (", hybrid sharding's shard groups" if replicate is not None else "")
+            + "), so the gradients are reduce-scattered plainly, unquantised; declare the "
+            "nodes with node_size= (logical nodes work on one machine) — docs/links.md",
+            UserWarning, stacklevel=3)
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
                     replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
                     tp=tp, secondary=secondary, two_hop=two_hop)
@@ -115,10 +123,11 @@ def _node_size(given: int | None, group: dist.ProcessGroup | None) -> int:
             "groups of node_size consecutive ranks, the same number on every node; give "
             "every rank the same node_size= (the ledger's split by node cannot describe "
             "unequal nodes)")
-    if given is not None and local is not None and given != local:
+    if given is not None and local is not None and given != local and dist.get_rank() == 0:
         warnings.warn(
             f"node_size={given} differs from torchrun's LOCAL_WORLD_SIZE={local}: the "
-            f"ledger counts nodes of {given} ranks, not the machines torchrun started",
+            f"ledger counts nodes of {given} ranks, not the machines torchrun started "
+            "(expected where logical nodes are declared on purpose)",
             UserWarning, stacklevel=4)
     return resolve_node_size(given, world)
 

@@ -450,9 +450,11 @@ def format_plan(p: Plan, name: str) -> str:
                   "  hpzG = stage 3 with a secondary shard over each node's G devices "
                   "(reshard_after_forward=G: backward's all-gather stays in the node);",
                   "  z++G = hpzG with int8 weight all-gathers and int4 two-hop gradients "
-                  "(ZeRO++'s three; docs/links.md);",
-                  "xnode = traffic crossing nodes: all of it without hybrid sharding, the "
-                  "2Ψ/G slice all-reduce with it."]
+                  "(ZeRO++'s three, error feedback off; docs/links.md);",
+                  "xnode = traffic crossing nodes: all of it with plain sharding, the 2Ψ/G "
+                  "slice all-reduce with hybrid, the forward all-gather and the reduce-scatter "
+                  "with hpzG, their quantised bytes with z++G (quantised collectives count "
+                  "the bytes they move in comm and xnode)."]
     if p.offload:
         lines += ["host = offloaded optimizer state, gradient and weight slices per device "
                   "(x devices per node per host);",

@@ -514,6 +514,11 @@ def _zeropp_notes(rows: list[PlanRow], counts: list[int]) -> list[str]:
             zpp = next((x for x in mine if x.zeropp), None)
             if None in (plain, hpz, zpp) or plain.cross_node_time_s <= plain.compute_time_s:
                 continue
+            hyb = next((x for x in rows if (x.gpus, x.stage, x.activation_checkpointing)
+                        == (n, 3, p) and x.hybrid), None)
+            exact = (f"; hybrid sharding {hyb.hybrid}, exact, crosses "
+                     f"{gb(hyb.cross_node_bytes_per_step)} (~{hyb.tokens_per_s:,.0f} tokens/s"
+                     f"{'' if hyb.fits else ', does not fit'})" if hyb is not None else "")
             out.append(
                 f"stage 3 on {n} devices ({'no' if p == 'none' else p} checkpointing): the "
                 f"inter-node link dominates "
@@ -523,8 +528,8 @@ def _zeropp_notes(rows: list[PlanRow], counts: list[int]) -> list[str]:
                 f"{gb(plain.cross_node_bytes_per_step)} (~{hpz.tokens_per_s:,.0f} tokens/s "
                 f"against ~{plain.tokens_per_s:,.0f}, +{gb(hpz.total_bytes - plain.total_bytes)}"
                 f" per device); with quantize_weights='int8', quantize_grads='int4' (lossy, "
-                f"docs/links.md) {gb(zpp.cross_node_bytes_per_step)}, "
-                f"~{zpp.tokens_per_s:,.0f} tokens/s")
+                f"error feedback off; docs/links.md) {gb(zpp.cross_node_bytes_per_step)}, "
+                f"~{zpp.tokens_per_s:,.0f} tokens/s{exact}")
             break  # one policy per N is enough to say it
     return out
 
