@@ -44,8 +44,8 @@ def _exchange(rank: int, world: int, node_size: int, kind: str, steps: int) -> d
                          r.dtype) for r in recs], "s": s}
 
 
-@pytest.mark.parametrize("world,node_size,kind", [
-    (4, 2, "int8"), (4, 2, "int4"), (3, 1, "int4"),  # 2 nodes x 2; 3 nodes (odd) of 1
+@pytest.mark.parametrize("world,node_size,kind", [  # 2 nodes x 2; 3 nodes (odd) of 1
+    pytest.param(4, 2, "int8", marks=pytest.mark.slow), (4, 2, "int4"), (3, 1, "int4"),
 ])
 def test_two_hops_sum_like_a_reduce_scatter_and_error_feedback_cancels_the_loss(
         world: int, node_size: int, kind: str) -> None:
@@ -98,7 +98,7 @@ def _train(rank: int, world: int, opts: dict, steps: int = 6) -> dict:
     return {"losses": losses, "groups": groups, "kept": kept, "inter": inter, "grads": grads}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_training_with_quantised_gradients_stays_close_and_crosses_nodes_less(
         stage: int) -> None:
     """World 4 as 2 nodes x 2, bf16: int8 and int4 gradients (with and without error

@@ -54,9 +54,12 @@ def _train(rank: int, world: int, raf, opts: dict) -> dict:
                                  for r in back]}
 
 
-@pytest.mark.parametrize("opts", [
-    {}, {"prefetch": 2, "ckpt": "full"}, {"bf16": True}, {"hybrid": (1, 4)},
-], ids=["plain", "prefetch2-recompute", "bf16", "hybrid-1x4"])
+@pytest.mark.parametrize("opts", [  # world 4: the variants run under `make slow`
+    pytest.param({}, id="plain"),
+    pytest.param({"prefetch": 2, "ckpt": "full"}, id="prefetch2-recompute"),
+    pytest.param({"bf16": True}, marks=pytest.mark.slow, id="bf16"),
+    pytest.param({"hybrid": (1, 4)}, marks=pytest.mark.slow, id="hybrid-1x4"),
+])
 def test_secondary_shard_is_bitwise_stage3_with_backward_gathers_inside_the_node(
         opts: dict) -> None:
     """World 4 as 2 nodes x 2, k = 2: every step's loss and the final weights equal stage
