@@ -125,13 +125,7 @@ def _summed(engine) -> dict[str, torch.Tensor]:
     """Each parameter's residual summed over the ranks (what the next reductions add)."""
     hop, out = engine.two_hop, {}
     for b in engine.buckets:
-        res = hop.residuals.get(b.index) if hop is not None else None
-        mine = torch.zeros(b.padded_numel)
-        if res is not None and res.node is not None:
-            mine += res.node
-        if res is not None and res.across is not None:
-            mine.view(hop.across.size, hop.node.size, -1)[:, hop.node.rank] += \
-                res.across.view(hop.across.size, -1)
+        mine = hop.contribution(b.index, b.padded_numel, b.device)
         dist.all_reduce(mine)
         full = torch.empty_like(mine)
         b.gathered_to_full(mine, full)

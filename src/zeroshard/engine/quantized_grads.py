@@ -87,6 +87,27 @@ class TwoHop:
     def residual_of(self, key: int) -> _Residuals:
         return self.residuals.setdefault(key, _Residuals())
 
+    def contribution(self, key: int, numel: int, device: torch.device) -> torch.Tensor:
+        """What this rank's residuals of bucket ``key`` add to the next reduction, in the
+        bucket's rank-major layout (``numel`` elements, float32): hop 1's where they lie,
+        hop 2's rows at the slices of ranks (m', this rank's position in its node)."""
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        res = self.residuals.get(key)
+        if res is not None and res.node is not None:
+            out += res.node
+        if res is not None and res.across is not None:
+            m_count = self.across.size
+            out.view(m_count, self.node.size, -1)[:, self.node.rank] += \
+                res.across.view(m_count, -1)
+        return out
+
+    def install(self, key: int, rank: int, mine: torch.Tensor, numel: int) -> None:
+        """A loaded sum of residuals: this rank's slice ``mine`` at its own place in hop
+        1's residual (sent exact, it reaches this rank's reduced slice), the rest zero."""
+        node = torch.zeros(numel, dtype=torch.float32, device=mine.device)
+        node.view(self.world, -1)[rank] = mine
+        self.residual_of(key).node = node
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for r in self.residuals.values() for t in (r.node, r.across)
                 if t is not None]

@@ -46,12 +46,13 @@ def resolve_reshard(value: bool | int, shard_size: int, nodes: Nodes, world: int
     if k in (1, shard_size):
         mapped = k != 1
         keeps = "whole weights" if k == 1 else "the primary shard"
+        choices = _choices(shard_size, size)
         warnings.warn(
             f"reshard_after_forward={k} keeps {keeps} (the shard group has {shard_size} "
             f"ranks): it runs as reshard_after_forward={mapped}, with no secondary shard"
             + (f"; a secondary shard needs k dividing both {shard_size} and "
-               f"node_size={size}, 1 < k < {shard_size}: {_choices(shard_size, size)}"
-               if _choices(shard_size, size) != "none" else ""),
+               f"node_size={size}, 1 < k < {shard_size}: {choices}"
+               if choices != "none" else ""),
             UserWarning, stacklevel=4)
         return mapped
     if shard_size % k or size % k:

@@ -46,19 +46,13 @@ def collect_residuals(engine: Engine) -> tuple[dict[str, torch.Tensor], list[str
         return {}, []
     slices: dict[int, torch.Tensor] = {}
     for b in engine.buckets:
-        res = hop.residuals.get(b.index)
-        if res is None:
-            continue
-        mine = torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
-        if res.node is not None:
-            mine += res.node
-        if res.across is not None:  # hop 2's rows: the slices of ranks (m', this position)
-            g, m_count = hop.node.size, hop.across.size
-            mine.view(m_count, g, -1)[:, hop.node.rank] += res.across.view(m_count, -1)
-        slices[b.index] = engine.comm.reduce_scatter(mine, phase="state", unit=b.name).wait().clone()
-    sd = {residual_key(e.name): bucket_view(engine, e, slices[e.bucket.index])
-          for e in _entries(engine) if e.bucket.index in slices}
-    return sd, sorted(e.name for e in _entries(engine) if e.bucket.index in slices)
+        if b.index in hop.residuals:
+            mine = hop.contribution(b.index, b.padded_numel, b.device)
+            slices[b.index] = engine.comm.reduce_scatter(
+                mine, phase="state", unit=b.name).wait().clone()
+    kept = [e for e in _entries(engine) if e.bucket.index in slices]
+    sd = {residual_key(e.name): bucket_view(engine, e, slices[e.bucket.index]) for e in kept}
+    return sd, sorted(e.name for e in kept)
 
 
 def _entries(engine: Engine) -> list[ParamEntry]:
@@ -106,9 +100,6 @@ def install_residuals(engine: Engine, slices: dict[int, torch.Tensor], path: str
         hop.residuals.clear()
         return
     hop.residuals.clear()
-    n = engine.comm.size
     for b in engine.buckets:
         if b.index in slices:
-            node = torch.zeros(b.padded_numel, dtype=torch.float32, device=b.device)
-            node.view(n, -1)[engine.comm.rank] = slices[b.index]
-            hop.residual_of(b.index).node = node
+            hop.install(b.index, engine.comm.rank, slices[b.index], b.padded_numel)
