@@ -557,6 +557,19 @@ def _add_bench(subparsers: Any) -> None:
     p.set_defaults(handler=bench_cli.run)
 
 
+def _add_calibrate(subparsers: Any) -> None:
+    from zeroshard.timing import cli as calibrate_cli
+
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine for the time model (a JSON profile)",
+        description="Time matrix products, attention, memory-bound kernels, the optimizer "
+        "step and the collectives on every rank at once; write the profile that `plan "
+        "--profile`, `bench --profile` and shard(stage='auto') price steps with. See "
+        "docs/planning.md.")
+    calibrate_cli.add_arguments(p)
+    p.set_defaults(handler=calibrate_cli.run)
+
+
 def _add_demo(subparsers: Any) -> None:
     from zeroshard import demo
 
@@ -617,7 +630,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
 
 _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
-    _add_plan, _add_bench, _add_demo, _add_train, _add_consolidate)
+    _add_plan, _add_bench, _add_calibrate, _add_demo, _add_train, _add_consolidate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ import argparse
 import shlex
 import sys
 import time
+from typing import Any
 
 from zeroshard.bench.configs import (
     DEFAULT_CONFIGS,
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="model and data seed (default 0)")
     a("--timeout", type=float, default=120.0, metavar="SECONDS",
       help="how long a rank waits in one collective before failing its configuration")
+    a("--profile", default=None, metavar="PATH",
+      help="predict each zeroshard row's step time from this calibration profile "
+           "(`zeroshard calibrate`); if it is missing or was measured elsewhere, the ranks "
+           "calibrate first and write it there (docs/planning.md, 'Predicted step times')")
     a("--json", default=None, metavar="PATH", help="write the results as JSON")
     a("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress bar")
@@ -141,7 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         budget_bytes=None if args.budget is None else parse_bytes(args.budget),
         lr=args.lr, seed=args.seed, timeout_s=args.timeout, compile=args.compile,
         compile_backend=args.compile_backend, optimizer=optimizer,
-        node_size=getattr(args, "node_size", None))
+        node_size=getattr(args, "node_size", None), profile=getattr(args, "profile", None))
     if settings.model_factory is not None:
         _check_factory(settings.model_factory)
     return settings
@@ -208,6 +213,23 @@ def _command(s: BenchSettings) -> str:
     return shlex.join(parts)
 
 
+def _prepare_prediction(settings: BenchSettings) -> tuple[dict, Any, BenchSettings]:
+    """Trace the predictable rows; load the profile, or ask the ranks to calibrate."""
+    import dataclasses
+    import os
+
+    from zeroshard.bench.predict import load_or_none, shapes, trace_rows
+
+    backend = "nccl" if _cuda_devices() else "gloo"
+    traces = trace_rows(settings, backend)
+    threads = max(1, (os.cpu_count() or 1) // settings.world_size) if backend == "gloo" else (
+        int(os.environ.get("OMP_NUM_THREADS", "0")) or None)
+    prof = load_or_none(settings.profile, settings, backend, threads)
+    if prof is None:
+        settings = dataclasses.replace(settings, calibrate_shapes=shapes(traces))
+    return traces, prof, settings
+
+
 def _error(msg: str) -> int:
     print(f"zeroshard bench: error: {msg}", file=sys.stderr)
     return 2
@@ -231,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.bench.report import build_result, write_json
 
     start, started = time.perf_counter(), time.time()
+    traces, prof = {}, None
+    if settings.profile is not None:
+        traces, prof, settings = _prepare_prediction(settings)
     try:
         meta = launch(settings, progress=not args.quiet)
     except Exception as exc:  # a rank died outside any configuration (crash, signal)
@@ -240,6 +265,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result = build_result(settings, meta, _command(settings), time.perf_counter() - start,
                           started)
+    if settings.profile is not None:
+        from zeroshard.bench.predict import annotate
+        from zeroshard.timing.profile import Profile
+
+        if prof is None:
+            prof = Profile(**meta["profile"])
+            prof.save(settings.profile)
+        annotate(result, traces, prof, settings.profile)
     if args.plot is not None:
         plot(result, args.plot)
         result["plot"] = str(args.plot)

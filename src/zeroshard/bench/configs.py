@@ -234,6 +234,12 @@ class BenchSettings:
     node_size: int | None = None
     """Ranks per (logical) node for zeroshard's rows: the ledger splits their wire bytes
     into intra- and inter-node (None: torchrun's LOCAL_WORLD_SIZE, else one node)."""
+    profile: str | None = None
+    """``--profile PATH``: predict zeroshard rows' step times from this calibration
+    profile (calibrated by the ranks and written there if missing or measured elsewhere)."""
+    calibrate_shapes: tuple[tuple, tuple] | None = None
+    """Set by the launcher when the ranks must calibrate: (matrix-product shapes,
+    attention shapes) of the traced rows."""
     optimizer: str = "adamw"
     """"adamw" (every parameter), or "muon": torch's Muon for the hidden matrices and
     AdamW for the rest (embeddings, head, norms, biases), as two optimizers."""

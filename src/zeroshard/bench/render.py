@@ -38,6 +38,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{'x' + base:>6} {'step s':>6} {'params':>6} {'grads':>6} {'optim':>6} "
             f"{'act':>5} {'other':>5} {'peak':>6} {'x' + base:>6} {'state':>6} {'plan':>6} "
             f"{'rss':>6} {'comm/st':>7} {'inter':>6} {'loss':>7} {'dloss':>6}")
+    predicted = "profile" in result
+    if predicted:
+        head += f" {'pred s':>6} {'x pred':>6}"
     lines = [
         f"model {s['model']} ({s['params'] / 1e6:.1f}M params), world {s['world_size']} x "
         f"micro-batch {s['micro_batch']} x seq {s['seq']} = {s['tokens_per_step']:,} tokens/step, "
@@ -65,7 +68,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_mib(pk['total']):>6} {pratio:>6} {_mib(r['measured_model_state_bytes']):>6} "
             f"{_plan(r):>6} {_mib(r['rss_bytes']):>6} "
             f"{_mib(r['comm_bytes_per_step']):>7} {_mib(r['inter_wire_bytes_per_step']):>6} "
-            f"{r['loss']:>7.4f} {dloss:>6}{flag}")
+            f"{r['loss']:>7.4f} {dloss:>6}{flag}" + (_predicted(r) if predicted else ""))
     lines += [
         "",
         f"tokens/s: whole job, median over timed steps [slowest-fastest]; x{base}: ratio to the "
@@ -98,6 +101,12 @@ def format_table(result: dict[str, Any]) -> str:
                          f"({100 * r['newton_schulz_s'] / r['step_s_median']:.0f}%)"
                          for r in rows if r["status"] == "ok"
                          and r.get("newton_schulz_s") is not None))
+    if predicted:
+        lines += textwrap.wrap(
+            "pred s: the step time predicted from a trace of the row priced by the "
+            f"calibration profile ({result['profile']['path']}; docs/planning.md); x pred = "
+            "measured median / predicted. Only zeroshard's rows are predicted: the others "
+            "run engines whose schedule a zeroshard trace does not follow.", width=100)
     if any(r.get("mfu") is not None for r in rows):
         lines.append("MFU: " + ", ".join(f"{r['name']} {100 * r['mfu']:.1f}%"
                                          for r in rows if r.get("mfu") is not None))
@@ -109,6 +118,12 @@ def format_table(result: dict[str, Any]) -> str:
                                f"{b['choice'] or 'nothing fits'}: {b['reason']}", width=100)
     lines.append(f"wall time {result['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _predicted(r: dict[str, Any]) -> str:
+    if r.get("predicted_step_s") is None:
+        return f" {'-':>6} {'-':>6}"
+    return f" {r['predicted_step_s']:>6.3f} {r['step_s_over_predicted']:>6.2f}"
 
 
 def require_matplotlib() -> None:

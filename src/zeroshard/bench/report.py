@@ -26,6 +26,7 @@ ROW_KEYS = (
     "quantize_grads", "loss", "loss_rel_dev", "loss_ok", "mfu", "predicted_model_state_bytes",
     "measured_model_state_bytes", "tokens_per_s_ratio", "peak_bytes_ratio", "fits_budget",
     "memory_timeline", "time_s", "tp", "optimizer_step_s_median", "newton_schulz_s",
+    "predicted_step_s", "step_s_over_predicted", "predicted",
 )
 PHASES = ("build", "warmup", "measured", "timed")
 """Where a configuration's wall time goes (row ``time_s``)."""

@@ -308,6 +308,12 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
     ctrl = dist.new_group(backend="gloo")
+    profile = None
+    if s.calibrate_shapes is not None:  # --profile without a profile measured here
+        from zeroshard.timing.calibrate import calibrate
+
+        gemm, attention = s.calibrate_shapes
+        profile = calibrate(gemm=gemm, attention=attention, device=device).to_dict()
 
     probe = make_model(s, "meta") if s.model_factory is None else make_model(s, "cpu")
     psi = sum(p.numel() for p in probe.parameters())
@@ -356,7 +362,7 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
     return {
         "psi": psi, "vocab": vocab, "world_size": world, "interleaved": together,
         "backend": "nccl" if device.type == "cuda" else "gloo", "device": _device_name(device),
-        "threads_per_rank": torch.get_num_threads(),
+        "threads_per_rank": torch.get_num_threads(), "profile": profile,
         "entered": entered, "setup_s": setup_s, "ranks_s": time.time() - entered,
         "rows": [{"spec": c.spec, "status": c.status, "error": c.error, "note": c.note,
                   "step_s": c.step_s, "optimizer_s": c.optimizer_s,

@@ -75,6 +75,7 @@ caller already has one (a training script), the trace runs in a fresh *spawned* 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import resource
 import time
@@ -92,6 +93,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from zeroshard.memory.tracker import Category
 from zeroshard.models.config import ModelConfig
+from zeroshard.step_ops import OpRecorder
 
 if TYPE_CHECKING:
     from zeroshard.memory.planner import Plan
@@ -199,6 +201,10 @@ class TracedResult:
     peak_rss_bytes: int
     """The tracing process's peak resident memory (lifetime of that process)."""
     notes: tuple[str, ...] = ()
+    ops: dict[str, list] | None = None
+    """With ``record_ops``: the last step's ops by phase (``zeroshard.timing.StepOps``)."""
+    collectives: tuple[dict[str, Any], ...] | None = None
+    """With ``record_ops``: the last step's ledger records (op, impl, bytes, group, phase)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,7 +217,7 @@ def trace_step(
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 2,
     loss_fn: LossFn = lm_loss, subprocess: bool | None = None, collectives: str = "native",
     optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
-    **options: Any,
+    record_ops: bool = False, **options: Any,
 ) -> TracedResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` at ``stage``.
 
@@ -224,14 +230,16 @@ def trace_step(
     ``optimizers``: instead of ``optimizer``, a picklable function that builds several on
     the model about to be sharded (e.g. Muon over the matrices and AdamW over the rest,
     ``zeroshard.bench.muon.muon_optimizers``): whole-parameter owners' step is traced too.
-    See [Note: how a trace works] and [Note: one default process group per process].
+    ``record_ops``: also record the last step's ops and collectives, what the time model
+    prices ([Note: ops of a step] in step_ops.py). See [Note: how a trace works] and [Note: one default process group per process].
     """
     if collectives not in ("native", "gloo"):
         raise ValueError(f"collectives={collectives!r}: use 'native' (NCCL) or 'gloo'")
     kwargs = dict(world_size=world_size, rank=rank, stage=stage,
                   mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
                   checkpointing=checkpointing, optimizer=optimizer, steps=steps,
-                  loss_fn=loss_fn, collectives=collectives, optimizers=optimizers, **options)
+                  loss_fn=loss_fn, collectives=collectives, optimizers=optimizers,
+                  record_ops=record_ops, **options)
     for name in ("world_size", "micro_batch", "seq_len", "steps"):
         v = kwargs[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -273,7 +281,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
            optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
            collectives: str = "native",
            optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
-           **options: Any) -> TracedResult:
+           record_ops: bool = False, **options: Any) -> TracedResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -320,7 +328,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 seen["reduced"], seen["dev_reduced"] = grad_buffer_bytes(engine)
 
             buffers = _Stage3Buffers(engine)
-            with tracker, buffers:
+            recorder = OpRecorder(phase, steps) if record_ops else contextlib.nullcontext()
+            with tracker, buffers, recorder:
                 run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
                           steps=steps, loss_fn=loss_fn, phase=phase, after_step=after_step)
             now, dev_now, reduced = seen["now"], seen["dev"], seen["reduced"]
@@ -350,7 +359,9 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 comm_logical_bytes=ledger.totals(zero)["logical_bytes"],
                 wall_s=time.perf_counter() - start,
                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                notes=tuple(notes))
+                notes=tuple(notes),
+                ops=recorder.ops.to_dict() if record_ops else None,
+                collectives=tuple(_record(r) for r in last) if record_ops else None)
     except Exception as exc:
         raise TraceError(
             f"tracing {name} at stage {stage}, world size {world_size} (rank {rank}, "
@@ -359,6 +370,11 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
     finally:
         engine_mod._FORCE_HOST_COPIES = forced
         dist.destroy_process_group()
+
+
+def _record(r: Any) -> dict[str, Any]:
+    return {k: getattr(r, k) for k in ("op", "impl", "logical_bytes", "wire_bytes", "group",
+                                       "group_size", "phase", "unit", "dtype")}
 
 
 def _free_sharded_units(engine: Any) -> None:
