@@ -689,3 +689,24 @@ def test_zeropp_rows_price_each_collective_on_its_link() -> None:
                and "quantize_grads='int4'" in n for n in p.notes)
     one_node = _plan("llama-7b", gpus=8, gpus_per_node=8)
     assert not any(r.secondary for r in one_node.rows)  # one node: nothing to keep inside
+
+
+def test_given_activations_pose_the_classic_exercise() -> None:
+    """plan --activations 25GB: a 13B model on 80 GB devices with ~25 GB for activations
+    and buffers — stage 3 on 8 (stage 2 misses: 73.8 GB), stage 2 on 16 (62.4 GB)."""
+    from zeroshard.memory.planner import plan
+
+    p = plan("llama-13b", gpus=[8, 16], gpu_mem_bytes=80 * 10**9, seq_len=4096, micro_batch=1,
+             interconnect_GBps=400, activation_bytes=25 * 10**9)
+    rows = {(r.gpus, r.stage): r for r in p.rows if r.activation_checkpointing == "none"}
+    for (_n, _stage), r in rows.items():
+        assert r.total_bytes == r.model_state_bytes + 25 * 10**9
+        assert r.activation_bytes == 25 * 10**9 and r.buffer_bytes == 0
+        assert r.peak_moment == "given"
+    assert not rows[(8, 2)].fits and rows[(8, 3)].fits
+    assert round(rows[(8, 2)].total_bytes / 1e9, 1) == 73.8
+    assert round(rows[(8, 3)].total_bytes / 1e9, 1) == 51.0
+    assert rows[(16, 2)].fits and round(rows[(16, 2)].total_bytes / 1e9, 1) == 62.4
+    picks = {r.gpus: (r.stage, r.activation_checkpointing) for r in p.by_gpus}
+    assert picks == {8: (3, "none"), 16: (2, "none")}
+    assert any("as given (--activations)" in n for n in p.notes)

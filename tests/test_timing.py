@@ -184,3 +184,56 @@ def test_a_gemm_shape_nobody_timed_is_read_from_the_grid_by_flops() -> None:
     with pytest.raises(KeyError, match="calibrate with dtype bfloat16"):
         prof.gemm_s((1, 64, 64, 64, "bfloat16", 0, 0))
     assert torch.float32  # keep the import honest
+
+
+def test_bench_profile_predicts_zeroshard_rows_and_writes_the_profile(tmp_path) -> None:
+    """bench --profile PATH with no profile there: the ranks calibrate, write it, and
+    every zeroshard row gets a prediction (other systems' rows none)."""
+    from zeroshard.bench.cli import settings_from_args
+    from zeroshard.bench.predict import load_or_none
+    from zeroshard.cli import build_parser, main
+
+    prof, out = tmp_path / "profile.json", tmp_path / "bench.json"
+    argv = ["bench", "--model", "gpt2-tiny", "--configs", "ddp,zs-s0,zs-s3", "--steps", "2",
+            "--warmup", "1", "--seq", "32", "--profile", str(prof), "--json", str(out),
+            "--quiet"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["ddp"]["predicted_step_s"] is None
+    for name in ("zs-s0", "zs-s3"):
+        r = rows[name]
+        assert r["predicted_step_s"] > 0
+        assert r["step_s_over_predicted"] == pytest.approx(
+            r["step_s_median"] / r["predicted_step_s"])
+        assert 1 / 3 < r["step_s_over_predicted"] < 3  # loose: CI machines are noisy
+        assert r["predicted"]["compute_s"] > 0 and r["predicted"]["comm_s"] > 0
+    saved = Profile.load(prof)
+    assert saved.world_size == 2 and saved.backend == "gloo" and saved.collectives
+    assert result["profile"]["path"] == str(prof)
+    # measured here at this world: the next run loads it instead of calibrating again
+    s = settings_from_args(build_parser().parse_args(argv))
+    assert load_or_none(str(prof), s, "gloo", saved.threads) == saved
+
+
+def test_calibrate_cli_and_plan_profile(tmp_path, capsys) -> None:
+    from zeroshard.cli import main
+
+    prof = tmp_path / "p.json"
+    assert main(["calibrate", "--model", "gpt2-tiny", "--seq", "32", "--quick",
+                 "--out", str(prof)]) == 0
+    assert "calibrated gloo world 2" in capsys.readouterr().out
+    p = Profile.load(prof)
+    assert p.world_size == 2 and p.mismatch(backend="gloo", world_size=2) == []
+    assert main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--seq", "32",
+                 "--micro-batch", "2", "--gpu-mem", "16GB", "--recipe", "fp32-adamw",
+                 "--profile", str(prof), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r["predicted_step_s"] > 0 for r in rows)
+    # the JSON's predictions are the model's on each row's own trace
+    r = next(r for r in rows if (r["stage"], r["activation_checkpointing"]) == (2, "none"))
+    t = trace_step("gpt2-tiny", world_size=2, stage=2, mixed_precision=None, micro_batch=2,
+                   seq_len=32, collectives="gloo", record_ops=True)
+    assert r["predicted_step_s"] == pytest.approx(predict(t.ops, t.collectives, p).total_s)
+    assert main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--seq", "32",
+                 "--profile", str(tmp_path / "missing.json")]) == 2

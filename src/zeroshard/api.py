@@ -338,7 +338,7 @@ def shard(
     optimizer: (OptimizerFactory | torch.optim.Optimizer
                 | tuple[torch.optim.Optimizer, ...] | None) = None,
     *,
-    stage: int = 0,
+    stage: int | str = 0,
     process_group: dist.ProcessGroup | None = None,
     units: UnitSpec = None,
     param_init: ParamInit | None = None,
@@ -377,8 +377,21 @@ def shard(
     ``[{"params": no_decay, "weight_decay": 0.0}]`` (the model's own parameters); each
     group's keys override the optimizer keywords for its parameters, and parameters no
     group lists form the default group (the optimizer's ``param_groups[0]``).
+
+    ``stage="auto"`` with ``memory_budget=`` (bytes per rank) and
+    ``example_batch=(micro_batch, seq_len)``: traces every stage × checkpointing policy,
+    prices each with the calibration profile (``profile=PATH`` from ``zeroshard
+    calibrate``; else a brief calibration), and shards with the fastest that fits, its
+    checkpointing applied; ``engine_of(model).auto_choice`` keeps the table
+    (docs/planning.md, [Note: stage="auto"] in timing/auto.py).
     """
     _require_dist()
+    from .timing.auto import AUTO_OPTIONS
+
+    auto_options = {k: options.pop(k) for k in AUTO_OPTIONS if k in options}
+    if stage != "auto" and auto_options:
+        raise TypeError(f"{', '.join(sorted(auto_options))} go with stage='auto'; with "
+                        f"stage={stage!r} drop them")
     if optimizer is None:
         raise TypeError(
             "shard() needs the optimizer: build it on model.parameters() before sharding "
@@ -406,6 +419,14 @@ def shard(
             f"optimizer={optimizer!r} is not an optimizer: pass a torch optimizer class and "
             "its keywords (zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)), a callable "
             "params -> optimizer, or a torch optimizer built on model.parameters()")
+    auto = None
+    if stage == "auto":
+        from .timing.auto import resolve_auto
+
+        stage, ours, auto = resolve_auto(model, {**ours, **auto_options},
+                                         process_group=process_group,
+                                         mixed_precision=ours.get("mixed_precision"),
+                                         hybrid=hybrid, mesh=mesh)
     config = ShardConfig(stage=stage, **ours)
     for message in ignored_options(config, set(ours)):
         warnings.warn(message, UserWarning, stacklevel=2)
@@ -420,6 +441,7 @@ def shard(
     engine = build_engine(model, config, units=units, param_init=param_init, device=device,
                           hybrid=hybrid, mesh=mesh, process_group=process_group,
                           group_of=spec.group_of)
+    engine.auto_choice = auto
     if (config.offload and spec.factory in (torch.optim.AdamW, torch.optim.Adam)
             and spec.instance is None
             and "fused" not in spec.kwargs and "foreach" not in spec.kwargs):

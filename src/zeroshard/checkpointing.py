@@ -412,12 +412,24 @@ def _wrap(m: nn.Module, region: _Region) -> None:
     m._zs_region = region
 
 
+#: The root module's record of what apply_checkpointing applied: (policy,
+#: offload_activations, the default blocks).
+APPLIED = "_zeroshard_checkpointing"
+
+
+def applied_policy(model: nn.Module) -> tuple[CheckpointPolicy, bool, bool] | None:
+    """What :func:`apply_checkpointing` last applied to ``model`` (None: nothing, or it was
+    applied to a submodule)."""
+    return model.__dict__.get(APPLIED)
+
+
 def remove_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_checkpointing` on every wrapped module of ``model``."""
     for m in model.modules():
         if isinstance(m, _CheckpointedMixin):
             m.__class__ = _original_class(m)
             del m._zs_region
+    model.__dict__.pop(APPLIED, None)
     return model
 
 
@@ -442,6 +454,7 @@ def apply_checkpointing(
     """
     pol = parse_policy(policy)
     remove_checkpointing(model)
+    default_blocks = blocks is None
     blocks = list(find_blocks(model) if blocks is None else blocks)
     regions = pol.regions(blocks)  # raises before anything is modified
     for mods in regions:
@@ -454,6 +467,10 @@ def apply_checkpointing(
         for b in blocks:
             if not isinstance(b, _CheckpointedMixin):
                 _wrap(b, _Region([b], checkpoint=False, offload=True, pin_memory=pin_memory))
+    # What was applied, for whoever must apply it again to a copy (stage="auto" traces a
+    # picklable twin: the Checkpointed<Cls> classes are made at run time); a plain
+    # attribute, not a registered one, so state dicts and module walks never see it.
+    model.__dict__[APPLIED] = (pol, offload_activations, default_blocks)
     return model
 
 

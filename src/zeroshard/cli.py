@@ -201,6 +201,9 @@ def _add_plan(subparsers: Any) -> None:
                    choices=["bf16-adamw", "fp16-adamw", "fp32-adamw"])
     p.add_argument("--policies", type=_policies, default=["none", "selective", "full"],
                    help="checkpointing policies, comma separated")
+    p.add_argument("--activations", type=parse_bytes, metavar="SIZE",
+                   help="activations and buffers per device as given (e.g. 25GB), in place of "
+                   "the ones computed from the shape: total = model state + SIZE")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree (Llama shapes, torchtitan's plan): each of N "
@@ -209,6 +212,10 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--muon", action="store_true",
                    help="also show how a whole-parameter optimizer (torch.optim.Muon) spreads "
                    "the matrices over the ranks: work and bytes per rank (docs/optimizers.md)")
+    p.add_argument("--profile", metavar="PATH",
+                   help="a `zeroshard calibrate` profile: trace each row (as --traced) and "
+                   "predict its step time from the trace's ops and collectives priced by "
+                   "the profile (columns pred s, pred tok/s; docs/planning.md)")
     p.add_argument("--traced", action="store_true",
                    help="also trace one real step per row on fake tensors (slow: seconds to "
                    "minutes per row; see docs/planning.md)")
@@ -262,14 +269,26 @@ def _run_plan(args: argparse.Namespace) -> int:
             peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, policies=args.policies,
             recipe=args.recipe, gpus_per_node=g, inter_GBps=inter, offload=args.offload,
             host_mem_bytes=args.host_mem, pcie_GBps=args.pcie or _PCIE_GBPS,
-            host_GBps=args.host_bw or _HOST_GBPS, tp=args.tp)
+            host_GBps=args.host_bw or _HOST_GBPS, tp=args.tp, activation_bytes=args.activations)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.traced and args.activations is not None:
+        raise UsageError("--traced measures activations; --activations gives them: drop one")
     if args.traced and args.tp > 1:
         raise UsageError("--traced with --tp is not supported yet (the trace runs the data-"
                          "parallel engine alone); drop one of them")
-    if args.traced:
-        result = _trace(result)
+    prof = None
+    if args.profile is not None:
+        from zeroshard.timing.profile import Profile
+
+        try:
+            prof = Profile.load(args.profile)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.tp > 1 or args.activations is not None:
+            raise UsageError("--profile traces each row: not with --tp or --activations")
+    if args.traced or prof is not None:
+        result = _trace(result, prof)
     name = args.model or (f"{args.hf_config} (Hugging Face config)" if args.hf_config else
                           f"--params {args.params / 1e9:g}B -> Llama-like shape")
     traced_muon = _trace_muon(result) if args.muon and args.traced else None
@@ -366,7 +385,7 @@ def format_owners(balances: list) -> str:
     return "\n".join(lines)
 
 
-def _trace(p: Plan) -> Plan:
+def _trace(p: Plan, profile: Any = None) -> Plan:
     """``trace_plan`` for every row: a hybrid row is traced as plain sharding over G ranks
     (the same memory per rank); an offloaded row with the engine's copy path forced, so
     that device and host memory come apart (memory/traced.py)."""
@@ -378,12 +397,14 @@ def _trace(p: Plan) -> Plan:
         print(msg, file=sys.stderr, flush=True)
 
     if not any(x.hybrid for x in p.rows):
-        return trace_plan(p, progress=progress)
+        return trace_plan(p, progress=progress, profile=profile)
     as_plain = [replace(x, gpus=int(x.hybrid.split(" x ")[1]), hybrid=None) if x.hybrid else x
                 for x in p.rows]
-    traced = trace_plan(replace(p, rows=tuple(as_plain), notes=()), progress=progress)
+    traced = trace_plan(replace(p, rows=tuple(as_plain), notes=()), progress=progress,
+                        profile=profile)
     rows = [replace(x, traced_model_state_bytes=t.traced_model_state_bytes,
-                    traced_peak_bytes=t.traced_peak_bytes, traced_host_bytes=t.traced_host_bytes)
+                    traced_peak_bytes=t.traced_peak_bytes, traced_host_bytes=t.traced_host_bytes,
+                    predicted_step_s=None if x.hybrid else t.predicted_step_s)
             for x, t in zip(p.rows, traced.rows)]
     return replace(p, rows=tuple(rows), notes=tuple(list(p.notes) + list(traced.notes)))
 
@@ -461,10 +482,16 @@ def format_plan(p: Plan, name: str) -> str:
                   "offl s = PCIe copies + host optimizer step, not overlapped, included in "
                   "step s; fits 'host' = fits the device, not the host."]
     traced = any(x.traced_peak_bytes is not None for x in p.rows)
+    predicted = any(x.predicted_step_s is not None for x in p.rows)
     if traced:
         lines += ["trace st/pk = one real step of the engine on fake tensors at this N "
                   "(zeroshard.memory.traced): model state between steps / peak total"
                   + (" on the device; trace host = peak host memory." if p.offload else ".")]
+    if predicted:
+        lines += ["pred s = the row's traced step (its ops and collectives) priced by the "
+                  "calibration profile (--profile; zeroshard.timing): the machine it was "
+                  "measured on, not --mfu/--peak-tflops; step s and the recommendation stay "
+                  "the analytic estimate's."]
     head = (f"{'N':>4} {'stage':>5} {'ckpt':<9} " + (f"{'hybrid':<6} " if multi else "")
             + f"{'state GB':>8} {'act GB':>7} {'buf GB':>6} {'total GB':>8} {'total GiB':>9} "
             + (f"{'host GB':>7} " if p.offload else "")
@@ -474,7 +501,8 @@ def format_plan(p: Plan, name: str) -> str:
             + (f"{'offl s':>6} " if p.offload else "")
             + f"{'step s':>6} {'tokens/s':>9} {'hides@tok':>9}"
             + (f" {'trace st GB':>11} {'trace pk GB':>11}" if traced else "")
-            + (f" {'trace host GB':>13}" if traced and p.offload else ""))
+            + (f" {'trace host GB':>13}" if traced and p.offload else "")
+            + (f" {'pred s':>7} {'pred tok/s':>10}" if predicted else ""))
     for n in sorted({x.gpus for x in p.rows}):
         lines += ["", head, "-" * len(head)]
         for x in (x for x in p.rows if x.gpus == n):
@@ -494,7 +522,7 @@ def format_plan(p: Plan, name: str) -> str:
                    if multi else "")
                 + (f"{x.offload_time_s:>6.3f} " if p.offload else "")
                 + f"{x.step_time_s:>6.3f} {x.tokens_per_s:>9,.0f} {x.break_even_tokens:>9,.0f}"
-                + _traced_cols(x, traced, p.offload))
+                + _traced_cols(x, traced, p.offload) + (_predicted_cols(x) if predicted else ""))
     lines.append("")
     if len(p.by_gpus) > 1:
         lines += [f"on {c.gpus:>4} devices: {_rec_title(c)}" for c in p.by_gpus]
@@ -517,6 +545,13 @@ def _links(p: Plan) -> str:
     return (f"links   {p.interconnect_GBps:g} GB/s bus bandwidth per device inside a node of "
             f"{p.gpus_per_node}, {p.inter_GBps:g} GB/s between nodes; a ring across nodes "
             f"runs at {min(p.interconnect_GBps, p.inter_GBps):g}")
+
+
+def _predicted_cols(x: Any) -> str:
+    if x.predicted_step_s is None:
+        return f" {'-':>7} {'-':>10}"
+    tokens = x.tokens_per_s * x.step_time_s  # tokens per step over the replicas
+    return f" {x.predicted_step_s:>7.3f} {tokens / x.predicted_step_s:>10,.0f}"
 
 
 def _traced_cols(x: Any, traced: bool, offload: bool) -> str:

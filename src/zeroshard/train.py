@@ -56,7 +56,11 @@ class TrainConfig:
     warmup: int = _opt(10, "steps of linear warmup")
     weight_decay: float = _opt(0.1, "AdamW weight decay")
     clip: float = _opt(1.0, "global gradient-norm clip; 0 disables it")
-    stage: int = _opt(2, "ZeRO stage 0-3")
+    stage: int | str = _opt(2, "ZeRO stage 0-3, or auto: the fastest predicted that fits "
+                            "--memory-budget (docs/planning.md)")
+    memory_budget: str | None = _opt(None, "with --stage auto: bytes per rank, e.g. 2GiB")
+    profile: str | None = _opt(None, "with --stage auto: a `zeroshard calibrate` profile "
+                               "(default: a brief calibration at start)")
     mixed_precision: str = _opt("none", "none, bf16 or fp16 (dynamic loss scaling)")
     activation_checkpointing: str = _opt("none", "none, full, every-<k>, selective or sqrt")
     offload: str = _opt("none", "none, optimizer (stages 1-3) or optimizer+params (stage 3): "
@@ -78,14 +82,22 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer or None")
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={self.stage!r}; use 0, 1, 2 or 3")
+        if self.stage not in (0, 1, 2, 3, "auto"):
+            raise ValueError(f"stage={self.stage!r}; use 0, 1, 2, 3 or auto")
+        if (self.stage == "auto") != (self.memory_budget is not None):
+            raise ValueError("--stage auto goes with --memory-budget (bytes per rank, e.g. "
+                             "--memory-budget 2GiB); pass both, or a stage 0-3 without it")
+        if self.profile is not None and self.stage != "auto":
+            raise ValueError("--profile goes with --stage auto")
+        if self.stage == "auto" and self.offload != "none":
+            raise ValueError("--offload with --stage auto: offload is not among the "
+                             "configurations auto weighs; pass a stage (1-3) with --offload")
         if self.mixed_precision not in ("none", "bf16", "fp16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}; use none, bf16 or fp16")
         if self.offload not in ("none", "optimizer", "optimizer+params"):
             raise ValueError(f"offload={self.offload!r}; use none, optimizer or "
                              "optimizer+params")
-        if self.offload == "optimizer+params" and self.stage != 3:
+        if self.offload == "optimizer+params" and self.stage not in (3, "auto"):
             raise ValueError(f"offload='optimizer+params' needs stage 3, not "
                              f"stage={self.stage}; pass --stage 3, or --offload optimizer "
                              "(stages 1-3) or none")
@@ -218,10 +230,13 @@ def _build(c: TrainConfig, rank: int, world: int, device: Any) -> tuple[Any, Any
         apply_checkpointing(model, c.activation_checkpointing)
     mp = None if c.mixed_precision == "none" else c.mixed_precision
     offload = None if c.offload == "none" else c.offload
+    auto = {} if c.stage != "auto" else {  # [Note: stage="auto"] in timing/auto.py
+        "memory_budget": c.memory_budget, "profile": c.profile,
+        "example_batch": (c.global_batch // (world * c.accum), seq)}
     model, optim = zeroshard.shard(model, torch.optim.AdamW, stage=c.stage, mixed_precision=mp,
                                    offload=offload,
                                    device=device, lr=c.lr, betas=(0.9, 0.95),
-                                   weight_decay=c.weight_decay)
+                                   weight_decay=c.weight_decay, **auto)
     source = make_source("bytes" if c.text else "synthetic", vocab=cfg.vocab, seq_len=seq,
                          seed=c.seed, path=c.text)
     loader = TokenLoader(source, global_batch=c.global_batch, rank=rank, world_size=world)
@@ -290,9 +305,14 @@ def _train(c: TrainConfig) -> dict[str, Any] | None:
             log.say(changed)
     if step >= c.steps:  # see [Note: nothing left to do]
         return _nothing_left(c, log, step, world, found, loss, loss_step)
-    log.record("start", step=step, world_size=world, config=dataclasses.asdict(c))
-    log.say(f"zeroshard train: {c.model} on {world} rank(s), stage {c.stage}, "
-            f"mixed precision {c.mixed_precision or 'off'}, checkpointing {c.activation_checkpointing}, "
+    chosen = zeroshard.engine_of(model).auto_choice
+    log.record("start", step=step, world_size=world, config=dataclasses.asdict(c),
+               **({} if chosen is None else {"auto": dataclasses.asdict(chosen.chosen)}))
+    how = (f"stage {c.stage}, checkpointing {c.activation_checkpointing}" if chosen is None else
+           f"stage auto -> {chosen.chosen.name} (predicted {chosen.chosen.predicted_step_s:.3f} "
+           f"s/step, traced peak {chosen.chosen.peak_bytes / 2**20:,.1f} MiB)")
+    log.say(f"zeroshard train: {c.model} on {world} rank(s), {how}, "
+            f"mixed precision {c.mixed_precision or 'off'}, "
             + (f"offload {c.offload}, " if c.offload != "none" else "")
             + f"global batch {c.global_batch} x {seq} tokens, steps {step}->{c.steps}")
     group = zeroshard.engine_of(model).comm.group
@@ -439,6 +459,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a JSON or TOML file of these options (flags override it)")
     for f in fields(TrainConfig):
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0])
+        if f.name == "stage":
+            kind = _stage
         if f.type == "bool":
             parser.add_argument(_flag(f.name), action="store_true", default=argparse.SUPPRESS,
                                 help=f.metadata["help"])
@@ -446,6 +468,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(f.name), type=kind or str, default=argparse.SUPPRESS,
                             metavar=f.name.upper(),
                             help=f"{f.metadata['help']} (default {f.default!r})")
+
+
+def _stage(text: str) -> int | str:
+    return text if text == "auto" else int(text)
 
 
 def load_config(args: argparse.Namespace) -> TrainConfig:

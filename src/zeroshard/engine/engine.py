@@ -158,6 +158,8 @@ class Engine:
         # Stage 3 with reshard_after_forward=k: the k ranks of this rank's block, where
         # backward gathers from the secondary shards ([Note: the secondary shard]).
         self.secondary = secondary
+        #: What shard(stage="auto") chose and weighed (timing/auto.py: AutoChoice), else None.
+        self.auto_choice: Any = None
         # quantize_grads over several nodes: the reduce-scatter's two quantised hops
         # ([Note: quantised gradients] in quantized_grads.py).
         self.two_hop = two_hop

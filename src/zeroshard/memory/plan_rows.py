@@ -38,6 +38,9 @@ class PlanRow:
     step_time_s: float
     tokens_per_s: float
     break_even_tokens: float
+    predicted_step_s: float | None = None
+    """``plan --profile``: the step predicted from this row's trace priced by a
+    calibration profile (zeroshard.timing); None without one."""
     hybrid: str | None = None
     """"R x G": shard over the G devices of a node, replicate over R nodes; None: plain."""
     cross_node_bytes_per_step: int = 0
@@ -128,6 +131,9 @@ class Setup:
     count, of which n / tp ranks shard the state."""
     parts: tuple[int, int, int] | None = None
     """(block, root, head) parameters of one rank; None: the model's own."""
+    given_act: int | None = None
+    """``plan --activations``: activations and buffers per device as given, in place of
+    the computed ones (see [Note: a given activation budget] in planner.py)."""
     full_grad_bucket_bytes: int = 0
     """Stages 0-1's bucket (they keep the whole gradient, so their default is twice
     stage 2's, ``auto_bucket_bytes(keep_full_grads=True)``); 0: ``bucket_bytes``."""

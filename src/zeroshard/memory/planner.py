@@ -39,6 +39,14 @@ N = 2 and 8, stages 0-2, with and without checkpointing: −0.3% to +2.5%
 (tests/test_traced.py); gpt2-small N = 2, micro-batch 1, where the step is the peak:
 −0.2% to +0.5%. Tiny models (a few MB) are over-priced by the 1 MiB minimum bucket.
 
+[Note: a given activation budget]
+``plan --activations 25GB`` poses the classic exercise as it is posed ("a 13B model on 80
+GB devices with ~25 GB for activations and buffers: which stage fits on 8, on 16?"): each
+row's total is its model state + the given bytes, the computed activations, buffers and
+moments are set aside (``peak_moment`` "given"). llama-13b on 8: stage 2 48.8 + 25 = 73.8
+GB (over the 72.0 usable), stage 3 26.0 + 25 = 51.0 GB; on 16: stage 2 37.4 + 25 = 62.4
+GB fits, and is kept over stage 3 (which moves 1.5× the bytes and must win by 10%).
+
 Step time: see [Note: step time] in analytic.py. tokens/s = N × micro_batch × seq / step,
 one optimizer step per micro-batch (gradient accumulation would amortise stages 0-2's
 reductions), the worst case for communication.
@@ -208,6 +216,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
         moment, total, buffers = max(
             su.moments(n=shard, stage=stage, policy=policy, state=state, buffers=buffers,
                        offload=off), key=lambda m: m[1])
+    if su.given_act is not None:  # [Note: a given activation budget]
+        total, buffers, moment = state.total + su.given_act, 0, "given"
     if hybrid:
         colls = analytic.hybrid_collectives_per_step(psi, stage=stage, shard=shard,
                                                      replicate=nodes, recipe=r)
@@ -247,7 +257,8 @@ def _row(su: Setup, *, n: int, stage: int, policy: str, hybrid: bool = False,
     return PlanRow(
         gpus=n, stage=stage, activation_checkpointing=policy,
         params_bytes=state.params, grads_bytes=state.grads, optim_bytes=state.optim,
-        model_state_bytes=state.total, activation_bytes=su.act[policy], buffer_bytes=buffers,
+        model_state_bytes=state.total, buffer_bytes=buffers,
+        activation_bytes=su.act[policy] if su.given_act is None else su.given_act,
         total_bytes=total, usable_bytes=su.usable, fits=total <= su.usable and host_ok,
         peak_moment=moment,
         comm_bytes_per_step=sum(c.logical_bytes for c in colls), comm_time_s=t.comm_s + tp_s,
@@ -323,8 +334,13 @@ def plan(
     pcie_GBps: float = analytic.PCIE_GBPS,
     host_GBps: float = analytic.HOST_MEM_GBPS,
     tp: int = 1,
+    activation_bytes: int | None = None,
 ) -> Plan:
     """Estimate every (N in ``gpus``) × stage 0-3 × policy and recommend one.
+
+    ``activation_bytes``: activations and buffers per device as given (the classic
+    exercise's "~25 GB for activations and buffers"), in place of the computed ones;
+    see [Note: a given activation budget].
 
     ``config_or_params``: a model config, a preset name, or a parameter count (shape from
     :func:`config_from_params`). ``gpus``: an int or any iterable of ints (e.g. a range).
@@ -399,7 +415,7 @@ def plan(
         layer_bytes=block * (r.param_bytes + r.grad_bytes) + act("none", 1).block,
         stage3=analytic.stage3_buffer_bytes(block=block, root=root, head=head,
                                             prefetch=prefetch, recipe=r),
-        tp=tp, parts=(block, root, head) if tp > 1 else None,
+        tp=tp, parts=(block, root, head) if tp > 1 else None, given_act=activation_bytes,
     )
     rows: list[PlanRow] = []
     recs: list[Recommendation] = []
@@ -425,6 +441,10 @@ def plan(
                 f"{p} {n or none}" for p, n in first.items()))
     ok = [x for x in recs if x.tokens_per_s] or recs[-1:]
     best = max(ok, key=lambda x: ((x.tokens_per_s or 0) / x.gpus, -x.gpus))
+    if activation_bytes is not None:
+        notes.append(f"activations and buffers: {activation_bytes / 1e9:.1f} GB per device as "
+                     "given (--activations), not computed from the shape; total = model "
+                     "state + that")
     notes += _hybrid_notes(su, rows, counts)
     notes += _zeropp_notes(rows, counts)
     if offload:

@@ -217,7 +217,7 @@ def trace_step(
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 2,
     loss_fn: LossFn = lm_loss, subprocess: bool | None = None, collectives: str = "native",
     optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
-    record_ops: bool = False, **options: Any,
+    record_ops: bool = False, stage3_buffers: bool = True, **options: Any,
 ) -> TracedResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` at ``stage``.
 
@@ -231,7 +231,8 @@ def trace_step(
     the model about to be sharded (e.g. Muon over the matrices and AdamW over the rest,
     ``zeroshard.bench.muon.muon_optimizers``): whole-parameter owners' step is traced too.
     ``record_ops``: also record the last step's ops and collectives, what the time model
-    prices ([Note: ops of a step] in step_ops.py). See [Note: how a trace works] and [Note: one default process group per process].
+    prices ([Note: ops of a step] in step_ops.py). ``stage3_buffers=False``: skip following
+    stage 3's buffers after every op (``stage3_*buffer_bytes`` are then 0; faster). See [Note: how a trace works] and [Note: one default process group per process].
     """
     if collectives not in ("native", "gloo"):
         raise ValueError(f"collectives={collectives!r}: use 'native' (NCCL) or 'gloo'")
@@ -239,7 +240,7 @@ def trace_step(
                   mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
                   checkpointing=checkpointing, optimizer=optimizer, steps=steps,
                   loss_fn=loss_fn, collectives=collectives, optimizers=optimizers,
-                  record_ops=record_ops, **options)
+                  record_ops=record_ops, stage3_buffers=stage3_buffers, **options)
     for name in ("world_size", "micro_batch", "seq_len", "steps"):
         v = kwargs[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -281,7 +282,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
            optimizer: Callable[..., torch.optim.Optimizer], steps: int, loss_fn: LossFn,
            collectives: str = "native",
            optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
-           record_ops: bool = False, **options: Any) -> TracedResult:
+           record_ops: bool = False, stage3_buffers: bool = True,
+           **options: Any) -> TracedResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -327,9 +329,9 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 seen["dev"] = tracker.current_by_location()["device"]
                 seen["reduced"], seen["dev_reduced"] = grad_buffer_bytes(engine)
 
-            buffers = _Stage3Buffers(engine)
+            buffers = _Stage3Buffers(engine) if stage3_buffers else None
             recorder = OpRecorder(phase, steps) if record_ops else contextlib.nullcontext()
-            with tracker, buffers, recorder:
+            with tracker, buffers or contextlib.nullcontext(), recorder:
                 run_steps(model, optim, micro_batch=micro_batch, seq_len=seq_len,
                           steps=steps, loss_fn=loss_fn, phase=phase, after_step=after_step)
             now, dev_now, reduced = seen["now"], seen["dev"], seen["reduced"]
@@ -340,7 +342,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
             return TracedResult(
                 model=name, stage=stage, world_size=world_size, rank=rank,
                 mixed_precision=mixed_precision, micro_batch=micro_batch, seq_len=seq_len,
-                checkpointing=checkpointing, steps=steps,
+                checkpointing=checkpointing if isinstance(checkpointing, str) else getattr(
+                    checkpointing, "name", type(checkpointing).__name__), steps=steps,
                 params=sum(b.numel for b in engine.buckets),
                 current=now, peak={c.value: v for c, v in tracker.peak().items()},
                 max_per_category={c.value: v for c, v in tracker.max_per_category().items()},
@@ -349,8 +352,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
                 reduced_grad_bytes=reduced,
                 activation_peak_bytes=tracker.max_per_category()[Category.ACTIVATIONS],
                 peak_unsharded_bytes=engine.peak_unsharded_bytes,
-                stage3_buffer_bytes=buffers.peak,
-                stage3_backward_buffer_bytes=buffers.backward_peak,
+                stage3_buffer_bytes=buffers.peak if buffers else 0,
+                stage3_backward_buffer_bytes=buffers.backward_peak if buffers else 0,
                 device_model_state_bytes=dev_now[Category.PARAMS] + dev_now[Category.GRADS]
                 + dev_now[Category.OPTIM] - dev_reduced,
                 device_peak_bytes=tracker.peak_total_by_location()["device"],
@@ -514,7 +517,7 @@ _PRECISION = {"bf16-adamw": "bf16", "fp16-adamw": "fp16", "fp32-adamw": None}
 
 
 def trace_plan(p: Plan, *, steps: int = 2,
-               progress: Callable[[str], None] | None = None) -> Plan:
+               progress: Callable[[str], None] | None = None, profile: Any = None) -> Plan:
     """``p`` with ``traced_model_state_bytes`` / ``traced_peak_bytes`` (device) and, for
     offloaded rows, ``traced_host_bytes`` filled in.
 
@@ -524,6 +527,10 @@ def trace_plan(p: Plan, *, steps: int = 2,
     'none' trace would only approximate, and a trace costs seconds (llama-7b at N=8:
     ~10-20 s per row). Rows zeroshard refuses to run (``sqrt`` segments at stage 3) stay
     untraced, with a note saying why.
+
+    ``profile`` (a :class:`zeroshard.timing.profile.Profile`): each row's trace also
+    records its ops and collectives, priced by it into ``predicted_step_s``
+    (timing/model.py).
     """
     from dataclasses import replace
 
@@ -544,7 +551,9 @@ def trace_plan(p: Plan, *, steps: int = 2,
             r = trace_step(p.config, world_size=row.gpus, stage=row.stage, steps=steps,
                            mixed_precision=_PRECISION[p.recipe.name], micro_batch=p.micro_batch,
                            seq_len=p.seq_len, checkpointing=row.activation_checkpointing,
-                           offload=offload)
+                           offload=offload, record_ops=profile is not None,
+                           collectives="gloo" if profile is not None
+                           and profile.backend == "gloo" else "native")
         except TraceError as exc:
             if not isinstance(exc.__cause__, ValueError):  # a refusal, not a broken trace
                 raise
@@ -555,7 +564,13 @@ def trace_plan(p: Plan, *, steps: int = 2,
         if progress is not None:
             progress(f"traced N={row.gpus} stage {row.stage} {row.activation_checkpointing}: "
                      f"{r.wall_s:.1f} s")
+        predicted = None
+        if profile is not None:
+            from zeroshard.timing.model import predict
+
+            predicted = predict(r.ops, r.collectives, profile).total_s
         rows.append(replace(row, traced_model_state_bytes=r.device_model_state_bytes,
                             traced_peak_bytes=r.device_peak_bytes,
-                            traced_host_bytes=r.host_peak_bytes if offload else None))
+                            traced_host_bytes=r.host_peak_bytes if offload else None,
+                            predicted_step_s=predicted))
     return replace(p, rows=tuple(rows), notes=tuple(notes))

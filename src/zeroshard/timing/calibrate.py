@@ -14,6 +14,7 @@ What is measured and how it is read: [Note: a calibration profile] in profile.py
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +35,13 @@ MEMORY_SIZES = (16 * 2**10, 256 * 2**10, 4 * 2**20, 32 * 2**20)
 #: Bytes of the whole tensor of the collective probes.
 COLLECTIVE_SIZES = (64 * 2**10, 1 * 2**20, 8 * 2**20, 64 * 2**20)
 _CHUNK = 2**18  # the engine's optimizer chunk (engine/chunks.py: CHUNK)
+#: [Note: one timing spans the scheduler's slices]
+#: Each timing loops its op for about this long. Where ranks outnumber cores (world 4 on
+#: 2 cores) a rank timing one 3 ms product alone is often the only one running after the
+#: barrier (the others wait for a core, and start their clocks only once they run), so
+#: it measured an uncontended core: world 4 predicted 1.3-1.5x too fast. Over a few
+#: scheduler slices the ranks share the cores as training does.
+SPAN_S = 0.03
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -52,9 +60,17 @@ class _Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def __call__(self, fn: Callable[[], Any], inner: int = 1) -> float:
+    def __call__(self, fn: Callable[[], Any], inner: int | None = None) -> float:
+        """``inner``: calls per timing; None sizes it to ~``SPAN_S`` (see [Note: one
+        timing spans the scheduler's slices])."""
         fn()
         self._sync()
+        if inner is None:
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            inner = max(1, min(1000, math.ceil(SPAN_S / max(time.perf_counter() - t0, 1e-7))))
+            inner = int(self.agree(float(inner)))
         times = []
         for _ in range(self.repeats):
             if self.group is not False and dist.is_initialized():
@@ -66,17 +82,20 @@ class _Timer:
             times.append((time.perf_counter() - t0) / inner)
         return self.mean(statistics.median(times))
 
+    def agree(self, x: float) -> float:
+        """The largest ``x`` over the ranks (every rank loops as often)."""
+        if self.group is False or not dist.is_initialized():
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
     def mean(self, x: float) -> float:
-        if not dist.is_initialized():
+        if self.group is False or not dist.is_initialized():
             return x
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
         return float(t.item()) / dist.get_world_size(self.group)
-
-
-def _inner(flops_or_bytes: float, per_s: float, target_s: float = 0.01) -> int:
-    """Repetitions that make one timing about ``target_s`` (short ops timed in a loop)."""
-    return max(1, min(200, int(target_s * per_s / max(flops_or_bytes, 1.0))))
 
 
 def _gemm(timer: _Timer, key: tuple, device: torch.device) -> float:
@@ -91,7 +110,7 @@ def _gemm(timer: _Timer, key: tuple, device: torch.device) -> float:
 
     x, w = operand(m, k, a_t), operand(k, n, b_t)
     fn = (lambda: torch.bmm(x, w)) if b > 1 else (lambda: torch.mm(x, w))
-    return timer(fn, _inner(2.0 * b * m * n * k, 2e10))
+    return timer(fn)
 
 
 def _attention(timer: _Timer, key: tuple, device: torch.device) -> float:
@@ -104,9 +123,8 @@ def _attention(timer: _Timer, key: tuple, device: torch.device) -> float:
     def fwd() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
 
-    inner = _inner(4.0 * b * h * s * skv * d, 1e10)
     with torch.no_grad():
-        t_fwd = timer(fwd, inner)
+        t_fwd = timer(fwd)
     if direction == "fwd":
         return t_fwd
     out = fwd()
@@ -115,7 +133,7 @@ def _attention(timer: _Timer, key: tuple, device: torch.device) -> float:
     def both() -> None:
         torch.autograd.grad(fwd(), (q, k, v), grad)
 
-    return max(timer(both, inner) - t_fwd, t_fwd)
+    return max(timer(both) - t_fwd, t_fwd)
 
 
 def _memory_probes(device: torch.device) -> dict[str, Callable[[int], tuple[Callable, int]]]:
@@ -216,7 +234,7 @@ def _overlap(group: dist.ProcessGroup | None, device: torch.device, repeats: int
     buf = torch.zeros(4 * 2**20, device=device)  # 16 MiB, a gradient bucket's size
     t_comm = timer(lambda: comm.all_reduce(buf).wait())
     a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
-    reps = max(1, int(t_comm / max(timer(lambda: torch.mm(a, b), 20), 1e-6)))
+    reps = max(1, int(t_comm / max(timer(lambda: torch.mm(a, b)), 1e-6)))
 
     def compute() -> None:
         for _ in range(reps):
@@ -264,7 +282,7 @@ def calibrate(*, gemm: Iterable[tuple] = (), attention: Iterable[tuple] = (),
         pts = []
         for nb in sizes:
             fn, real = probe(nb)
-            pts.append([real, timer(fn, _inner(real, 5e9))])
+            pts.append([real, timer(fn)])
         prof.memory[cls] = pts
     prof.first_touch_s_per_byte = _first_touch_s_per_byte(timer, device)
     view = torch.randn(16, 16, device=device)

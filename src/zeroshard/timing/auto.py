@@ -1,0 +1,464 @@
+"""``shard(model, optimizer, stage="auto", memory_budget=...)``: the plan chooses itself.
+
+[Note: stage="auto"]
+mission.md's ladder, decided by measurement-backed prediction instead of by hand:
+
+1. The candidates: stage 0-3 × activation checkpointing (none, selective-op, full) ×, at
+   stage 3, ``reshard_after_forward`` True/False. What the caller fixed stays fixed and
+   is said so in the log: ``reshard_after_forward=``, ``offload=`` (then stages 1-3, or 3
+   for "optimizer+params"), checkpointing already applied to the model (every candidate
+   keeps it). Buckets and prefetch keep their defaults; offload is not a candidate of its
+   own on a CPU (host and device are one memory there).
+2. Each candidate is traced on fake tensors (memory/traced.py): its peak is the traced
+   peak (traced = measured within ~1%, docs/planning.md), its ops and collectives are
+   priced by the calibration profile (timing/model.py). The candidates of one (stage,
+   reshard_after_forward) form a chain of ever more recompute — none, selective-op,
+   full — and more recompute only adds ops to the same schedule, so a chain stops at its
+   first candidate that fits: the rest are slower by construction and stay untraced
+   ("less recompute fits at this stage"). Rounds trace the next candidate of every open
+   chain, split among the ranks (each in one spawned process, kept for the whole choice),
+   and gather the results. A roomy budget costs one round: five traces.
+3. Candidates whose peak exceeds the budget drop out; the fastest predicted of the rest
+   wins. Rank 0's decision is broadcast, so every rank shards alike.
+4. The chosen checkpointing is applied (``apply_checkpointing``), then the model is
+   sharded at the chosen stage. ``engine_of(model).auto_choice`` keeps the chosen row and
+   the whole table; rank 0 logs the table once.
+
+[Note: the trace cache]
+A trace of gpt2-small costs ~2.5 s (fake-tensor dispatch of ~23K ops); fifteen of them,
+split over two ranks, ~20-40 s at start-up. A job started again (an elastic restart, the
+next run of a script) would pay that again for the same answers, so each trace is kept
+on disk (``ZEROSHARD_TRACE_CACHE``, default ``~/.cache/zeroshard/traces``), under a hash
+of everything its answer depends on: the model's structure (its repr, and every
+parameter's and buffer's name, shape, dtype and ``requires_grad``), the candidate, the
+world size, the batch, the precision, the loss function's name, torch's version and
+zeroshard's own source (every .py file of the package, so an edited engine traces anew).
+A file that cannot be read is traced again, never trusted.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import pickle
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.sizes import parse_bytes
+
+from .model import predict
+from .profile import Profile
+
+__all__ = ["AutoChoice", "Candidate", "resolve_auto", "POLICIES"]
+
+log = logging.getLogger("zeroshard")
+
+POLICIES = ("none", "selective-op", "full")
+AUTO_OPTIONS = ("memory_budget", "example_batch", "profile", "auto_loss", "auto_recalibrate")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stage: int
+    checkpointing: str
+    reshard_after_forward: bool = True
+    peak_bytes: int = 0
+    predicted_step_s: float = 0.0
+    verdict: str = ""
+
+    @property
+    def name(self) -> str:
+        raf = "" if self.stage != 3 or self.reshard_after_forward else " noreshard"
+        return f"stage {self.stage}{raf}, checkpointing {self.checkpointing}"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``stage="auto"`` chose, and every candidate it weighed."""
+
+    chosen: Candidate
+    table: tuple[Candidate, ...]
+    budget_bytes: int
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format(self) -> str:
+        lines = [f"stage='auto' within {self.budget_bytes / 2**20:,.1f} MiB per rank:",
+                 f"  {'configuration':<42} {'peak MiB':>9} {'step s':>8}  verdict"]
+        for c in self.table:
+            lines.append(f"  {c.name:<42} {c.peak_bytes / 2**20:>9,.1f} "
+                         f"{c.predicted_step_s:>8.3f}  {c.verdict}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _budget(value: Any) -> int:
+    if value is None:
+        raise ValueError(
+            "stage='auto' needs memory_budget=: the bytes one rank may hold, e.g. "
+            "memory_budget='20GiB' or 20 * 2**30 (on a GPU also a fraction of the device, "
+            "memory_budget='80%'); on a CPU a number is required")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"memory_budget={value!r}: a fraction needs a GPU to take it "
+                             "of; on a CPU pass bytes, e.g. memory_budget='2GiB'")
+        frac = float(value.strip()[:-1]) / 100
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return int(frac * total)
+    if isinstance(value, str):
+        return parse_bytes(value, what="memory_budget")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"memory_budget={value!r} must be bytes (an int > 0 or a string "
+                         "with a unit such as '2GiB')")
+    return value
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """The model's structure with meta tensors in place of its weights (nothing copied),
+    without checkpointing (its classes are made at run time: no pickling them to the
+    tracing process; the traces apply the policy again)."""
+    from zeroshard.checkpointing import remove_checkpointing
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return remove_checkpointing(copy.deepcopy(model, memo))
+
+
+def _checkpointed(model: nn.Module) -> bool:
+    from zeroshard.checkpointing import _CheckpointedMixin
+
+    return any(isinstance(m, _CheckpointedMixin) for m in model.modules())
+
+
+def _applied_policy(model: nn.Module) -> Any:
+    """The checkpointing policy the caller applied, for the traces to apply to the twin."""
+    from zeroshard.checkpointing import applied_policy
+
+    found = applied_policy(model)
+    if found is None or not found[2] or found[1]:
+        raise ValueError(
+            "stage='auto' traces a copy of the model and must apply its checkpointing again: "
+            "apply it to the whole model with zeroshard.checkpointing.apply_checkpointing("
+            "model, policy) (default blocks, no offload_activations), or leave "
+            "checkpointing to stage='auto'")
+    return found[0]
+
+
+def _policy_name(policy: Any) -> str:
+    name = getattr(policy, "name", None)
+    return name if isinstance(name, str) else type(policy).__name__
+
+
+def _trace_many(meta: nn.Module, jobs: list[dict[str, Any]]) -> list[Any]:
+    from zeroshard.memory.traced import TraceError, trace_step
+
+    out = []
+    for job in jobs:
+        try:
+            out.append(trace_step(meta, subprocess=False, **job))
+        except TraceError as exc:
+            out.append(str(exc))
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZEROSHARD_TRACE_CACHE")
+                or Path.home() / ".cache" / "zeroshard" / "traces")
+
+
+def _source_hash() -> str:
+    import zeroshard
+
+    h = hashlib.sha256()
+    root = Path(zeroshard.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _model_signature(model: nn.Module) -> str:
+    rows = [type(model).__qualname__, repr(model)]
+    rows += [f"{n} {tuple(t.shape)} {t.dtype} {t.requires_grad}"
+             for n, t in model.named_parameters()]
+    rows += [f"{n} {tuple(t.shape)} {t.dtype}" for n, t in model.named_buffers()]
+    return "\n".join(rows)
+
+
+def _cache_key(signature: str, source: str, job: dict[str, Any]) -> str:
+    loss = job["loss_fn"]
+    plain = {k: v for k, v in job.items() if k != "loss_fn"}
+    text = repr((signature, source, torch.__version__, sorted(plain.items()),
+                 f"{loss.__module__}.{loss.__qualname__}"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cached(key: str) -> Any:
+    try:
+        with open(cache_dir() / f"{key}.pkl", "rb") as f:
+            return pickle.load(f)
+    except Exception:  # missing, partial or from another version: trace again
+        return None
+
+
+def _store(key: str, result: Any) -> None:
+    if isinstance(result, str):
+        return  # a failure is not kept: it may be this machine's
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, d / f"{key}.pkl")  # whole or absent
+    except OSError as exc:
+        log.info("zeroshard: trace cache not written (%s)", exc)
+
+
+class _Tracer:
+    """This rank's traces: from the cache where it has them, else in one spawned process
+    kept for the whole choice (its start costs seconds: torch's import)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.signature, self.source = _model_signature(model), _source_hash()
+        self.pool: ProcessPoolExecutor | None = None
+        self.twin: nn.Module | None = None
+
+    def __call__(self, jobs: list[dict[str, Any]]) -> list[Any]:
+        keys = [_cache_key(self.signature, self.source, j) for j in jobs]
+        got = [_cached(k) for k in keys]
+        todo = [i for i, g in enumerate(got) if g is None]
+        if todo:
+            if self.pool is None:
+                self.pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+                self.twin = _meta_twin(self.model)
+            fresh = self.pool.submit(_trace_many, self.twin, [jobs[i] for i in todo]).result()
+            for i, r in zip(todo, fresh):
+                got[i] = r
+                _store(keys[i], r)
+        return got
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _chains(fixed_raf: bool | int | None, applied: str | None, offload: str | None
+            ) -> list[list[Candidate]]:
+    """The candidates, in chains of one (stage, reshard_after_forward) with ever more
+    recompute: a chain stops at its first candidate that fits ([Note: stage="auto"])."""
+    policies = (applied,) if applied else POLICIES
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    if offload is not None:
+        stages = (3,) if offload == "optimizer+params" else (1, 2, 3)
+    chains = []
+    for stage in stages:
+        rafs = [True] if stage != 3 else ([fixed_raf] if fixed_raf is not None
+                                          else [False, True])
+        chains += [[Candidate(stage, p, raf) for p in policies] for raf in rafs]
+    return chains
+
+
+def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
+             strict: bool = False) -> tuple[Profile, list[str]]:
+    from zeroshard.step_ops import StepOps
+
+    from .calibrate import calibrate
+
+    notes = []
+    if isinstance(path, Profile):
+        prof: Profile | None = path
+    elif path is not None and Path(path).exists():
+        prof = Profile.load(path)
+    else:
+        prof = None
+        notes.append("no profile given (profile=PATH from `zeroshard calibrate`): "
+                     "calibrated briefly")
+    if prof is not None:
+        why = prof.mismatch(backend=backend, world_size=world)
+        if why and strict:
+            raise ValueError(f"stage='auto': the profile was measured elsewhere "
+                             f"({'; '.join(why)}) and auto_recalibrate=False; run `zeroshard "
+                             "calibrate` here, or let auto recalibrate")
+        if why:
+            warnings.warn(f"stage='auto': the profile was measured elsewhere ({'; '.join(why)}); "
+                          "recalibrating", stacklevel=4)
+            notes.append("profile measured elsewhere: recalibrated")
+            prof = None
+    if prof is None:
+        gemm: set = set()
+        att: set = set()
+        for r in traces:
+            if not isinstance(r, str):
+                ops = StepOps.from_dict(r.ops)
+                gemm |= ops.gemm_shapes()
+                att |= ops.attention_shapes()
+        prof = calibrate(gemm=sorted(gemm), attention=sorted(att), group=group, quick=True)
+    return prof, notes
+
+
+def resolve_auto(model: nn.Module, options: dict[str, Any], *,
+                 process_group: dist.ProcessGroup | None, mixed_precision: str | None,
+                 hybrid: Any = None, mesh: Any = None
+                 ) -> tuple[int, dict[str, Any], AutoChoice]:
+    """Choose; apply the chosen checkpointing to ``model``. Returns (stage, the options
+    to shard with, the choice). ``options`` loses the auto-only keys."""
+    from zeroshard.checkpointing import apply_checkpointing
+    from zeroshard.memory.traced import lm_loss
+
+    budget = _budget(options.pop("memory_budget", None))
+    batch = options.pop("example_batch", None)
+    path = options.pop("profile", None)
+    loss_fn: Callable | None = options.pop("auto_loss", None)
+    recalibrate = options.pop("auto_recalibrate", True)
+    if (not isinstance(batch, tuple) or len(batch) != 2
+            or not all(isinstance(v, int) and v > 0 for v in batch)):
+        raise ValueError(
+            f"stage='auto' needs example_batch=(micro_batch, seq_len), the per-rank batch "
+            f"the model will train on (got {batch!r}), e.g. example_batch=(2, 128): each "
+            "candidate is traced on such a batch")
+    if loss_fn is None and not hasattr(getattr(model, "config", None), "vocab"):
+        raise ValueError(
+            "stage='auto' traces a step of the model: pass auto_loss=fn(model, micro_batch, "
+            "seq_len) -> loss (a picklable module-level function), or use a model with "
+            "config.vocab (token ids in, logits out)")
+    for k, v in (("hybrid", hybrid), ("mesh", mesh)):
+        if v is not None:
+            raise ValueError(f"stage='auto' chooses over one shard group; with {k}= pass a "
+                             "stage (docs/hybrid.md)")
+    offload = options.get("offload")
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    backend = str(dist.get_backend(process_group))
+    fixed_raf = options.get("reshard_after_forward")
+    applied = _checkpointed(model)
+    policy = _applied_policy(model) if applied else None
+    notes = []
+    if fixed_raf is not None:
+        notes.append(f"reshard_after_forward={fixed_raf!r} given: kept")
+    if applied:
+        notes.append("checkpointing already applied to the model: kept on every candidate")
+    if offload is not None:
+        notes.append(f"offload={offload!r} given: kept (stages "
+                     f"{'3' if offload == 'optimizer+params' else '1-3'} only)")
+    elif not torch.cuda.is_available():
+        notes.append("offload not weighed: on a CPU host and device memory are one")
+    chains = _chains(fixed_raf, f"applied: {_policy_name(policy)}" if applied else None,
+                     offload)
+
+    def job(c: Candidate) -> dict[str, Any]:
+        extra: dict[str, Any] = {"offload": offload} if offload is not None else {}
+        if c.stage == 3:
+            extra["reshard_after_forward"] = c.reshard_after_forward
+        return dict(world_size=world, rank=0, stage=c.stage, mixed_precision=mixed_precision,
+                    micro_batch=batch[0], seq_len=batch[1],
+                    checkpointing=policy if applied else c.checkpointing, record_ops=True,
+                    loss_fn=loss_fn or lm_loss, stage3_buffers=False,
+                    collectives="gloo" if backend == "gloo" else "native", **extra)
+
+    traced: dict[Candidate, Any] = {}
+    tracer = _Tracer(model)
+    try:
+        pos = [0] * len(chains)
+        while True:  # one round: the next candidate of every chain still open
+            todo = [ch[pos[i]] for i, ch in enumerate(chains) if pos[i] < len(ch)]
+            if not todo:
+                break
+            mine = list(range(rank, len(todo), world))
+            got = tracer([job(todo[i]) for i in mine])
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, list(zip(mine, got)), group=process_group)
+            for part in gathered:
+                for i, r in part:
+                    traced[todo[i]] = r
+            for i, ch in enumerate(chains):
+                if pos[i] < len(ch):
+                    r = traced[ch[pos[i]]]
+                    fits = not isinstance(r, str) and _peak(r) <= budget
+                    pos[i] = len(ch) if fits else pos[i] + 1
+    finally:
+        tracer.close()
+    cands = [c for ch in chains for c in ch]
+    traces = [traced.get(c) for c in cands]
+    prof, more = _profile(path, backend, world, process_group,
+                          [t for t in traces if t is not None], strict=not recalibrate)
+    notes += more
+    choice = _decide(cands, traces, prof, budget, notes)
+    box = [choice]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0)
+                               if process_group is not None else 0, group=process_group)
+    choice = box[0]
+    if rank == 0:
+        log.warning("%s", choice.format())
+    c = choice.chosen
+    if not applied and c.checkpointing != "none":
+        apply_checkpointing(model, c.checkpointing)
+    if c.stage == 3:
+        options["reshard_after_forward"] = c.reshard_after_forward
+    return c.stage, options, choice
+
+
+def _peak(r: Any) -> int:
+    """A trace's peak on the device (what the budget bounds)."""
+    return int(r.device_peak_bytes)
+
+
+def _decide(cands: list[Candidate], traces: list[Any], prof: Profile, budget: int,
+            notes: list[str]) -> AutoChoice:
+    rows = []
+    for c, r in zip(cands, traces):
+        if r is None:
+            rows.append(Candidate(c.stage, c.checkpointing, c.reshard_after_forward,
+                                  verdict="not traced: less recompute fits at this stage"))
+            continue
+        if isinstance(r, str):
+            rows.append(Candidate(c.stage, c.checkpointing, c.reshard_after_forward,
+                                  verdict=f"not traceable: {r[:80]}"))
+            continue
+        step = predict(r.ops, r.collectives, prof).total_s
+        rows.append(Candidate(c.stage, c.checkpointing, c.reshard_after_forward,
+                              _peak(r), step))
+    fits = [x for x in rows if x.peak_bytes and x.peak_bytes <= budget]
+    if not fits:
+        traced = [x for x in rows if x.peak_bytes]
+        low = min(traced, key=lambda x: x.peak_bytes) if traced else None
+        raise ValueError(
+            f"stage='auto': no configuration fits memory_budget={budget / 2**20:,.1f} MiB per "
+            "rank" + (f"; the smallest peak found is {low.peak_bytes / 2**20:,.1f} MiB "
+                      f"({low.name})" if low else "") + ". Next rungs: more ranks (stage 3 "
+            "shards the model state over them), tensor parallelism (docs/tensor-parallel.md), "
+            "offload of the optimizer state (docs/offload.md), or a larger budget")
+    best = min(fits, key=lambda x: (x.predicted_step_s, x.peak_bytes))
+    table = []
+    for x in rows:
+        if x is best:
+            verdict = "chosen: the fastest predicted that fits"
+        elif not x.peak_bytes:
+            verdict = x.verdict
+        elif x.peak_bytes > budget:
+            verdict = f"over the budget by {(x.peak_bytes - budget) / 2**20:,.1f} MiB"
+        else:
+            verdict = f"fits; {100 * (x.predicted_step_s / best.predicted_step_s - 1):.1f}% slower"
+        table.append(Candidate(x.stage, x.checkpointing, x.reshard_after_forward,
+                               x.peak_bytes, x.predicted_step_s, verdict))
+    chosen = next(t for t in table if t.verdict.startswith("chosen"))
+    return AutoChoice(chosen=chosen, table=tuple(table), budget_bytes=budget,
+                      notes=tuple(notes))

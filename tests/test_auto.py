@@ -1,0 +1,179 @@
+"""shard(stage="auto", memory_budget=...): traced peaks, predicted times, the choice."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _profiles import synthetic_profile
+
+from zeroshard.memory.traced import trace_step
+from zeroshard.testing import run_ranks
+
+BATCH = (2, 32)
+
+
+def _profile(path: str, world: int = 2) -> None:
+    synthetic_profile(path, batch=BATCH, world=world)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def _train(model, opt, steps: int = 2) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (BATCH[0] * dist.get_world_size(), BATCH[1]), generator=g)
+        y = torch.randint(0, 256, x.shape, generator=g)
+        r = dist.get_rank()
+        loss = _loss(model, x[r * BATCH[0]:(r + 1) * BATCH[0]], y[r * BATCH[0]:(r + 1) * BATCH[0]])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _auto(rank: int, world_size: int, path: str, budget: int | None) -> dict:
+    import zeroshard
+    from zeroshard.checkpointing import _CheckpointedMixin, apply_checkpointing
+    from zeroshard.models import build_model
+
+    model = build_model("gpt2-tiny")
+    model, opt = zeroshard.shard(model, torch.optim.AdamW, stage="auto", lr=1e-3,
+                                 memory_budget=budget, example_batch=BATCH, profile=path)
+    engine = zeroshard.engine_of(model)
+    choice = engine.auto_choice
+    checkpointed = any(isinstance(m, _CheckpointedMixin) for m in model.modules())
+    losses = _train(model, opt)
+    # the same configuration by hand trains identically
+    ref = build_model("gpt2-tiny")
+    c = choice.chosen
+    if c.checkpointing != "none":
+        apply_checkpointing(ref, c.checkpointing)
+    extra = {"reshard_after_forward": c.reshard_after_forward} if c.stage == 3 else {}
+    ref, ref_opt = zeroshard.shard(ref, torch.optim.AdamW, stage=c.stage, lr=1e-3, **extra)
+    return {"stage": engine.config.stage, "raf": engine.config.reshard_after_forward,
+            "choice": choice, "checkpointed": checkpointed, "losses": losses,
+            "ref": _train(ref, ref_opt)}
+
+
+def test_auto_takes_the_fastest_predicted_that_fits_and_applies_it(tmp_path) -> None:
+    path = str(tmp_path / "profile.json")
+    _profile(path)
+    roomy, = {repr(r["choice"]): r for r in run_ranks(_auto, 2, path, 2**31)}.values()
+    table = roomy["choice"].table
+    assert len(table) == 4 * 3 + 3  # stages x policies, + stage 3 without resharding
+    traced = [c for c in table if c.peak_bytes]
+    # a roomy budget: each chain's first (no recompute) fits, the rest stay untraced
+    assert {(c.stage, c.reshard_after_forward) for c in traced} == {
+        (0, True), (1, True), (2, True), (3, True), (3, False)}
+    assert all(c.checkpointing == "none" for c in traced)
+    assert all("not traced" in c.verdict for c in table if not c.peak_bytes)
+    chosen = roomy["choice"].chosen
+    assert chosen == min(traced, key=lambda c: (c.predicted_step_s, c.peak_bytes))
+    # a budget that the fastest misses: the next fastest that fits
+    fits = sorted(traced, key=lambda c: c.peak_bytes)
+    budget = (fits[0].peak_bytes + fits[-1].peak_bytes) // 2
+    tight = run_ranks(_auto, 2, path, budget)
+    assert repr(tight[0]["choice"]) == repr(tight[1]["choice"])  # decided once, broadcast
+    for r in (roomy, tight[0]):
+        c = r["choice"].chosen
+        assert r["stage"] == c.stage and r["checkpointed"] == (c.checkpointing != "none")
+        if c.stage == 3:
+            assert r["raf"] == c.reshard_after_forward
+        assert r["losses"] == r["ref"]  # what auto applied is what the row says
+    c, b = tight[0]["choice"].chosen, budget
+    rows = [x for x in tight[0]["choice"].table if x.peak_bytes]
+    assert c.peak_bytes <= b
+    assert all(x.peak_bytes > b for x in rows if x.predicted_step_s < c.predicted_step_s)
+    assert any(x.peak_bytes > b and "over the budget" in x.verdict for x in rows)
+    # the traced peak is the trace's: one row checked against trace_step itself
+    x = next(x for x in rows if x.stage == 2 and x.checkpointing == "none")
+    r = trace_step("gpt2-tiny", world_size=2, stage=2, mixed_precision=None,
+                   micro_batch=BATCH[0], seq_len=BATCH[1], collectives="gloo")
+    assert x.peak_bytes == r.device_peak_bytes
+
+
+def _refused(rank: int, world_size: int, path: str, kw: dict) -> str:
+    import zeroshard
+    from zeroshard.models import build_model
+
+    try:
+        zeroshard.shard(build_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-3, **kw)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_auto_bad_input(tmp_path) -> None:
+    path = str(tmp_path / "profile.json")
+    _profile(path)
+    auto = {"stage": "auto", "example_batch": BATCH, "profile": path}
+    cases = [
+        ({**auto}, "needs memory_budget="),
+        ({**auto, "memory_budget": "80%"}, "a fraction needs a GPU"),
+        ({**auto, "memory_budget": 1024}, "smallest peak found is"),
+        ({**auto, "memory_budget": "1GiB", "example_batch": None}, "example_batch=(micro_batch"),
+        ({"stage": 2, "memory_budget": "1GiB"}, "go with stage='auto'"),
+        ({**auto, "memory_budget": "1GiB", "hybrid": (1, 2)}, "chooses over one shard group"),
+    ]
+    for kw, want in cases:
+        got = run_ranks(_refused, 2, path, kw)
+        assert all(want in g for g in got), (kw, got)
+    small = run_ranks(_refused, 2, path, {**auto, "memory_budget": 1024})[0]
+    assert "more ranks" in small and "tensor parallelism" in small and "offload" in small
+
+
+def _fixed(rank: int, world_size: int, path: str) -> dict:
+    import zeroshard
+    from zeroshard.checkpointing import apply_checkpointing
+    from zeroshard.models import build_model
+
+    model = build_model("gpt2-tiny")
+    apply_checkpointing(model, "full")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, _ = zeroshard.shard(model, torch.optim.AdamW, stage="auto", lr=1e-3,
+                                   memory_budget=2**31, example_batch=BATCH, profile=path,
+                                   reshard_after_forward=False)
+    choice = zeroshard.engine_of(model).auto_choice
+    return {"choice": choice, "warned": [str(w.message) for w in seen]}
+
+
+def test_auto_keeps_what_the_caller_fixed_and_recalibrates_a_foreign_profile(tmp_path) -> None:
+    path = str(tmp_path / "profile.json")
+    _profile(path, world=4)  # measured at another world size: recalibrated, with a warning
+    r = run_ranks(_fixed, 2, path)[0]
+    rows = r["choice"].table
+    assert {x.checkpointing for x in rows} == {"applied: full"}
+    assert all(not x.reshard_after_forward for x in rows if x.stage == 3)
+    assert len(rows) == 4 and all(x.peak_bytes for x in rows)
+    notes = " ".join(r["choice"].notes)
+    assert "reshard_after_forward=False given" in notes and "already applied" in notes
+    assert "recalibrated" in notes
+    assert any("measured elsewhere" in w and "world size 4" in w for w in r["warned"])
+
+
+def test_train_stage_auto(tmp_path, capfd) -> None:
+    from zeroshard.cli import main
+
+    path = str(tmp_path / "profile.json")
+    _profile(path)
+    tiny = ["train", "--model", "gpt2-tiny", "--nproc", "2", "--steps", "2",
+            "--global-batch", "4", "--seq-len", str(BATCH[1]), "--log-every", "1"]
+    metrics = tmp_path / "metrics.jsonl"
+    assert main([*tiny, "--stage", "auto", "--memory-budget", "1GiB", "--profile", path,
+                 "--metrics", str(metrics)]) == 0
+    start = next(json.loads(line) for line in metrics.read_text().splitlines()
+                 if json.loads(line)["event"] == "start")
+    assert start["auto"]["verdict"].startswith("chosen") and start["auto"]["peak_bytes"] > 0
+    capfd.readouterr()
+    assert main([*tiny, "--stage", "auto"]) == 2  # no budget
+    assert "--memory-budget" in capfd.readouterr().err
+    assert main([*tiny, "--stage", "2", "--memory-budget", "1GiB"]) == 2
