@@ -43,7 +43,7 @@ def main() -> int:
                         ",".join(CONFIGS), "--profile", args.profile, "--json", args.json,
                         "--quiet"], check=True)
     result = json.loads(Path(args.json).read_text())
-    from zeroshard.timing.auto import Candidate, _decide
+    from zeroshard.timing.auto import Candidate, _chains, _decide
     from zeroshard.timing.profile import Profile
 
     rows = [r for r in result["rows"] if r["status"] == "ok" and r["system"] == "zeroshard"]
@@ -69,9 +69,19 @@ def main() -> int:
     lines += ["", f"{'budget MiB':>10}  {'auto pick':<26} {'measured best that fits':<26} "
               f"{'pick/best tok/s':>15}  {'fits':>4}  {'spread':>6}"]
     ok = discriminating = 0
+    chains = _chains(None, None, None)
+    by_cand = {c: traced[r["name"]] for r, c in zip(rows, cands)}
     for i in range(args.budgets):
         budget = int(lo + (hi - lo) * (i + 0.5) / args.budgets)
-        pick = _decide(cands, [traced[r["name"]] for r in rows], prof, budget, []).chosen
+        # what shard() traces: each chain up to its first candidate that fits
+        seen: dict = {}
+        for chain in chains:
+            for c in chain:
+                seen[c] = by_cand[c]
+                if by_cand[c].device_peak_bytes <= budget:
+                    break
+        order = [c for chain in chains for c in chain]
+        pick = _decide(order, [seen.get(c) for c in order], prof, budget, []).chosen
         name = next(r["name"] for r, c in zip(rows, cands)
                     if (c.stage, c.checkpointing, c.reshard_after_forward)
                     == (pick.stage, pick.checkpointing, pick.reshard_after_forward))

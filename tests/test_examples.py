@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -165,3 +166,23 @@ def test_zeropp_example_sends_less_across_nodes() -> None:
         plain, hpz, three = r.values()
         assert hpz["losses"] == plain["losses"]
         assert three["inter"] < hpz["inter"] < plain["inter"]
+
+
+def _auto_runs(rank: int, world: int, profile: str) -> dict:
+    return _load("train_auto").main(["--model", "gpt2-tiny", "--budget", "1GiB", "--seq",
+                                     "32", "--steps", "2", "--profile", profile])
+
+
+def test_auto_example_trains_with_what_it_chose(tmp_path) -> None:
+    """examples/train_auto.py on 2 ranks: every rank shards at the stage chosen, which
+    fits the budget, and training runs."""
+    from _profiles import synthetic_profile
+
+    path = str(tmp_path / "profile.json")
+    synthetic_profile(path, batch=(2, 32))
+    runs = run_ranks(_auto_runs, 2, path, timeout=300)
+    assert runs[0]["choice"] == runs[1]["choice"]
+    assert runs[0]["stage"] == runs[0]["choice"].stage
+    assert runs[0]["choice"].peak_bytes <= 2**30
+    assert all(len(r["losses"]) == 2 and all(math.isfinite(v) for v in r["losses"])
+               for r in runs)

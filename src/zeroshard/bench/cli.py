@@ -210,6 +210,8 @@ def _command(s: BenchSettings) -> str:
     if s.budget_bytes is not None:
         parts += ["--budget", f"{s.budget_bytes}B" if s.budget_bytes % 2**20 else
                   f"{s.budget_bytes // 2**20}MiB"]
+    if s.profile is not None:
+        parts += ["--profile", s.profile]
     return shlex.join(parts)
 
 

@@ -96,11 +96,13 @@ class AutoChoice:
         return asdict(self)
 
     def format(self) -> str:
-        lines = [f"stage='auto' within {self.budget_bytes / 2**20:,.1f} MiB per rank:",
-                 f"  {'configuration':<42} {'peak MiB':>9} {'step s':>8}  verdict"]
+        lines = [f"stage='auto' within {self.budget_bytes / 2**20:,.1f} MiB per rank "
+                 "(traced peak, predicted step):",
+                 f"  {'configuration':<48} {'peak MiB':>9} {'step s':>7}  verdict"]
         for c in self.table:
-            lines.append(f"  {c.name:<42} {c.peak_bytes / 2**20:>9,.1f} "
-                         f"{c.predicted_step_s:>8.3f}  {c.verdict}")
+            peak, step = ((f"{c.peak_bytes / 2**20:,.1f}", f"{c.predicted_step_s:.3f}")
+                          if c.peak_bytes else ("-", "-"))
+            lines.append(f"  {c.name:<48} {peak:>9} {step:>7}  {c.verdict}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
