@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -14,6 +16,8 @@ from zeroshard.memory.traced import trace_step
 from zeroshard.testing import run_ranks
 
 BATCH = (2, 32)
+#: Traces cached where this test session alone reads them ([Note: the trace cache]).
+ENV = {"ZEROSHARD_TRACE_CACHE": tempfile.mkdtemp(prefix="zeroshard-traces-")}
 
 
 def _profile(path: str, world: int = 2) -> None:
@@ -66,7 +70,7 @@ def _auto(rank: int, world_size: int, path: str, budget: int | None) -> dict:
 def test_auto_takes_the_fastest_predicted_that_fits_and_applies_it(tmp_path) -> None:
     path = str(tmp_path / "profile.json")
     _profile(path)
-    roomy, = {repr(r["choice"]): r for r in run_ranks(_auto, 2, path, 2**31)}.values()
+    roomy, = {repr(r["choice"]): r for r in run_ranks(_auto, 2, path, 2**31, env=ENV)}.values()
     table = roomy["choice"].table
     assert len(table) == 4 * 3 + 3  # stages x policies, + stage 3 without resharding
     traced = [c for c in table if c.peak_bytes]
@@ -80,7 +84,7 @@ def test_auto_takes_the_fastest_predicted_that_fits_and_applies_it(tmp_path) -> 
     # a budget that the fastest misses: the next fastest that fits
     fits = sorted(traced, key=lambda c: c.peak_bytes)
     budget = (fits[0].peak_bytes + fits[-1].peak_bytes) // 2
-    tight = run_ranks(_auto, 2, path, budget)
+    tight = run_ranks(_auto, 2, path, budget, env=ENV)
     assert repr(tight[0]["choice"]) == repr(tight[1]["choice"])  # decided once, broadcast
     for r in (roomy, tight[0]):
         c = r["choice"].chosen
@@ -124,9 +128,9 @@ def test_auto_bad_input(tmp_path) -> None:
         ({**auto, "memory_budget": "1GiB", "hybrid": (1, 2)}, "chooses over one shard group"),
     ]
     for kw, want in cases:
-        got = run_ranks(_refused, 2, path, kw)
+        got = run_ranks(_refused, 2, path, kw, env=ENV)
         assert all(want in g for g in got), (kw, got)
-    small = run_ranks(_refused, 2, path, {**auto, "memory_budget": 1024})[0]
+    small = run_ranks(_refused, 2, path, {**auto, "memory_budget": 1024}, env=ENV)[0]
     assert "more ranks" in small and "tensor parallelism" in small and "offload" in small
 
 
@@ -149,7 +153,7 @@ def _fixed(rank: int, world_size: int, path: str) -> dict:
 def test_auto_keeps_what_the_caller_fixed_and_recalibrates_a_foreign_profile(tmp_path) -> None:
     path = str(tmp_path / "profile.json")
     _profile(path, world=4)  # measured at another world size: recalibrated, with a warning
-    r = run_ranks(_fixed, 2, path)[0]
+    r = run_ranks(_fixed, 2, path, env=ENV)[0]
     rows = r["choice"].table
     assert {x.checkpointing for x in rows} == {"applied: full"}
     assert all(not x.reshard_after_forward for x in rows if x.stage == 3)
@@ -160,9 +164,10 @@ def test_auto_keeps_what_the_caller_fixed_and_recalibrates_a_foreign_profile(tmp
     assert any("measured elsewhere" in w and "world size 4" in w for w in r["warned"])
 
 
-def test_train_stage_auto(tmp_path, capfd) -> None:
+def test_train_stage_auto(tmp_path, capfd, monkeypatch) -> None:
     from zeroshard.cli import main
 
+    monkeypatch.setenv("ZEROSHARD_TRACE_CACHE", ENV["ZEROSHARD_TRACE_CACHE"])
     path = str(tmp_path / "profile.json")
     _profile(path)
     tiny = ["train", "--model", "gpt2-tiny", "--nproc", "2", "--steps", "2",
@@ -177,3 +182,34 @@ def test_train_stage_auto(tmp_path, capfd) -> None:
     assert main([*tiny, "--stage", "auto"]) == 2  # no budget
     assert "--memory-budget" in capfd.readouterr().err
     assert main([*tiny, "--stage", "2", "--memory-budget", "1GiB"]) == 2
+
+
+def test_trace_cache_keeps_answers_and_retraces_what_it_cannot_read(tmp_path, monkeypatch) -> None:
+    from zeroshard.memory.traced import lm_loss
+    from zeroshard.models import build_model
+    from zeroshard.timing import auto
+
+    monkeypatch.setenv("ZEROSHARD_TRACE_CACHE", str(tmp_path))
+    job = dict(world_size=2, rank=0, stage=0, mixed_precision=None, micro_batch=BATCH[0],
+               seq_len=BATCH[1], checkpointing="none", record_ops=True, loss_fn=lm_loss,
+               stage3_buffers=False, collectives="gloo")
+    model = build_model("gpt2-tiny")
+    tracer = auto._Tracer(model)
+    first = tracer([job])[0]
+    tracer.close()
+    files = list(tmp_path.glob("*.pkl"))
+    assert len(files) == 1 and first.device_peak_bytes > 0
+
+    def no_tracing(*a, **k):  # a cache hit starts no tracing process
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(auto, "ProcessPoolExecutor", no_tracing)
+    again = auto._Tracer(model)([job])[0]
+    assert again.device_peak_bytes == first.device_peak_bytes and again.ops == first.ops
+    with pytest.raises(AssertionError, match="traced again"):  # another batch: a miss
+        auto._Tracer(model)([{**job, "micro_batch": 1}])
+    with pytest.raises(AssertionError, match="traced again"):  # another model: a miss
+        auto._Tracer(build_model("llama-tiny"))([job])
+    files[0].write_bytes(b"not a pickle")  # unreadable: traced again, never trusted
+    with pytest.raises(AssertionError, match="traced again"):
+        auto._Tracer(model)([job])

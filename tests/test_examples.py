@@ -180,7 +180,8 @@ def test_auto_example_trains_with_what_it_chose(tmp_path) -> None:
 
     path = str(tmp_path / "profile.json")
     synthetic_profile(path, batch=(2, 32))
-    runs = run_ranks(_auto_runs, 2, path, timeout=300)
+    runs = run_ranks(_auto_runs, 2, path, timeout=300,
+                     env={"ZEROSHARD_TRACE_CACHE": str(tmp_path / "traces")})
     assert runs[0]["choice"] == runs[1]["choice"]
     assert runs[0]["stage"] == runs[0]["choice"].stage
     assert runs[0]["choice"].peak_bytes <= 2**30
