@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 CONFIGS = ["ddp"] + [f"zs-s{s}{r}{p}" for s in range(4) for r in (
-    ("", "-noreshard") if s == 3 else ("",)) for p in ("", "-selective-op", "-full")]
+    ("", "-noreshard") if s == 3 else ("",)) for p in ("", "-selective-op", "-every-2", "-full")]
 
 
 def _candidate_of(name: str) -> tuple[int, str, bool]:
@@ -43,7 +43,7 @@ def main() -> int:
                         ",".join(CONFIGS), "--profile", args.profile, "--json", args.json,
                         "--quiet"], check=True)
     result = json.loads(Path(args.json).read_text())
-    from zeroshard.timing.auto import Candidate, _chains, _decide
+    from zeroshard.timing.auto import Candidate, Skipped, _chains, _decide, walk
     from zeroshard.timing.profile import Profile
 
     rows = [r for r in result["rows"] if r["status"] == "ok" and r["system"] == "zeroshard"]
@@ -71,17 +71,14 @@ def main() -> int:
     ok = discriminating = 0
     chains = _chains(None, None, None)
     by_cand = {c: traced[r["name"]] for r, c in zip(rows, cands)}
+    traced_counts = []
     for i in range(args.budgets):
         budget = int(lo + (hi - lo) * (i + 0.5) / args.budgets)
-        # what shard() traces: each chain up to its first candidate that fits
-        seen: dict = {}
-        for chain in chains:
-            for c in chain:
-                seen[c] = by_cand[c]
-                if by_cand[c].device_peak_bytes <= budget:
-                    break
-        order = [c for chain in chains for c in chain]
-        pick = _decide(order, [seen.get(c) for c in order], prof, budget, []).chosen
+        # what shard() traces: walk() over the measured rows' traces
+        seen = walk(chains, lambda todo: [by_cand[c] for c in todo], budget)
+        traced_counts.append(sum(not isinstance(v, Skipped) for v in seen.values()))
+        order = [c for ch in chains for level in ch for c in level]
+        pick = _decide(order, [seen[c] for c in order], prof, budget, []).chosen
         name = next(r["name"] for r, c in zip(rows, cands)
                     if (c.stage, c.checkpointing, c.reshard_after_forward)
                     == (pick.stage, pick.checkpointing, pick.reshard_after_forward))
@@ -98,7 +95,8 @@ def main() -> int:
                      f"{ratio:>15.3f}  {'yes' if fits else 'NO':>4}  {100 * spread:>5.0f}%")
     lines += ["", f"{ok} of {args.budgets} budgets: the pick fits its measured peak and is "
               f"within 5% of the measured best; {discriminating} budgets where the fitting "
-              "configurations' tokens/s differ by >= 10%"]
+              "configurations' tokens/s differ by >= 10%; traces shard() would run per "
+              f"budget: {', '.join(map(str, traced_counts))} (of {len(rows)})"]
     text = "\n".join(lines)
     print(text)
     if args.out:

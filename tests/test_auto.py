@@ -72,13 +72,14 @@ def test_auto_takes_the_fastest_predicted_that_fits_and_applies_it(tmp_path) -> 
     _profile(path)
     roomy, = {repr(r["choice"]): r for r in run_ranks(_auto, 2, path, 2**31, env=ENV)}.values()
     table = roomy["choice"].table
-    assert len(table) == 4 * 3 + 3  # stages x policies, + stage 3 without resharding
+    assert len(table) == 4 * 4 + 4  # stages x policies, + stage 3 without resharding
     traced = [c for c in table if c.peak_bytes]
     # a roomy budget: each chain's first (no recompute) fits, the rest stay untraced
     assert {(c.stage, c.reshard_after_forward) for c in traced} == {
         (0, True), (1, True), (2, True), (3, True), (3, False)}
     assert all(c.checkpointing == "none" for c in traced)
-    assert all("not traced" in c.verdict for c in table if not c.peak_bytes)
+    assert all("not traced: less recompute fits" in c.verdict for c in table
+               if not c.peak_bytes)
     chosen = roomy["choice"].chosen
     assert chosen == min(traced, key=lambda c: (c.predicted_step_s, c.peak_bytes))
     # a budget that the fastest misses: the next fastest that fits
@@ -93,7 +94,11 @@ def test_auto_takes_the_fastest_predicted_that_fits_and_applies_it(tmp_path) -> 
             assert r["raf"] == c.reshard_after_forward
         assert r["losses"] == r["ref"]  # what auto applied is what the row says
     c, b = tight[0]["choice"].chosen, budget
-    rows = [x for x in tight[0]["choice"].table if x.peak_bytes]
+    table = tight[0]["choice"].table
+    rows = [x for x in table if x.peak_bytes]
+    # a stage whose model state alone exceeds the budget stops after its first level
+    stopped = [x for x in table if "model state alone" in x.verdict]
+    assert all(x.checkpointing != "none" for x in stopped)
     assert c.peak_bytes <= b
     assert all(x.peak_bytes > b for x in rows if x.predicted_step_s < c.predicted_step_s)
     assert any(x.peak_bytes > b and "over the budget" in x.verdict for x in rows)
@@ -213,3 +218,39 @@ def test_trace_cache_keeps_answers_and_retraces_what_it_cannot_read(tmp_path, mo
     files[0].write_bytes(b"not a pickle")  # unreadable: traced again, never trusted
     with pytest.raises(AssertionError, match="traced again"):
         auto._Tracer(model)([job])
+
+
+def test_walk_traces_levels_until_one_fits_or_the_state_cannot() -> None:
+    """The chains' walk: a roomy budget traces each chain's first level only; a chain
+    goes on while nothing fits; a stage whose model state alone exceeds the budget
+    stops; a failed trace is not a fit."""
+    from types import SimpleNamespace
+
+    from zeroshard.timing.auto import Candidate, Skipped, _chains, walk
+
+    chains = _chains(None, None, None)
+    peaks = {"none": 300, "selective-op": 250, "every-2": 240, "full": 200}
+    state = {0: 280, 1: 150, 2: 100, 3: 50}
+    asked: list[list[Candidate]] = []
+
+    def trace(todo):
+        asked.append(list(todo))
+        return ["boom" if (c.stage, c.checkpointing) == (2, "every-2") else SimpleNamespace(
+            device_peak_bytes=peaks[c.checkpointing] - 10 * c.stage
+            + (0 if c.reshard_after_forward else 30),
+            device_model_state_bytes=state[c.stage]) for c in todo]
+
+    roomy = walk(chains, trace, 10**9)
+    assert len(asked) == 1 and {c.checkpointing for c in asked[0]} == {"none"}
+    assert len(asked[0]) == 5
+    assert all(v == Skipped("less recompute fits at this stage") for v in roomy.values()
+               if isinstance(v, Skipped))
+    asked.clear()
+    tight = walk(chains, trace, 245)
+    got = {(c.stage, c.checkpointing, c.reshard_after_forward): v for c, v in tight.items()}
+    assert "model state alone" in got[(0, "full", True)].reason  # 280 > 245 after level 1
+    assert not isinstance(got[(1, "every-2", True)], Skipped)  # level 2 traced ...
+    assert got[(1, "full", True)] == Skipped("less recompute fits at this stage")  # ... fit
+    assert got[(2, "every-2", True)] == "boom"
+    assert len(asked) == 2 and all(c.checkpointing in ("selective-op", "every-2")
+                                   for c in asked[1])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from . import models
 from ._version import __version__
-from .api import engine_of, full_state_dict, memory_tracker, shard, shard_for_inference
+from .api import engine_of, full_state_dict, memory_tracker, shard_for_inference
 from .comm import CollectiveError, CollectiveMismatch, CollectiveTimeout, CommLedger, CommRecord
 from .config import ShardConfig
 from .engine.outside_unit import ParameterOutsideUnit
+from .front import shard
 from .gather import gathered, register_forward_method
 from .gathered_params import gathered_parameters
 from .join import join

@@ -383,15 +383,12 @@ def shard(
     prices each with the calibration profile (``profile=PATH`` from ``zeroshard
     calibrate``; else a brief calibration), and shards with the fastest that fits, its
     checkpointing applied; ``engine_of(model).auto_choice`` keeps the table
-    (docs/planning.md, [Note: stage="auto"] in timing/auto.py).
+    (docs/planning.md, [Note: stage="auto"] in timing/auto.py; resolved in front.py).
     """
     _require_dist()
-    from .timing.auto import AUTO_OPTIONS
-
-    auto_options = {k: options.pop(k) for k in AUTO_OPTIONS if k in options}
-    if stage != "auto" and auto_options:
-        raise TypeError(f"{', '.join(sorted(auto_options))} go with stage='auto'; with "
-                        f"stage={stage!r} drop them")
+    if stage == "auto":
+        raise TypeError("stage='auto' is resolved by zeroshard.shard (zeroshard/front.py); "
+                        "call zeroshard.shard, not zeroshard.api.shard")
     if optimizer is None:
         raise TypeError(
             "shard() needs the optimizer: build it on model.parameters() before sharding "
@@ -419,17 +416,9 @@ def shard(
             f"optimizer={optimizer!r} is not an optimizer: pass a torch optimizer class and "
             "its keywords (zeroshard.shard(model, torch.optim.AdamW, lr=1e-3)), a callable "
             "params -> optimizer, or a torch optimizer built on model.parameters()")
-    auto = None
-    if stage == "auto":
-        from .timing.auto import resolve_auto
-
-        stage, ours, auto = resolve_auto(model, {**ours, **auto_options},
-                                         process_group=process_group,
-                                         mixed_precision=ours.get("mixed_precision"),
-                                         hybrid=hybrid, mesh=mesh)
     config = ShardConfig(stage=stage, **ours)
     for message in ignored_options(config, set(ours)):
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warnings.warn(message, UserWarning, stacklevel=3)
     _check_model(model, stage)
     parts: list[OptimizerSpec] = []
     if several:
@@ -441,7 +430,6 @@ def shard(
     engine = build_engine(model, config, units=units, param_init=param_init, device=device,
                           hybrid=hybrid, mesh=mesh, process_group=process_group,
                           group_of=spec.group_of)
-    engine.auto_choice = auto
     if (config.offload and spec.factory in (torch.optim.AdamW, torch.optim.Adam)
             and spec.instance is None
             and "fused" not in spec.kwargs and "foreach" not in spec.kwargs):

@@ -91,7 +91,7 @@ def build_engine(model: nn.Module, config: ShardConfig, *, units: UnitSpec,
             + (", hybrid sharding's shard groups" if replicate is not None else "")
             + "), so the gradients are reduce-scattered plainly, unquantised; declare the "
             "nodes with node_size= (logical nodes work on one machine) — docs/links.md",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)
     engine = Engine(model, config, comm, units=units, param_init=param_init, device=dev,
                     replicate=replicate, world=world, param_groups=group_of, mesh=mesh,
                     tp=tp, secondary=secondary, two_hop=two_hop)
@@ -128,7 +128,7 @@ def _node_size(given: int | None, group: dist.ProcessGroup | None) -> int:
             f"node_size={given} differs from torchrun's LOCAL_WORLD_SIZE={local}: the "
             f"ledger counts nodes of {given} ranks, not the machines torchrun started "
             "(expected where logical nodes are declared on purpose)",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=5)
     return resolve_node_size(given, world)
 
 

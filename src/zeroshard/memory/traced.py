@@ -287,8 +287,8 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import zeroshard
     import zeroshard.engine.engine as engine_mod
+    from zeroshard.api import engine_of, memory_tracker, shard
     from zeroshard.checkpointing import apply_checkpointing
 
     if dist.is_initialized():
@@ -312,16 +312,16 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
             if optimizers is None and optimizer in (torch.optim.AdamW, torch.optim.Adam) and not (
                     {"fused", "foreach"} & set(options)):
                 options = {**options, "fused": True}  # see [Note: how a trace works]
-            model, optim = zeroshard.shard(
+            model, optim = shard(
                 model, optimizer if optimizers is None else tuple(optimizers(model)),
                 stage=stage, mixed_precision=mixed_precision,
                 param_init=_no_init if stage == 3 else None, **options)
-            engine = zeroshard.engine_of(model)
+            engine = engine_of(model)
             _free_sharded_units(engine)  # see [Note: how a trace works]
             for c in engine.comms():
                 c.decompose = collectives == "gloo"
             engine.unused_slots = _all_used(engine)  # type: ignore[method-assign]
-            tracker = zeroshard.memory_tracker(model, optim)
+            tracker = memory_tracker(model, optim)
             seen: dict[str, Any] = {}
 
             def after_step() -> None:

@@ -3,21 +3,24 @@
 [Note: stage="auto"]
 mission.md's ladder, decided by measurement-backed prediction instead of by hand:
 
-1. The candidates: stage 0-3 × activation checkpointing (none, selective-op, full) ×, at
-   stage 3, ``reshard_after_forward`` True/False. What the caller fixed stays fixed and
-   is said so in the log: ``reshard_after_forward=``, ``offload=`` (then stages 1-3, or 3
-   for "optimizer+params"), checkpointing already applied to the model (every candidate
-   keeps it). Buckets and prefetch keep their defaults; offload is not a candidate of its
-   own on a CPU (host and device are one memory there).
+1. The candidates: stage 0-3 × activation checkpointing (none, selective-op, every-2,
+   full) ×, at stage 3, ``reshard_after_forward`` True/False. What the caller fixed stays
+   fixed and is said so in the log: ``reshard_after_forward=``, ``offload=`` (then stages
+   1-3, or 3 for "optimizer+params"), checkpointing already applied to the model (every
+   candidate keeps it). Buckets and prefetch keep their defaults; offload is not a
+   candidate of its own on a CPU (host and device are one memory there).
 2. Each candidate is traced on fake tensors (memory/traced.py): its peak is the traced
    peak (traced = measured within ~1%, docs/planning.md), its ops and collectives are
    priced by the calibration profile (timing/model.py). The candidates of one (stage,
-   reshard_after_forward) form a chain of ever more recompute — none, selective-op,
-   full — and more recompute only adds ops to the same schedule, so a chain stops at its
-   first candidate that fits: the rest are slower by construction and stay untraced
-   ("less recompute fits at this stage"). Rounds trace the next candidate of every open
-   chain, split among the ranks (each in one spawned process, kept for the whole choice),
-   and gather the results. A roomy budget costs one round: five traces.
+   reshard_after_forward) form a chain of levels of ever more recompute — none, then
+   selective-op and every-2, then full; each level's policies recompute everything some
+   policy of the level before does, and more — so a chain ends at the first level where
+   a candidate fits (the rest only add recompute to it: slower by construction), or
+   where even the traced model state exceeds the budget (checkpointing does not shrink
+   it). :func:`walk` does this; the untraced say why in the table. Rounds trace the next
+   level of every open chain, split among the ranks (each in one spawned process, kept
+   for the whole choice), and gather the results. A roomy budget costs one round: five
+   traces.
 3. Candidates whose peak exceeds the budget drop out; the fastest predicted of the rest
    wins. Rank 0's decision is broadcast, so every rank shards alike.
 4. The chosen checkpointing is applied (``apply_checkpointing``), then the model is
@@ -60,11 +63,10 @@ from zeroshard.sizes import parse_bytes
 from .model import predict
 from .profile import Profile
 
-__all__ = ["AutoChoice", "Candidate", "resolve_auto", "POLICIES"]
+__all__ = ["AutoChoice", "Candidate", "LEVELS", "Skipped", "resolve_auto", "walk"]
 
 log = logging.getLogger("zeroshard")
 
-POLICIES = ("none", "selective-op", "full")
 AUTO_OPTIONS = ("memory_budget", "example_batch", "profile", "auto_loss", "auto_recalibrate")
 
 
@@ -186,10 +188,8 @@ def cache_dir() -> Path:
 
 
 def _source_hash() -> str:
-    import zeroshard
-
     h = hashlib.sha256()
-    root = Path(zeroshard.__file__).parent
+    root = Path(__file__).resolve().parent.parent  # the zeroshard package
     for f in sorted(root.rglob("*.py")):
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
@@ -263,11 +263,23 @@ class _Tracer:
             self.pool.shutdown()
 
 
+#: A chain's levels: each level's policies recompute more than some policy of the level
+#: before (selective-op and every-2 each more than none, full more than both).
+LEVELS = (("none",), ("selective-op", "every-2"), ("full",))
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate left untraced, and why."""
+
+    reason: str
+
+
 def _chains(fixed_raf: bool | int | None, applied: str | None, offload: str | None
-            ) -> list[list[Candidate]]:
-    """The candidates, in chains of one (stage, reshard_after_forward) with ever more
-    recompute: a chain stops at its first candidate that fits ([Note: stage="auto"])."""
-    policies = (applied,) if applied else POLICIES
+            ) -> list[list[list[Candidate]]]:
+    """The candidates: per (stage, reshard_after_forward), levels of ever more recompute
+    ([Note: stage="auto"])."""
+    levels = ((applied,),) if applied else LEVELS
     stages: tuple[int, ...] = (0, 1, 2, 3)
     if offload is not None:
         stages = (3,) if offload == "optimizer+params" else (1, 2, 3)
@@ -275,8 +287,40 @@ def _chains(fixed_raf: bool | int | None, applied: str | None, offload: str | No
     for stage in stages:
         rafs = [True] if stage != 3 else ([fixed_raf] if fixed_raf is not None
                                           else [False, True])
-        chains += [[Candidate(stage, p, raf) for p in policies] for raf in rafs]
+        chains += [[[Candidate(stage, p, raf) for p in level] for level in levels]
+                   for raf in rafs]
     return chains
+
+
+def walk(chains: list[list[list[Candidate]]], trace: Callable[[list[Candidate]], list[Any]],
+         budget: int) -> dict[Candidate, Any]:
+    """Every candidate's trace, or why it was left untraced: rounds trace the next level
+    of every open chain; a chain ends at a level where a candidate fits (what is left
+    only adds recompute), or where even the model state exceeds the budget (checkpointing
+    does not shrink it)."""
+    out: dict[Candidate, Any] = {}
+    pos = [0] * len(chains)
+    while True:
+        todo = [c for i, ch in enumerate(chains) if pos[i] < len(ch) for c in ch[pos[i]]]
+        if not todo:
+            return out
+        out.update(zip(todo, trace(todo)))
+        for i, ch in enumerate(chains):
+            if pos[i] >= len(ch):
+                continue
+            got = [out[c] for c in ch[pos[i]] if not isinstance(out[c], str)]
+            if any(_peak(r) <= budget for r in got):
+                why = Skipped("less recompute fits at this stage")
+            elif got and min(r.device_model_state_bytes for r in got) > budget:
+                state = min(r.device_model_state_bytes for r in got)
+                why = Skipped(f"the model state alone ({state / 2**20:,.1f} MiB) exceeds "
+                              "the budget")
+            else:
+                pos[i] += 1
+                continue
+            for level in ch[pos[i] + 1:]:
+                out.update(dict.fromkeys(level, why))
+            pos[i] = len(ch)
 
 
 def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
@@ -376,32 +420,28 @@ def resolve_auto(model: nn.Module, options: dict[str, Any], *,
                     loss_fn=loss_fn or lm_loss, stage3_buffers=False,
                     collectives="gloo" if backend == "gloo" else "native", **extra)
 
-    traced: dict[Candidate, Any] = {}
     tracer = _Tracer(model)
+
+    def trace(todo: list[Candidate]) -> list[Any]:  # split among the ranks, gathered
+        mine = list(range(rank, len(todo), world))
+        got = tracer([job(todo[i]) for i in mine])
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, list(zip(mine, got)), group=process_group)
+        out: list[Any] = [None] * len(todo)
+        for part in gathered:
+            for i, r in part:
+                out[i] = r
+        return out
+
     try:
-        pos = [0] * len(chains)
-        while True:  # one round: the next candidate of every chain still open
-            todo = [ch[pos[i]] for i, ch in enumerate(chains) if pos[i] < len(ch)]
-            if not todo:
-                break
-            mine = list(range(rank, len(todo), world))
-            got = tracer([job(todo[i]) for i in mine])
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, list(zip(mine, got)), group=process_group)
-            for part in gathered:
-                for i, r in part:
-                    traced[todo[i]] = r
-            for i, ch in enumerate(chains):
-                if pos[i] < len(ch):
-                    r = traced[ch[pos[i]]]
-                    fits = not isinstance(r, str) and _peak(r) <= budget
-                    pos[i] = len(ch) if fits else pos[i] + 1
+        traced = walk(chains, trace, budget)
     finally:
         tracer.close()
-    cands = [c for ch in chains for c in ch]
+    cands = [c for ch in chains for level in ch for c in level]
     traces = [traced.get(c) for c in cands]
     prof, more = _profile(path, backend, world, process_group,
-                          [t for t in traces if t is not None], strict=not recalibrate)
+                          [t for t in traces if not isinstance(t, (str, Skipped))],
+                          strict=not recalibrate)
     notes += more
     choice = _decide(cands, traces, prof, budget, notes)
     box = [choice]
@@ -427,9 +467,9 @@ def _decide(cands: list[Candidate], traces: list[Any], prof: Profile, budget: in
             notes: list[str]) -> AutoChoice:
     rows = []
     for c, r in zip(cands, traces):
-        if r is None:
+        if isinstance(r, Skipped):
             rows.append(Candidate(c.stage, c.checkpointing, c.reshard_after_forward,
-                                  verdict="not traced: less recompute fits at this stage"))
+                                  verdict=f"not traced: {r.reason}"))
             continue
         if isinstance(r, str):
             rows.append(Candidate(c.stage, c.checkpointing, c.reshard_after_forward,
