@@ -132,6 +132,10 @@ def test_auto_bad_input(tmp_path) -> None:
         ({"stage": 2, "memory_budget": "1GiB"}, "go with stage='auto'"),
         ({**auto, "memory_budget": "1GiB", "hybrid": (1, 2)}, "chooses over one shard group"),
     ]
+    foreign = str(tmp_path / "foreign.json")
+    _profile(foreign, world=4)
+    cases.append(({**auto, "memory_budget": "1GiB", "profile": foreign,
+                   "auto_recalibrate": False}, "world size 4 (the run's is 2)"))
     for kw, want in cases:
         got = run_ranks(_refused, 2, path, kw, env=ENV)
         assert all(want in g for g in got), (kw, got)
@@ -254,3 +258,24 @@ def test_walk_traces_levels_until_one_fits_or_the_state_cannot() -> None:
     assert got[(2, "every-2", True)] == "boom"
     assert len(asked) == 2 and all(c.checkpointing in ("selective-op", "every-2")
                                    for c in asked[1])
+
+
+def _offloaded(rank: int, world_size: int, path: str) -> dict:
+    import zeroshard
+    from zeroshard.models import build_model
+
+    model, _ = zeroshard.shard(build_model("gpt2-tiny"), torch.optim.AdamW, stage="auto",
+                               lr=1e-3, memory_budget="1GiB", example_batch=BATCH,
+                               profile=path, offload="optimizer")
+    engine = zeroshard.engine_of(model)
+    return {"choice": engine.auto_choice, "offload": engine.config.offload,
+            "stage": engine.config.stage}
+
+
+def test_auto_keeps_a_given_offload(tmp_path) -> None:
+    path = str(tmp_path / "profile.json")
+    _profile(path)
+    r = run_ranks(_offloaded, 2, path, env=ENV)[0]
+    assert {x.stage for x in r["choice"].table} == {1, 2, 3}
+    assert r["stage"] in (1, 2, 3) and r["offload"]
+    assert any("offload='optimizer' given: kept" in n for n in r["choice"].notes)
