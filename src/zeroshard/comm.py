@@ -148,7 +148,7 @@ class Comm:
     def _begin(
         self, op: str, impl: str, t: torch.Tensor, full_bytes: int, phase: str, unit: str,
         sent: dict[int, int], checked: bool = True, strict: bool = False,
-        numel: int | None = None,
+        numel: int | None = None, calls: int = 1,
     ) -> tuple[str, Check | None]:
         """Record the collective (``sent``: this rank's bytes to each group peer) and post
         its check (see [Note: divergence] in comm_check.py, unless not ``checked``); its
@@ -171,6 +171,7 @@ class Comm:
                 dtype=str(t.dtype).replace("torch.", ""),
                 intra_wire_bytes=intra,
                 inter_wire_bytes=inter,
+                calls=calls,
             )
         )
         desc = f"{op}({unit or '-'}, {phase}, {full_bytes} B)"
@@ -284,7 +285,7 @@ class Comm:
         sent = (self._sent("reduce", [(size // n, r) for r in range(n)], elem)
                 if impl == "reduce" else self._sent("reduce_scatter", [(size, 0)]))
         desc, check = self._begin("reduce_scatter", impl, full, size, phase, unit, sent,
-                                  checked, numel=check_numel)
+                                  checked, numel=check_numel, calls=n if impl == "reduce" else 1)
         if n == 1:
             return Pending(None, full, "")
         with waiting_in(desc):
@@ -314,7 +315,8 @@ class Comm:
         sent = (self._sent("broadcast", [(size // n, r) for r in range(n)])
                 if impl == "broadcast" else self._sent("all_gather", [(size, 0)]))
         desc, check = self._begin("all_gather", impl, full, size, phase, unit, sent,
-                                  checked, numel=check_numel)
+                                  checked, numel=check_numel,
+                                  calls=n if impl == "broadcast" else 1)
         if n == 1:
             return Pending(None, full, "")
         shard = full.numel() // n
@@ -347,7 +349,7 @@ class Comm:
                              f"expected ({n} - 1) x {s}")
         sent = self._sent("broadcast", [(_nbytes(own), q) for q in range(n)])
         desc, check = self._begin("all_gather", "broadcast", own, n * _nbytes(own), phase,
-                                  unit, sent)
+                                  unit, sent, calls=n)
         if n == 1:
             return Pending(None, own, "")
         with waiting_in(desc):
@@ -377,7 +379,7 @@ class Comm:
         parts += [(sum(map(_nbytes, small)), q) for q, (_, small) in enumerate(plan) if small]
         sent = self._sent("broadcast", parts)
         desc, check = self._begin("all_gather", "broadcast", full, _nbytes(full), phase, unit,
-                                  sent, checked, numel=check_numel)
+                                  sent, checked, numel=check_numel, calls=len(parts))
         if n == 1:
             return Pending(None, full, "")
         work, unpack = [], []

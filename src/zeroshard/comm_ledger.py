@@ -33,6 +33,10 @@ class CommRecord:
     #: link] in comm_links.py).
     intra_wire_bytes: int = 0
     inter_wire_bytes: int = 0
+    #: Backend calls it was issued as: 1, N where gloo decomposes (N broadcasts / reduces),
+    #: one per piece for a pieced all-gather ([Note: small pieces] in comm.py). Each costs
+    #: a fixed latency the time model adds (timing/model.py).
+    calls: int = 1
 
 
 #: Completed steps whose records a ledger keeps, beside the open one. A step appends a

@@ -377,7 +377,7 @@ def _trace(model_or_preset: Any, *, world_size: int, rank: int, stage: int,
 
 def _record(r: Any) -> dict[str, Any]:
     return {k: getattr(r, k) for k in ("op", "impl", "logical_bytes", "wire_bytes", "group",
-                                       "group_size", "phase", "unit", "dtype")}
+                                       "group_size", "phase", "unit", "dtype", "calls")}
 
 
 def _free_sharded_units(engine: Any) -> None:

@@ -9,7 +9,9 @@ issued (its ledger). Each op is priced from the profile ([Note: a calibration pr
     compute = Σ gemm + Σ attention + Σ memory-bound (by class and bytes)
               + optimizer elements × s/element + views × view_s
 
-and each collective at its measured time for its kind, size and group. What the engine's
+and each collective at its measured time for its kind, size and group, plus a latency for
+each backend call beyond the calibrated collective's (a pieced all-gather: one broadcast
+per large parameter). What the engine's
 schedule lets hide: gradient reductions issued during backward, and stage 3's gathers
 issued ahead of their unit (prefetch), run beside compute; the profile's ``overlap`` is
 the fraction of a collective's time such compute hides where this machine runs both (on
@@ -71,7 +73,16 @@ def _collective_s(profile: Profile, r: dict[str, Any]) -> float:
     op = r["op"] if r["op"] in profile.collectives else "all_gather"
     # logical bytes: 2S for an all-reduce, S (the whole tensor) otherwise
     size = r["logical_bytes"] // 2 if r["op"] == "all_reduce" else r["logical_bytes"]
-    return profile.collective_s(op, size, r["group_size"])
+    n = r["group_size"]
+    t = profile.collective_s(op, size, n)
+    # calls beyond the ones the calibrated collective made (1, or N where gloo
+    # decomposes): each a latency, the smallest probe's per call
+    base = n if r.get("impl") in ("broadcast", "reduce") else 1
+    extra = r.get("calls", 1) - base
+    if extra > 0:
+        smallest = min(profile.collectives[op].get(str(n), [[0, 0.0]]), default=[0, 0.0])
+        t += extra * smallest[1] / base
+    return t
 
 
 def _never_hidden(records: Sequence[dict[str, Any]]) -> set[int]:
