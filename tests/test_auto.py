@@ -279,3 +279,23 @@ def test_auto_keeps_a_given_offload(tmp_path) -> None:
     assert {x.stage for x in r["choice"].table} == {1, 2, 3}
     assert r["stage"] in (1, 2, 3) and r["offload"]
     assert any("offload='optimizer' given: kept" in n for n in r["choice"].notes)
+
+
+def _on_meta(rank: int, world_size: int, path: str) -> dict:
+    import zeroshard
+    from zeroshard.models import build_model
+
+    model, opt = zeroshard.shard(build_model("gpt2-tiny", device="meta"), torch.optim.AdamW,
+                                 stage="auto", lr=1e-3, memory_budget="1GiB",
+                                 example_batch=BATCH, profile=path)
+    choice = zeroshard.engine_of(model).auto_choice
+    return {"stages": {x.stage for x in choice.table}, "notes": choice.notes,
+            "losses": _train(model, opt)}
+
+
+def test_auto_on_a_meta_model_weighs_stage_3_only(tmp_path) -> None:
+    path = str(tmp_path / "profile.json")
+    _profile(path)
+    r = run_ranks(_on_meta, 2, path, env=ENV)[0]
+    assert r["stages"] == {3} and any("meta device" in n for n in r["notes"])
+    assert len(r["losses"]) == 2

@@ -151,17 +151,21 @@ def test_profile_round_trip_and_mismatch(tmp_path) -> None:
         Profile.load(tmp_path / "missing.json")
 
 
-def _calibrate(rank: int, world_size: int, gemm: list, att: list) -> dict:
+def _calibrate(rank: int, world_size: int, found: dict) -> dict:
     from zeroshard.timing.calibrate import calibrate
 
-    return calibrate(gemm=[tuple(g) for g in gemm], attention=[tuple(a) for a in att],
-                     quick=True).to_dict()
+    return calibrate(**found, quick=True).to_dict()
 
 
 def test_calibrate_measures_every_price_the_same_on_every_rank() -> None:
-    ops = StepOps.from_dict(_trace(3).ops)
-    gemm, att = sorted(ops.gemm_shapes()), sorted(ops.attention_shapes())
-    a, b = run_ranks(_calibrate, 2, gemm, att)
+    from zeroshard.timing.calibrate import COLLECTIVE_SIZES, probes
+
+    r = _trace(3)
+    ops = StepOps.from_dict(r.ops)
+    found = probes([r])
+    gemm, att = found["gemm"], found["attention"]
+    assert set(gemm) == ops.gemm_shapes() and found["collectives"]
+    a, b = run_ranks(_calibrate, 2, found)
     assert a == b  # averaged over the ranks: one profile
     prof = Profile(**a)
     assert prof.world_size == 2 and prof.backend == "gloo" and prof.wall_s < 60
@@ -171,10 +175,14 @@ def test_calibrate_measures_every_price_the_same_on_every_rank() -> None:
     assert set(prof.memory) == {"elementwise", "copy", "transcendental", "norm", "softmax",
                                 "reduction", "index"}
     assert set(prof.collectives) == {"all_reduce", "reduce_scatter", "all_gather"}
-    for by in prof.collectives.values():
+    for op, by in prof.collectives.items():
         pts = by["2"]
-        assert len(pts) == 3 and all(s > 0 for _, s in pts)
-        assert pts[-1][1] > pts[0][1]  # 8 MiB takes longer than 64 KiB
+        # the quick grid's three sizes, and the trace's own sizes of this op exactly
+        sizes = {b for b, _ in pts}
+        assert {max(2, c // 4 // 2 * 2) * 4 for c in COLLECTIVE_SIZES[:3]} <= sizes
+        assert {s // 8 * 8 for o, g, s in found["collectives"] if o == op} <= sizes
+        assert all(s > 0 for _, s in pts)
+        assert pts[-1][1] > pts[0][1]  # the largest takes longer than the smallest
     assert prof.optimizer_s_per_element["AdamW"] > 0 and 0.0 <= prof.overlap <= 1.0
     # the prediction of a traced step is finite and positive with a measured profile
     assert 0 < predict(ops, [], prof).total_s < 60

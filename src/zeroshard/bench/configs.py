@@ -237,9 +237,9 @@ class BenchSettings:
     profile: str | None = None
     """``--profile PATH``: predict zeroshard rows' step times from this calibration
     profile (calibrated by the ranks and written there if missing or measured elsewhere)."""
-    calibrate_shapes: tuple[tuple, tuple] | None = None
+    calibrate_shapes: tuple[tuple, tuple, tuple] | None = None
     """Set by the launcher when the ranks must calibrate: (matrix-product shapes,
-    attention shapes) of the traced rows."""
+    attention shapes, collectives) of the traced rows."""
     optimizer: str = "adamw"
     """"adamw" (every parameter), or "muon": torch's Muon for the hidden matrices and
     AdamW for the rest (embeddings, head, norms, biases), as two optimizers."""

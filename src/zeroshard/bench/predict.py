@@ -51,17 +51,13 @@ def trace_rows(s: BenchSettings, backend: str = "gloo") -> dict[str, Any]:
     return out
 
 
-def shapes(traces: dict[str, Any]) -> tuple[tuple, tuple]:
-    """The matrix-product and attention shapes the traces ran (what calibrate times)."""
-    from zeroshard.step_ops import StepOps
+def shapes(traces: dict[str, Any]) -> tuple[tuple, tuple, tuple]:
+    """The products, attention kernels and collectives the traces ran (what calibrate
+    times exactly)."""
+    from zeroshard.timing.calibrate import probes
 
-    gemm: set = set()
-    att: set = set()
-    for r in traces.values():
-        ops = StepOps.from_dict(r.ops)
-        gemm |= ops.gemm_shapes()
-        att |= ops.attention_shapes()
-    return tuple(sorted(gemm)), tuple(sorted(att))
+    p = probes(traces.values())
+    return p["gemm"], p["attention"], p["collectives"]
 
 
 def load_or_none(path: str, s: BenchSettings, backend: str, threads: int) -> Profile | None:

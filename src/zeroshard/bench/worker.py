@@ -312,8 +312,9 @@ def rank_main(s: BenchSettings, progress: bool = True) -> dict[str, Any] | None:
     if s.calibrate_shapes is not None:  # --profile without a profile measured here
         from zeroshard.timing.calibrate import calibrate
 
-        gemm, attention = s.calibrate_shapes
-        profile = calibrate(gemm=gemm, attention=attention, device=device).to_dict()
+        gemm, attention, collectives = s.calibrate_shapes
+        profile = calibrate(gemm=gemm, attention=attention, collectives=collectives,
+                            device=device).to_dict()
 
     probe = make_model(s, "meta") if s.model_factory is None else make_model(s, "cpu")
     psi = sum(p.numel() for p in probe.parameters())

@@ -119,7 +119,13 @@ def _budget(value: Any) -> int:
         if not torch.cuda.is_available():
             raise ValueError(f"memory_budget={value!r}: a fraction needs a GPU to take it "
                              "of; on a CPU pass bytes, e.g. memory_budget='2GiB'")
-        frac = float(value.strip()[:-1]) / 100
+        try:
+            frac = float(value.strip()[:-1]) / 100
+        except ValueError:
+            frac = -1.0
+        if not 0 < frac <= 1:
+            raise ValueError(f"memory_budget={value!r}: a fraction of the device is a "
+                             "percentage in (0, 100], e.g. '80%'")
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return int(frac * total)
     if isinstance(value, str):
@@ -275,14 +281,17 @@ class Skipped:
     reason: str
 
 
-def _chains(fixed_raf: bool | int | None, applied: str | None, offload: str | None
-            ) -> list[list[list[Candidate]]]:
+def _chains(fixed_raf: bool | int | None, applied: str | None, offload: str | None,
+            meta: bool = False) -> list[list[list[Candidate]]]:
     """The candidates: per (stage, reshard_after_forward), levels of ever more recompute
-    ([Note: stage="auto"])."""
+    ([Note: stage="auto"]). ``meta``: the model is on the meta device (only stage 3
+    materialises it)."""
     levels = ((applied,),) if applied else LEVELS
     stages: tuple[int, ...] = (0, 1, 2, 3)
     if offload is not None:
         stages = (3,) if offload == "optimizer+params" else (1, 2, 3)
+    if meta:
+        stages = (3,)
     chains = []
     for stage in stages:
         rafs = [True] if stage != 3 else ([fixed_raf] if fixed_raf is not None
@@ -325,9 +334,7 @@ def walk(chains: list[list[list[Candidate]]], trace: Callable[[list[Candidate]],
 
 def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
              strict: bool = False) -> tuple[Profile, list[str]]:
-    from zeroshard.step_ops import StepOps
-
-    from .calibrate import calibrate
+    from .calibrate import calibrate, probes
 
     notes = []
     if isinstance(path, Profile):
@@ -350,14 +357,7 @@ def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
             notes.append("profile measured elsewhere: recalibrated")
             prof = None
     if prof is None:
-        gemm: set = set()
-        att: set = set()
-        for r in traces:
-            if not isinstance(r, str):
-                ops = StepOps.from_dict(r.ops)
-                gemm |= ops.gemm_shapes()
-                att |= ops.attention_shapes()
-        prof = calibrate(gemm=sorted(gemm), attention=sorted(att), group=group, quick=True)
+        prof = calibrate(**probes(traces), group=group, quick=True)
     return prof, notes
 
 
@@ -407,8 +407,12 @@ def resolve_auto(model: nn.Module, options: dict[str, Any], *,
                      f"{'3' if offload == 'optimizer+params' else '1-3'} only)")
     elif not torch.cuda.is_available():
         notes.append("offload not weighed: on a CPU host and device memory are one")
+    meta = any(p.is_meta for p in model.parameters())
+    if meta:
+        notes.append("the model is on the meta device: stage 3 only (it materialises unit "
+                     "by unit; stages 0-2 need real weights)")
     chains = _chains(fixed_raf, f"applied: {_policy_name(policy)}" if applied else None,
-                     offload)
+                     offload, meta)
 
     def job(c: Candidate) -> dict[str, Any]:
         extra: dict[str, Any] = {"offload": offload} if offload is not None else {}

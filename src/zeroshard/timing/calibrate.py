@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .profile import Profile, machine
 
-__all__ = ["calibrate", "GRID", "MEMORY_SIZES", "COLLECTIVE_SIZES"]
+__all__ = ["calibrate", "probes", "GRID", "MEMORY_SIZES", "COLLECTIVE_SIZES"]
 
 #: Matrix products every profile has, for shapes no trace asked for (read by FLOPs).
 GRID = [(1, s, s, s) for s in (64, 128, 256, 512, 1024, 2048)]
@@ -205,21 +205,52 @@ def _optimizer_s_per_element(timer: _Timer, device: torch.device, elements: int)
     return timer(opt.step) / (n * _CHUNK)
 
 
+def probes(traces: Iterable[Any]) -> dict[str, tuple]:
+    """What :func:`calibrate` should time exactly for these traces (``trace_step(...,
+    record_ops=True)`` results): their products, attention kernels and collectives (op,
+    group size, bytes of the whole tensor), as the engine issues them."""
+    from zeroshard.step_ops import StepOps
+
+    gemm: set = set()
+    att: set = set()
+    coll: set = set()
+    for r in traces:
+        ops = StepOps.from_dict(r.ops)
+        gemm |= ops.gemm_shapes()
+        att |= ops.attention_shapes()
+        for c in r.collectives:
+            if c["phase"] in ("forward", "backward", "step") and c["op"] in _OPS:
+                size = c["logical_bytes"] // 2 if c["op"] == "all_reduce" else c["logical_bytes"]
+                coll.add((c["op"], c["group_size"], size))
+    return {"gemm": tuple(sorted(gemm)), "attention": tuple(sorted(att)),
+            "collectives": tuple(sorted(coll))}
+
+
+_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
 def _collectives(group: dist.ProcessGroup | None, device: torch.device, repeats: int,
-                 sizes: Iterable[int]) -> dict[str, dict[str, list[list[float]]]]:
+                 sizes: Iterable[int], exact: Iterable[tuple[str, int, int]] = ()
+                 ) -> dict[str, dict[str, list[list[float]]]]:
+    """Each op at ``sizes``, and the (op, group size, bytes) of ``exact`` that are of this
+    group's size: a grid misses gloo's turns (its reduce changes algorithm at 2N MiB
+    slices: 8 MiB 1.5 GB/s, 12 MiB 1.1), the engine's own sizes do not."""
     from zeroshard.comm import Comm
 
     comm = Comm(group, label="calibrate")
     n = comm.size
     timer = _Timer(group, repeats, device)
-    out: dict[str, list[list[float]]] = {"all_reduce": [], "reduce_scatter": [],
-                                         "all_gather": []}
-    for nbytes in sizes:
-        numel = max(n, nbytes // 4 // n * n)
-        full = torch.zeros(numel, device=device)
-        for op, pts in out.items():
-            issue = getattr(comm, op)
-            pts.append([4 * numel, timer(lambda f=issue, t=full: f(t).wait())])
+    want = {op: sorted({max(n, b // 4 // n * n) for b in sizes}) for op in _OPS}
+    for op, g, nbytes in exact:
+        if g == n and op in want:
+            want[op] = sorted({*want[op], max(n, nbytes // 4 // n * n)})
+    out: dict[str, list[list[float]]] = {}
+    for op in _OPS:
+        issue = getattr(comm, op)
+        out[op] = []
+        for numel in want[op]:
+            full = torch.zeros(numel, device=device)
+            out[op].append([4 * numel, timer(lambda f=issue, t=full: f(t).wait())])
     return {op: {str(n): pts} for op, pts in out.items()}
 
 
@@ -252,13 +283,14 @@ def _overlap(group: dist.ProcessGroup | None, device: torch.device, repeats: int
 
 
 def calibrate(*, gemm: Iterable[tuple] = (), attention: Iterable[tuple] = (),
+              collectives: Iterable[tuple[str, int, int]] = (),
               group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
               repeats: int = 5, quick: bool = False,
               progress: Callable[[str], None] | None = None) -> Profile:
     """Measure this machine (every rank of ``group`` must call it; a single process
-    without a process group measures compute only). ``gemm``/``attention``: the shapes
-    to time exactly (``StepOps.gemm_shapes()`` / ``attention_shapes()`` of a trace).
-    ``quick``: fewer sizes and repeats (tests). See [Note: calibrating]."""
+    without a process group measures compute only). ``gemm``/``attention``/
+    ``collectives``: what to time exactly (:func:`probes` of the traces). ``quick``:
+    fewer sizes and repeats (tests). See [Note: calibrating]."""
     device = torch.device(device)
     start = time.perf_counter()
     say = progress or (lambda _m: None)
@@ -293,7 +325,8 @@ def calibrate(*, gemm: Iterable[tuple] = (), attention: Iterable[tuple] = (),
     if distributed:
         say("collectives")
         csizes = COLLECTIVE_SIZES[:3] if quick else COLLECTIVE_SIZES
-        prof.collectives = _collectives(group, device, repeats, csizes)
+        prof.collectives = _collectives(group, device, repeats, csizes,
+                                        [tuple(c) for c in collectives])
         prof.overlap = _overlap(group, device, repeats)
     prof.wall_s = timer.mean(time.perf_counter() - start) if distributed else (
         time.perf_counter() - start)

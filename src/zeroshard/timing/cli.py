@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--quick", action="store_true", help="fewer sizes and repeats (a rough profile)")
 
 
-def _rank(gemm: tuple, attention: tuple, quick: bool) -> dict[str, Any] | None:
+def _rank(probes: dict[str, tuple], quick: bool) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -40,33 +40,27 @@ def _rank(gemm: tuple, attention: tuple, quick: bool) -> dict[str, Any] | None:
 
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    prof = calibrate(gemm=gemm, attention=attention, device=device, quick=quick)
+    prof = calibrate(**probes, device=device, quick=quick)
     rank = dist.get_rank()
     if own:
         dist.destroy_process_group()
     return prof.to_dict() if rank == 0 else None
 
 
-def shapes_of(model: str, world: int, micro_batch: int, seq: int,
-              mixed_precision: str | None) -> tuple[tuple, tuple]:
-    """The products and attention kernels a step of ``model`` runs (stage 0's and 3's
-    traces: checkpointing repeats shapes, it adds none)."""
+def probes_of(model: str, world: int, micro_batch: int, seq: int,
+              mixed_precision: str | None) -> dict[str, tuple]:
+    """What a step of ``model`` runs (stage 0's and 3's traces: checkpointing repeats
+    shapes, it adds none; stages 1-2's buckets are stage 0's)."""
     import torch
 
     from zeroshard.memory.traced import trace_step
-    from zeroshard.step_ops import StepOps
+    from zeroshard.timing.calibrate import probes
 
-    gemm: set = set()
-    att: set = set()
     backend = "native" if torch.cuda.is_available() else "gloo"
-    for stage in (0, 3):
-        r = trace_step(model, world_size=world, stage=stage, mixed_precision=mixed_precision,
-                       micro_batch=micro_batch, seq_len=seq, record_ops=True,
-                       collectives=backend)
-        ops = StepOps.from_dict(r.ops)
-        gemm |= ops.gemm_shapes()
-        att |= ops.attention_shapes()
-    return tuple(sorted(gemm)), tuple(sorted(att))
+    return probes(trace_step(model, world_size=world, stage=stage,
+                             mixed_precision=mixed_precision, micro_batch=micro_batch,
+                             seq_len=seq, record_ops=True, collectives=backend)
+                  for stage in (0, 1, 2, 3))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     start = time.perf_counter()
     try:
-        gemm, att = shapes_of(args.model, args.world_size, args.micro_batch, args.seq,
-                              args.mixed_precision)
+        found = probes_of(args.model, args.world_size, args.micro_batch, args.seq,
+                          args.mixed_precision)
     except ValueError as exc:
         print(f"zeroshard calibrate: {exc}", file=sys.stderr)
         return 2
     world = None if under_torchrun() else args.world_size
-    d = run_ranks_local(_rank, world or 1, gemm, att, args.quick, name="zeroshard-calibrate")
+    d = run_ranks_local(_rank, world or 1, found, args.quick, name="zeroshard-calibrate")
     if d is None:  # a torchrun rank other than 0
         return 0
     prof = Profile(**d)
