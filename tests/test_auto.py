@@ -132,6 +132,12 @@ def test_auto_bad_input(tmp_path) -> None:
         ({"stage": 2, "memory_budget": "1GiB"}, "go with stage='auto'"),
         ({**auto, "memory_budget": "1GiB", "hybrid": (1, 2)}, "chooses over one shard group"),
     ]
+    cases += [
+        ({**auto, "memory_budget": "1GiB", "stage": "Auto"}, "lower case"),
+        ({"memory_budget": "1GiB"}, "pass stage='auto' (here stage=0)"),
+        ({**auto, "memory_budget": "1GiB", "profile": str(tmp_path / "nope.json"),
+          "auto_recalibrate": False}, "does not exist and auto_recalibrate=False"),
+    ]
     foreign = str(tmp_path / "foreign.json")
     _profile(foreign, world=4)
     cases.append(({**auto, "memory_budget": "1GiB", "profile": foreign,
@@ -140,7 +146,8 @@ def test_auto_bad_input(tmp_path) -> None:
         got = run_ranks(_refused, 2, path, kw, env=ENV)
         assert all(want in g for g in got), (kw, got)
     small = run_ranks(_refused, 2, path, {**auto, "memory_budget": 1024}, env=ENV)[0]
-    assert "more ranks" in small and "tensor parallelism" in small and "offload" in small
+    assert "more ranks" in small and "tensor parallelism" in small
+    assert ("offload" in small) == torch.cuda.is_available()  # on a CPU host = device
 
 
 def _fixed(rank: int, world_size: int, path: str) -> dict:
@@ -212,7 +219,7 @@ def test_trace_cache_keeps_answers_and_retraces_what_it_cannot_read(tmp_path, mo
     def no_tracing(*a, **k):  # a cache hit starts no tracing process
         raise AssertionError("traced again")
 
-    monkeypatch.setattr(auto, "ProcessPoolExecutor", no_tracing)
+    monkeypatch.setattr(auto._Tracer, "_trace", no_tracing)
     again = auto._Tracer(model)([job])[0]
     assert again.device_peak_bytes == first.device_peak_bytes and again.ops == first.ops
     with pytest.raises(AssertionError, match="traced again"):  # another batch: a miss
@@ -299,3 +306,29 @@ def test_auto_on_a_meta_model_weighs_stage_3_only(tmp_path) -> None:
     r = run_ranks(_on_meta, 2, path, env=ENV)[0]
     assert r["stages"] == {3} and any("meta device" in n for n in r["notes"])
     assert len(r["losses"]) == 2
+
+
+def test_auto_writes_the_profile_it_calibrated_to_a_missing_path(tmp_path) -> None:
+    """profile=PATH that does not exist: calibrated briefly (with a warning) and written
+    there, as bench --profile does; example_batch as a list is taken too."""
+    from zeroshard.timing.profile import Profile
+
+    path = tmp_path / "new.json"
+    r = run_ranks(_missing, 2, str(path), env=ENV)
+    assert all(any("does not exist" in w for w in x["warned"]) for x in r)
+    assert any("missing: calibrated briefly, written there" in n for n in r[0]["notes"])
+    prof = Profile.load(path)
+    assert prof.world_size == 2 and prof.backend == "gloo"
+
+
+def _missing(rank: int, world_size: int, path: str) -> dict:
+    import zeroshard
+    from zeroshard.models import build_model
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, _ = zeroshard.shard(build_model("gpt2-tiny"), torch.optim.AdamW, lr=1e-3,
+                                   stage="auto", memory_budget="1GiB",
+                                   example_batch=list(BATCH), profile=path)
+    return {"warned": [str(w.message) for w in seen],
+            "notes": zeroshard.engine_of(model).auto_choice.notes}

@@ -23,10 +23,12 @@ __all__ = ["shard"]
 def shard(model: nn.Module, optimizer: Any = None, *, stage: int | str = 0,
           **options: Any) -> tuple[nn.Module, Any]:
     auto = {k: options.pop(k) for k in AUTO_OPTIONS if k in options}
+    if isinstance(stage, str) and stage != "auto":
+        raise ValueError(f"stage={stage!r}: pass 0, 1, 2, 3 or 'auto' (lower case)")
     if stage != "auto":
         if auto:
-            raise TypeError(f"{', '.join(sorted(auto))} go with stage='auto'; with "
-                            f"stage={stage!r} drop them")
+            raise TypeError(f"{', '.join(sorted(auto))} go with stage='auto': pass "
+                            f"stage='auto' (here stage={stage!r}), or drop them")
         return api.shard(model, optimizer, stage=stage, **options)
     api._require_dist()
     if optimizer is None:

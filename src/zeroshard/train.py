@@ -87,6 +87,10 @@ class TrainConfig:
         if (self.stage == "auto") != (self.memory_budget is not None):
             raise ValueError("--stage auto goes with --memory-budget (bytes per rank, e.g. "
                              "--memory-budget 2GiB); pass both, or a stage 0-3 without it")
+        if self.memory_budget is not None:
+            from zeroshard.sizes import parse_bytes
+
+            parse_bytes(self.memory_budget, what="--memory-budget")  # names the fix
         if self.profile is not None and self.stage != "auto":
             raise ValueError("--profile goes with --stage auto")
         if self.stage == "auto" and self.offload != "none":

@@ -18,8 +18,8 @@ mission.md's ladder, decided by measurement-backed prediction instead of by hand
    a candidate fits (the rest only add recompute to it: slower by construction), or
    where even the traced model state exceeds the budget (checkpointing does not shrink
    it). :func:`walk` does this; the untraced say why in the table. Rounds trace the next
-   level of every open chain, split among the ranks (each in one spawned process, kept
-   for the whole choice), and gather the results. A roomy budget costs one round: five
+   level of every open chain, split among the ranks (each in one child process, kept
+   for the whole choice: trace_child.py), and gather the results. A roomy budget costs one round: five
    traces.
 3. Candidates whose peak exceeds the budget drop out; the fastest predicted of the rest
    wins. Rank 0's decision is broadcast, so every rank shards alike.
@@ -46,11 +46,11 @@ import hashlib
 import logging
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from zeroshard.sizes import parse_bytes
 
 from .model import predict
 from .profile import Profile
+from .trace_child import TORCHRUN_ENV, read, write
 
 __all__ = ["AutoChoice", "Candidate", "LEVELS", "Skipped", "resolve_auto", "walk"]
 
@@ -176,18 +177,6 @@ def _policy_name(policy: Any) -> str:
     return name if isinstance(name, str) else type(policy).__name__
 
 
-def _trace_many(meta: nn.Module, jobs: list[dict[str, Any]]) -> list[Any]:
-    from zeroshard.memory.traced import TraceError, trace_step
-
-    out = []
-    for job in jobs:
-        try:
-            out.append(trace_step(meta, subprocess=False, **job))
-        except TraceError as exc:
-            out.append(str(exc))
-    return out
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("ZEROSHARD_TRACE_CACHE")
                 or Path.home() / ".cache" / "zeroshard" / "traces")
@@ -241,13 +230,14 @@ def _store(key: str, result: Any) -> None:
 
 
 class _Tracer:
-    """This rank's traces: from the cache where it has them, else in one spawned process
-    kept for the whole choice (its start costs seconds: torch's import)."""
+    """This rank's traces: from the cache where it has them, else in one child process
+    kept for the whole choice (its start costs seconds: torch's import); see [Note: a
+    child that imports nothing of the script] in trace_child.py."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.signature, self.source = _model_signature(model), _source_hash()
-        self.pool: ProcessPoolExecutor | None = None
+        self.child: subprocess.Popen | None = None
         self.twin: nn.Module | None = None
 
     def __call__(self, jobs: list[dict[str, Any]]) -> list[Any]:
@@ -255,18 +245,41 @@ class _Tracer:
         got = [_cached(k) for k in keys]
         todo = [i for i, g in enumerate(got) if g is None]
         if todo:
-            if self.pool is None:
-                self.pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
-                self.twin = _meta_twin(self.model)
-            fresh = self.pool.submit(_trace_many, self.twin, [jobs[i] for i in todo]).result()
+            fresh = self._trace([jobs[i] for i in todo])
             for i, r in zip(todo, fresh):
                 got[i] = r
                 _store(keys[i], r)
         return got
 
+    def _trace(self, jobs: list[dict[str, Any]]) -> list[Any]:
+        if self.child is None:
+            self.twin = _meta_twin(self.model)
+            env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "zeroshard.timing.trace_child"], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.child.stdin is not None and self.child.stdout is not None
+        try:
+            write(self.child.stdin, (self.twin, jobs))
+            status, answer = read(self.child.stdout)
+        except (EOFError, BrokenPipeError) as exc:
+            raise RuntimeError(f"stage='auto': the tracing process ended (exit code "
+                               f"{self.child.poll()}); its error is above") from exc
+        if status == "unpickle":
+            raise ValueError(
+                f"stage='auto' traces a copy of the model in a fresh process, which could "
+                f"not import it ({answer}): define the model's classes (and auto_loss) in "
+                "an importable module, not in the script run as __main__")
+        return answer
+
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        if self.child is not None:
+            if self.child.stdin is not None:
+                self.child.stdin.close()  # EOF: the child ends
+            try:
+                self.child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
 
 
 #: A chain's levels: each level's policies recompute more than some policy of the level
@@ -334,15 +347,27 @@ def walk(chains: list[list[list[Candidate]]], trace: Callable[[list[Candidate]],
 
 def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
              strict: bool = False) -> tuple[Profile, list[str]]:
+    """The profile to price with: ``path``'s if it was measured here, else a brief
+    calibration — written to ``path`` (rank 0) when one was named, as ``bench --profile``
+    does; with ``strict`` (``auto_recalibrate=False``) a missing or foreign profile is an
+    error instead."""
     from .calibrate import calibrate, probes
 
     notes = []
+    prof: Profile | None = None
     if isinstance(path, Profile):
-        prof: Profile | None = path
+        prof = path
     elif path is not None and Path(path).exists():
         prof = Profile.load(path)
+    elif path is not None:
+        if strict:
+            raise ValueError(f"stage='auto': profile={str(path)!r} does not exist and "
+                             "auto_recalibrate=False; write it with `zeroshard calibrate "
+                             f"--out {path}`, or let auto calibrate (and write it there)")
+        warnings.warn(f"stage='auto': profile={str(path)!r} does not exist: calibrating "
+                      "briefly and writing it there", stacklevel=4)
+        notes.append(f"profile {str(path)!r} missing: calibrated briefly, written there")
     else:
-        prof = None
         notes.append("no profile given (profile=PATH from `zeroshard calibrate`): "
                      "calibrated briefly")
     if prof is not None:
@@ -358,6 +383,8 @@ def _profile(path: Any, backend: str, world: int, group: Any, traces: list[Any],
             prof = None
     if prof is None:
         prof = calibrate(**probes(traces), group=group, quick=True)
+        if isinstance(path, (str, os.PathLike)) and dist.get_rank(group) == 0:
+            prof.save(path)
     return prof, notes
 
 
@@ -375,8 +402,11 @@ def resolve_auto(model: nn.Module, options: dict[str, Any], *,
     path = options.pop("profile", None)
     loss_fn: Callable | None = options.pop("auto_loss", None)
     recalibrate = options.pop("auto_recalibrate", True)
+    if isinstance(batch, list):
+        batch = tuple(batch)
     if (not isinstance(batch, tuple) or len(batch) != 2
-            or not all(isinstance(v, int) and v > 0 for v in batch)):
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                       for v in batch)):
         raise ValueError(
             f"stage='auto' needs example_batch=(micro_batch, seq_len), the per-rank batch "
             f"the model will train on (got {batch!r}), e.g. example_batch=(2, 128): each "
@@ -491,7 +521,9 @@ def _decide(cands: list[Candidate], traces: list[Any], prof: Profile, budget: in
             "rank" + (f"; the smallest peak found is {low.peak_bytes / 2**20:,.1f} MiB "
                       f"({low.name})" if low else "") + ". Next rungs: more ranks (stage 3 "
             "shards the model state over them), tensor parallelism (docs/tensor-parallel.md), "
-            "offload of the optimizer state (docs/offload.md), or a larger budget")
+            + ("offload of the optimizer state (docs/offload.md), " if torch.cuda.is_available()
+               else "") + "or a larger budget; the table above the error: "
+            + "; ".join(f"{x.name} {x.peak_bytes / 2**20:,.1f} MiB" for x in traced))
     best = min(fits, key=lambda x: (x.predicted_step_s, x.peak_bytes))
     table = []
     for x in rows:
