@@ -24,7 +24,7 @@ def shard(model: nn.Module, optimizer: Any = None, *, stage: int | str = 0,
           **options: Any) -> tuple[nn.Module, Any]:
     auto = {k: options.pop(k) for k in AUTO_OPTIONS if k in options}
     if isinstance(stage, str) and stage != "auto":
-        raise ValueError(f"stage={stage!r}: pass 0, 1, 2, 3 or 'auto' (lower case)")
+        raise TypeError(f"stage={stage!r} must be an int 0, 1, 2 or 3, or 'auto' (lower case)")
     if stage != "auto":
         if auto:
             raise TypeError(f"{', '.join(sorted(auto))} go with stage='auto': pass "
